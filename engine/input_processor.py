@@ -1,0 +1,64 @@
+"""Turns a user's prompt + parameters into a validated Sequence (or an InvalidRequest)."""
+import time
+
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+from engine.sequence import PRIORITY_CLASSES, Sequence
+
+MAX_PROMPT_CHARS = 4_000_000  # refuse to tokenize absurd inputs (the token limit is checked after)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_pool_tokens: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_pool_tokens = max_pool_tokens
+
+    def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt", "must not be empty")
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise InvalidRequest("prompt", f"has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) or self._empty()
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequest("prompt_token_ids", "must not be empty")
+            for token_id in prompt:
+                if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                    raise InvalidRequest("prompt_token_ids", f"entries must be ints in [0, {self.vocab_size}), got {token_id!r}")
+            return list(prompt)
+        raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise InvalidRequest("messages", "must not be empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("messages", "this model's tokenizer has no chat template")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
+                    or not isinstance(message.get("role"), str):
+                raise InvalidRequest(f"messages[{index}]", "must be {'role': str, 'content': str}")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenize(text, add_special_tokens=False)  # the template has them
+
+    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                      priority_class: str = "interactive", priority: int = 0,
+                      arrival_time: float | None = None) -> Sequence:
+        params.validate(self.vocab_size)
+        if priority_class not in PRIORITY_CLASSES:
+            raise InvalidRequest("priority_class", f"must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest("priority", f"must be an integer, got {type(priority).__name__}")
+        limit = min(self.max_model_len, self.max_pool_tokens)
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
+        if len(token_ids) + max(max_tokens, 1) > limit:
+            which = "max_model_len" if limit == self.max_model_len else "the KV cache pool"
+            raise InvalidRequest("prompt", f"{len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
+                                           f"exceed {which} ({limit} tokens)")
+        return Sequence(request_id, list(token_ids), params, max_tokens, priority_class, priority,
+                        arrival_time or time.time())
+
+    def _empty(self):
+        raise InvalidRequest("prompt", "tokenizes to zero tokens")

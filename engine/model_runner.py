@@ -1,0 +1,157 @@
+"""Owns the model weights and the KV cache tensors; executes step plans.
+
+It mirrors just enough per-sequence state (tokens, block table, sampling params) to turn
+the scheduler's compact plan into flat, unpadded batch tensors.
+"""
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata, PrefillSpan
+from engine.config import EngineConfig
+from engine.models.layers import PagedAttention
+from engine.models.loader import ModelSpec, build_model
+from engine.plan import ScheduledSeq, StepPlan, StepResult
+from engine.sampler import Sampler, SamplingRow
+
+log = logging.getLogger(__name__)
+CPU_KV_CACHE_BYTES = 1 << 30
+CUDA_KV_CACHE_FRACTION = 0.5  # of the memory free after the weights are loaded
+
+
+@dataclass
+class RunnerSeq(SamplingRow):
+    block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class InputBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_ids: list[str]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int):
+        self.config = config
+        self.block_size = config.block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = build_model(spec, max_model_len, self.dtype, self.device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.num_blocks = self._allocate_kv_cache()
+        self.sampler = Sampler(self.device, config.seed)
+        self.seqs: dict[str, RunnerSeq] = {}
+
+    # ---- KV cache --------------------------------------------------------------------
+    def _allocate_kv_cache(self) -> int:
+        first = self.attention_layers[0]
+        per_block = (2 * len(self.attention_layers) * self.block_size * first.num_kv_heads
+                     * first.head_dim * self.dtype.itemsize)
+        num_blocks = self.config.num_kv_blocks or max(1, self._kv_budget_bytes() // per_block)
+        shape = (len(self.attention_layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        # zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for index, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.k_cache[index], self.v_cache[index]
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size,
+                 num_blocks * per_block / 2**20)
+        return num_blocks
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_bytes is not None:
+            return self.config.kv_cache_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * CUDA_KV_CACHE_FRACTION)
+        return CPU_KV_CACHE_BYTES
+
+    # ---- one step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._apply_deltas(plan)
+        if not plan.scheduled:
+            return StepResult()
+        batch = self._prepare(plan.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = [self.seqs[seq_id] for seq_id in batch.sampling_ids]
+        token_ids, logprobs = self.sampler(logits, rows)
+        for row, token_id in zip(rows, token_ids):
+            row.token_ids.append(token_id)
+        return StepResult(batch.sampling_ids, token_ids,
+                          {batch.sampling_ids[i]: lp for i, lp in logprobs.items()})
+
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        for seq_id in plan.finished_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            generator = None
+            if new.params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
+            self.seqs[new.seq_id] = RunnerSeq(new.params, list(new.token_ids), len(new.token_ids),
+                                              new.min_tokens_stop_ids, generator)
+        for seq_id in plan.preempted_ids:
+            self.seqs[seq_id].block_table = []
+        for item in plan.scheduled:
+            self.seqs[item.seq_id].block_table.extend(item.new_block_ids)
+
+    def _prepare(self, scheduled: list[ScheduledSeq]) -> InputBatch:
+        # decodes (one new token) first: they share one batched attention call
+        ordered = sorted(scheduled, key=lambda s: s.num_new != 1)
+        num_decode = sum(1 for s in ordered if s.num_new == 1)
+        input_ids, positions, logits_indices, sampling_ids = [], [], [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        for item in ordered:
+            seq = self.seqs[item.seq_id]
+            start, end = item.num_computed, item.num_computed + item.num_new
+            assert end <= len(seq.token_ids)
+            offset = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            if item.num_new == 1:
+                decode_tables.append(seq.block_table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSpan(offset, offset + item.num_new, start,
+                                            self._tensor(seq.block_table)))
+            if end == len(seq.token_ids):
+                logits_indices.append(offset + item.num_new - 1)
+                sampling_ids.append(item.seq_id)
+        positions_t = self._tensor(positions)
+        meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
+        if num_decode:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            meta.decode_context_lens = self._tensor(decode_lens)
+        return InputBatch(self._tensor(input_ids), positions_t, meta, self._tensor(logits_indices),
+                          sampling_ids)
+
+    def _slots(self, ordered: list[ScheduledSeq], positions: torch.Tensor) -> torch.Tensor:
+        """Flat cache slot of every token: block_table[pos // block_size] * block_size + pos % block_size."""
+        tables = [self.seqs[s.seq_id].block_table for s in ordered]
+        width = max(len(t) for t in tables)
+        table_rows = self._tensor([t + [0] * (width - len(t)) for t in tables])
+        row_of_token = torch.repeat_interleave(
+            torch.arange(len(ordered), device=self.device), self._tensor([s.num_new for s in ordered]))
+        blocks = table_rows[row_of_token, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,74 @@
+"""Building blocks shared by the model families: norms, rotary embedding, paged attention."""
+import torch
+from torch import nn
+
+from engine.attention_metadata import AttentionMetadata
+from kernels.attention import paged_decode_attention, prefill_attention, write_kv_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # same op order as transformers so float32 results match bit for bit
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``; ``inv_freq`` comes from
+    transformers' own rope initialisers, so every rope type it defines means the same here."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int):
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """``q``/``k`` ``[T, heads, D]``."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's keys/values into the layer's cache, then attends over it.
+    The runner binds ``k_cache``/``v_cache`` after allocating the pool."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return self._decode(q, meta)
+        out = torch.empty_like(q)
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], meta)
+        for span in meta.prefills:
+            rows = slice(span.start, span.end)
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], self.k_cache, self.v_cache,
+                                          span.block_table, span.prefix_len, self.scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, self.scale)

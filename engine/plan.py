@@ -1,0 +1,51 @@
+"""Plain data passed from the scheduler to the model runner and back, once per step.
+
+The plan carries deltas: a sequence's tokens and parameters travel once (``new_seqs``);
+afterwards a scheduled sequence is a few integers and the block ids it just gained.
+"""
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSeqData:
+    seq_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    min_tokens_stop_ids: tuple[int, ...] = ()  # token ids banned until min_tokens is reached
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: str
+    num_computed: int  # tokens already in the KV cache before this step
+    num_new: int  # tokens computed in this step
+    new_block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    new_seqs: list[NewSeqData] = field(default_factory=list)
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)  # block tables were released
+    finished_ids: list[str] = field(default_factory=list)  # the runner can forget them
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class StepResult:
+    """One sampled token per sequence that completed its prompt or decoded this step."""
+    seq_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

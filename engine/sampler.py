@@ -1,0 +1,109 @@
+"""Turns a step's logits into one token per sequence, batched across the step."""
+from dataclasses import dataclass
+
+import torch
+
+from engine.plan import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one sequence (owned by the model runner)."""
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt_tokens: int
+    min_tokens_stop_ids: tuple[int, ...]
+    generator: torch.Generator | None  # per-request seed: the same draws whatever the batch
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        """Returns (token ids, {row index: TokenLogprobs} for rows that asked for logprobs)."""
+        logits = logits.float()
+        raw_logprobs = self._raw_logprobs(logits, rows)
+        if any(r.params.has_penalties for r in rows):
+            logits = self._penalize(logits, rows)
+        self._ban_until_min_tokens(logits, rows)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logprobs, rows, token_list)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
+        temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        logits = logits / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            logits = apply_top_k_top_p_min_p(
+                logits, self._column([p.top_k for p in params], torch.long),
+                self._column([p.top_p for p in params]), self._column([p.min_p for p in params]))
+        probs = logits.softmax(dim=-1)
+        return sample_with_noise(probs, self._exponential_noise(probs, rows))
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for index, row in enumerate(rows):
+            if row.generator is not None:
+                noise[index].exponential_(generator=row.generator)
+        return noise
+
+    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        output_counts = self._counts([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab)
+        prompt_counts = self._counts([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab)
+        params = [r.params for r in rows]
+        return apply_penalties(logits, (output_counts + prompt_counts) > 0, output_counts,
+                               self._column([p.repetition_penalty for p in params]),
+                               self._column([p.presence_penalty for p in params]),
+                               self._column([p.frequency_penalty for p in params]))
+
+    def _counts(self, token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+        width = max(1, max(len(t) for t in token_lists))
+        padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
+        for index, tokens in enumerate(token_lists):
+            padded[index, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        counts = torch.zeros(len(token_lists), vocab + 1, device=self.device)
+        counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, dtype=counts.dtype,
+                                                                        device=self.device))
+        return counts[:, :vocab]
+
+    @staticmethod
+    def _ban_until_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for index, row in enumerate(rows):
+            if row.min_tokens_stop_ids and row.num_output_tokens < row.params.min_tokens:
+                logits[index, list(row.min_tokens_stop_ids)] = float("-inf")
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+        if all(r.params.logprobs is None for r in rows):
+            return None
+        return logits.log_softmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, rows: list[SamplingRow], tokens: list[int]):
+        if raw is None:
+            return {}
+        result = {}
+        for index, row in enumerate(rows):
+            if row.params.logprobs is None:
+                continue
+            top = raw[index].topk(row.params.logprobs) if row.params.logprobs else None
+            result[index] = TokenLogprobs(
+                tokens[index], float(raw[index, tokens[index]]),
+                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+        return result
+
+    def _column(self, values: list, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

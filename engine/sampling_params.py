@@ -1,0 +1,91 @@
+"""Per-request sampling parameters (vLLM names and defaults)."""
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Validation happens when the engine accepts a request (``validate``), so one bad
+    request in a batch fails alone instead of raising in the caller's loop.
+    """
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # chosen token + this many top alternatives
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def validate(self, vocab_size: int) -> None:
+        _number("temperature", self.temperature, low=0.0)
+        _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _integer("top_k", self.top_k, low=0)
+        _number("min_p", self.min_p, low=0.0, high=1.0)
+        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, low=0, high=2**63 - 1)
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, low=1)
+        _integer("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise InvalidRequest("stop", f"must be non-empty strings, got {stop!r}")
+        for token_id in self.stop_token_ids:
+            _integer("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+
+
+def _number(name, value, low=None, high=None, low_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(name, f"must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise InvalidRequest(name, f"must be finite, got {value}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise InvalidRequest(name, f"must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise InvalidRequest(name, f"must be <= {high}, got {value}")
+
+
+def _integer(name, value, low=None, high=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(name, f"must be an integer, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise InvalidRequest(name, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise InvalidRequest(name, f"must be <= {high}, got {value}")

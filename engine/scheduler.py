@@ -1,0 +1,184 @@
+"""Iteration-level scheduler: which sequences compute how many tokens in the next step.
+
+Each step hands out at most ``max_num_batched_tokens`` tokens: running sequences first
+(highest rank first), then waiting ones, so prefill chunks and decodes share a step. When
+KV blocks run out, the lowest-ranked, latest-admitted running sequence is preempted and
+recomputed later. Ranks: priority class (batch work ages into interactive), then the
+integer priority (lower first), then arrival (admission, for running sequences).
+"""
+import itertools
+import time
+
+from engine.batching_policy import make_policy
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
+from engine.sequence import PRIORITY_CLASSES, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
+                 eos_token_ids: set[int]):
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.policy = make_policy(config)
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.watermark_blocks = max(1, num_blocks // 100)  # headroom kept when admitting
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self.finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self._admit_counter = itertools.count()
+
+    # ---- requests in and out -------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        assert seq.seq_id not in self.seqs, f"duplicate request id {seq.seq_id!r}"
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq_id: str, reason: str, stop_reason=None) -> Sequence | None:
+        """End a sequence (stop, length, abort, ...) and release its blocks. No-op if unknown."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.finished_time = time.time()
+        self.policy.on_finish(seq)
+        if seq.known_to_runner:
+            self.finished_ids.append(seq_id)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        now = time.time()
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: self._running_rank(s, now))
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, plan):
+                break  # seq itself was the last one and got preempted
+            self._schedule(seq, num_new, plan, now)
+            budget -= num_new
+            index += 1
+        if not plan.preempted_ids:
+            self._admit_waiting(budget, plan, now)
+        plan.finished_ids, self.finished_ids = self.finished_ids, []
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Apply a step's sampled tokens; returns the sequences that got a token."""
+        sampled = dict(zip(result.seq_ids, result.token_ids))
+        now = time.time()
+        updated = []
+        for item in plan.scheduled:
+            seq = self.seqs.get(item.seq_id)
+            if seq is None:
+                continue  # finished (aborted) while the step ran
+            seq.num_computed_tokens += item.num_new
+            token_id = sampled.get(item.seq_id)
+            if token_id is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            seq.token_ids.append(token_id)
+            seq.first_token_time = seq.first_token_time or now
+            updated.append(seq)
+            reason = self._stop_reason(seq, token_id)
+            if reason:
+                self.finish(seq.seq_id, *reason)
+        return updated
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        while not self.block_manager.can_grow(seq, num_tokens):
+            victim = self.running.pop()  # sorted: the last one ranks lowest
+            self._preempt(victim)
+            plan.preempted_ids.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def _admit_waiting(self, budget: int, plan: StepPlan, now: float) -> None:
+        ranked = sorted(self.waiting, key=lambda s: self._waiting_rank(s, now))
+        for seq in self.policy.admissible(ranked, now):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new, reserve):
+                return
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.admit_order = next(self._admit_counter)
+            self.running.append(seq)
+            self._schedule(seq, num_new, plan, now)
+            budget -= num_new
+
+    def _schedule(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> None:
+        assert num_new > 0
+        new_block_ids = self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+        if not seq.known_to_runner:
+            plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
+                                            self._min_tokens_stop_ids(seq)))
+            seq.known_to_runner = True
+        seq.first_scheduled_time = seq.first_scheduled_time or now
+        plan.scheduled.append(ScheduledSeq(seq.seq_id, seq.num_computed_tokens, num_new,
+                                           new_block_ids))
+
+    def _min_tokens_stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        if seq.params.min_tokens == 0:
+            return ()
+        eos = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
+        return eos + tuple(seq.params.stop_token_ids)
+
+    def _stop_reason(self, seq: Sequence, token_id: int):
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return ("stop", None)
+            if token_id in params.stop_token_ids:
+                return ("stop", token_id)
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return ("length", None)
+        return None
+
+    def _class_rank(self, seq: Sequence, now: float) -> int:
+        rank = PRIORITY_CLASSES.index(seq.priority_class)
+        if rank and now - seq.arrival_time >= self.config.batch_aging_s:
+            return 0  # aged: batch work is never starved by a stream of interactive jobs
+        return rank
+
+    def _waiting_rank(self, seq: Sequence, now: float):
+        return (self._class_rank(seq, now), seq.priority, seq.arrival_order)
+
+    def _running_rank(self, seq: Sequence, now: float):
+        return (self._class_rank(seq, now), seq.priority, seq.admit_order)
+
+    # ---- observability ---------------------------------------------------------------
+    def kv_stats(self) -> dict:
+        allocated = sum(len(s.block_table) for s in self.running) * self.block_manager.block_size
+        used = sum(s.num_computed_tokens for s in self.running)
+        return {
+            "kv_usage": self.block_manager.usage,
+            "kv_fragmentation": (allocated - used) / allocated if allocated else 0.0,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,67 @@
+"""State of one request inside the engine (tokens, progress, KV block table, timestamps)."""
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+PRIORITY_CLASSES = ("interactive", "batch")
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None
+    priority_class: str = "interactive"
+    priority: int = 0  # lower is served earlier (vLLM convention)
+    arrival_time: float = field(default_factory=time.time)
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    admit_order: int = -1  # set each time the scheduler admits it
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    known_to_runner: bool = False
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.token_ids)
+        assert self.priority_class in PRIORITY_CLASSES, self.priority_class
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
