@@ -1,0 +1,54 @@
+"""Conveyor light client: wire protocol, sync and async clients. Needs only redis,
+msgpack, pydantic and tqdm (never torch, transformers, engine/ or actors/)."""
+
+from clients.async_client import AsyncClient, AsyncJob
+from clients.client import Client, Job
+from clients.errors import (
+    ConveyorError,
+    InvalidJob,
+    JobCancelled,
+    JobFailed,
+    ProtocolError,
+    QueueFull,
+    Timeout,
+)
+from clients.event_reader import JobResult, JobStatus
+from clients.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
+from clients.keys import GROUP, PRIORITY_CLASSES, Keys
+from clients.protocol import (
+    SCHEMA_VERSION,
+    JobRequest,
+    decode_event,
+    decode_job,
+    encode_event,
+    encode_job,
+)
+
+__all__ = [
+    "AsyncClient",
+    "AsyncJob",
+    "CancelledEvent",
+    "Client",
+    "ConveyorError",
+    "DoneEvent",
+    "ErrorEvent",
+    "GROUP",
+    "InvalidJob",
+    "Job",
+    "JobCancelled",
+    "JobFailed",
+    "JobRequest",
+    "JobResult",
+    "JobStatus",
+    "Keys",
+    "PRIORITY_CLASSES",
+    "ProtocolError",
+    "QueueFull",
+    "SCHEMA_VERSION",
+    "Timeout",
+    "TokenEvent",
+    "decode_event",
+    "decode_job",
+    "encode_event",
+    "encode_job",
+]

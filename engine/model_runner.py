@@ -64,7 +64,7 @@ class ModelRunner:
         per_block = (2 * len(self.attention_layers) * self.block_size * first.num_kv_heads
                      * first.head_dim * self.dtype.itemsize)
         num_blocks = self.config.num_kv_blocks or max(1, self._kv_budget_bytes() // per_block)
-        shape = (len(self.attention_layers), num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        shape = (len(self.attention_layers), first.num_kv_heads, num_blocks, self.block_size, first.head_dim)
         # zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

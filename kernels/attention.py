@@ -1,44 +1,64 @@
 """Attention over a paged KV cache: cache writes, decode and prefill paths.
 
-Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence's
-keys live in the blocks its block table lists, in order. These are torch reference
-implementations that run anywhere (CPU included); they read only the blocks a step needs.
+Cache layout per layer: ``[num_kv_heads, num_blocks, block_size, head_dim]``. A sequence's
+keys live in the blocks its block table lists, in order. Keeping heads outermost lets a
+gather of whole blocks come out as ``[H_kv, B, L, D]``, which batched matmuls consume
+without another copy. These torch reference implementations run anywhere (CPU included)
+and read only the blocks a step needs.
 """
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_extension
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``key``/``value`` ``[T, H_kv, D]`` at flat slots ``slot_mapping`` ``[T]``."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[B, max_blocks]`` block ids -> ``[B, H_kv, max_blocks * block_size, D]``."""
+    """``[B, max_blocks]`` block ids -> ``[H_kv, B, max_blocks * block_size, D]``."""
+    num_kv_heads, _, block_size, head_dim = cache.shape
     batch, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache[block_tables]  # [B, max_blocks, block_size, H_kv, D]
-    return gathered.view(batch, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    return cache[:, block_tables].view(num_kv_heads, batch, max_blocks * block_size, head_dim)
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
+    """Decode attention on the fastest path for the device (the fused CPU kernel reads the
+    blocks in place; elsewhere the reference path)."""
+    if query.device.type == "cpu" and query.dtype == torch.float32 and cpu_extension.load():
+        return cpu_extension.load().paged_decode_attention(query.contiguous(), k_cache, v_cache,
+                                                           block_tables, context_lens, scale)
+    return paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_decode_attention_reference(query: torch.Tensor, k_cache: torch.Tensor,
+                                     v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One new token per sequence. ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
 
     ``block_tables`` ``[B, max_blocks]`` (padding entries may hold any valid block id) and
     ``context_lens`` ``[B]`` (tokens in cache, the new one included).
     """
-    keys = gather_blocks(k_cache, block_tables)
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    keys = gather_blocks(k_cache, block_tables)  # [H_kv, B, L, D]
     values = gather_blocks(v_cache, block_tables)
+    # query heads of one kv head form the rows: [H_kv, B, group, D]
+    q = query.view(batch, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [H_kv, B, group, L]
     positions = torch.arange(keys.shape[2], device=query.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    padding = positions[None, :] >= context_lens[:, None]  # [B, L]
+    scores.masked_fill_(padding[None, :, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), values)  # [H_kv, B, group, D]
+    return out.permute(1, 0, 2, 3).reshape(batch, num_heads, head_dim)
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -53,8 +73,8 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                                              is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
     total = prefix_len + n
-    keys = gather_blocks(k_cache, block_table[None])[0, :, :total]
-    values = gather_blocks(v_cache, block_table[None])[0, :, :total]
+    keys = gather_blocks(k_cache, block_table[None])[:, 0, :total]
+    values = gather_blocks(v_cache, block_table[None])[:, 0, :total]
     q_pos = torch.arange(prefix_len, total, device=query.device)
     k_pos = torch.arange(total, device=query.device)
     mask = k_pos[None, :] <= q_pos[:, None]

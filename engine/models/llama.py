@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.models.weights import WeightLoader
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -102,7 +102,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = arch.qk_norm
         self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim ** -0.5)
 
-    def forward(self, x, positions, meta: AttentionMetadata, rotary: RotaryEmbedding):
+    def forward(self, x, cos_sin, meta: AttentionMetadata):
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -110,7 +110,7 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = self.attn(q, k.contiguous(), v.contiguous(), meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -134,8 +134,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, positions, meta, rotary):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rotary)
+    def forward(self, x, cos_sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,8 +158,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, meta, self.rotary)
+            x = layer(x, cos_sin, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,172 @@
+"""Asyncio client with the same API as clients.client (methods are coroutines)."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Iterable
+
+import redis
+import redis.asyncio as aioredis
+from tqdm import tqdm
+
+from clients.event_reader import (
+    READ_COUNT,
+    Deadline,
+    EventReader,
+    JobResult,
+    JobStatus,
+    entries_of,
+    outcome,
+    status_from_hash,
+    terminal_from_hash,
+)
+from clients.events import Event, TerminalEvent, TokenEvent
+from clients.keys import GROUP, Keys, default_namespace, default_redis_url
+from clients.submission import (
+    CANCEL_LUA,
+    QUEUE_FULL,
+    SUBMIT_CHUNK,
+    SUBMIT_LUA,
+    build_job,
+    build_jobs,
+    cancel_args,
+    check_submitted,
+    queue_full,
+    queue_status_of,
+    submit_args,
+)
+
+
+class AsyncClient:
+    """Async producer/consumer handle on one namespace; `redis_client` needs decode_responses=False."""
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        namespace: str | None = None,
+        *,
+        redis_client: aioredis.Redis | None = None,
+    ) -> None:
+        self._owns_redis = redis_client is None
+        self.redis = redis_client or aioredis.Redis.from_url(redis_url or default_redis_url())
+        self.keys = Keys(namespace or default_namespace())
+        self._submit_script = self.redis.register_script(SUBMIT_LUA)
+        self._cancel_script = self.redis.register_script(CANCEL_LUA)
+
+    async def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> AsyncJob:
+        job = build_job({"prompt": prompt, **fields})
+        keys, args = submit_args(self.keys, job, max_queue_len)
+        check_submitted(await self._submit_script(keys, args), job, self.keys, max_queue_len)
+        return AsyncJob(self, job.job_id)
+
+    async def submit_many(
+        self,
+        items: Iterable[dict[str, Any]],
+        *,
+        progress: bool = True,
+        max_queue_len: int | None = None,
+    ) -> list[AsyncJob]:
+        requests = build_jobs(items)
+        jobs: list[AsyncJob] = []
+        with tqdm(total=len(requests), disable=not progress, unit="job", desc="submit") as bar:
+            for start in range(0, len(requests), SUBMIT_CHUNK):
+                chunk = requests[start : start + SUBMIT_CHUNK]
+                await self._submit_chunk(chunk, max_queue_len, jobs)
+                bar.update(len(chunk))
+        return jobs
+
+    async def _submit_chunk(self, chunk: list, max_queue_len: int | None, jobs: list[AsyncJob]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for job in chunk:
+            await self._submit_script(*submit_args(self.keys, job, max_queue_len), client=pipe)
+        codes = await pipe.execute()
+        jobs.extend(AsyncJob(self, job.job_id) for job, code in zip(chunk, codes) if code != QUEUE_FULL)
+        if QUEUE_FULL in codes:
+            raise queue_full(chunk[codes.index(QUEUE_FULL)], self.keys, max_queue_len, jobs)
+
+    def job(self, job_id: str) -> AsyncJob:
+        return AsyncJob(self, job_id)
+
+    async def queue_status(self) -> dict[str, Any]:
+        streams = self.keys.all_requests
+        xlens = {s: await self.redis.xlen(s) for s in streams}
+        groups = {s: await self._xinfo(self.redis.xinfo_groups, s) for s in streams}
+        consumers = {s: await self._xinfo(self.redis.xinfo_consumers, s, GROUP) for s in streams}
+        return queue_status_of(self.keys, xlens, groups, consumers, await self.redis.xlen(self.keys.dead))
+
+    @staticmethod
+    async def _xinfo(command: Any, *args: str) -> list:
+        try:
+            return await command(*args)
+        except redis.ResponseError:
+            return []
+
+    async def close(self) -> None:
+        if self._owns_redis:
+            await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class AsyncJob:
+    """Async handle on one submitted job; same semantics as clients.client.Job."""
+
+    def __init__(self, client: AsyncClient, job_id: str) -> None:
+        self.client = client
+        self.job_id = job_id
+        self._terminal: TerminalEvent | None = None
+
+    def __repr__(self) -> str:
+        return f"AsyncJob({self.job_id!r})"
+
+    async def stream(self, from_id: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenEvent]:
+        async for event in self.events(from_id, timeout):
+            if event.is_terminal:
+                self._terminal = event
+                outcome(self.job_id, event)
+                return
+            yield event
+
+    async def events(
+        self, from_id: str = "0-0", timeout: float | None = None, *, idle: bool = True
+    ) -> AsyncIterator[Event]:
+        reader, deadline = EventReader(from_id), Deadline(timeout)
+        out_key = self.client.keys.out(self.job_id)
+        while True:
+            reply = await self.client.redis.xread(
+                {out_key: reader.last_id}, count=READ_COUNT, block=deadline.block_ms()
+            )
+            events = reader.feed(entries_of(reply))
+            if not events:
+                deadline.raise_if_expired(self.job_id, "event")
+                continue
+            if idle:
+                deadline.restart()
+            for event in events:
+                yield event
+            if events[-1].is_terminal:
+                return
+
+    async def result(self, timeout: float | None = None) -> JobResult:
+        if self._terminal is None:
+            self._terminal = await self._stored_terminal() or await self._await_terminal(timeout)
+        return outcome(self.job_id, self._terminal)
+
+    async def _stored_terminal(self) -> TerminalEvent | None:
+        return terminal_from_hash(await self.client.redis.hgetall(self.client.keys.job(self.job_id)))
+
+    async def _await_terminal(self, timeout: float | None) -> TerminalEvent:
+        async for event in self.events(timeout=timeout, idle=False):
+            if event.is_terminal:
+                return event
+        raise AssertionError("events() ended without a terminal event")
+
+    async def cancel(self) -> bool:
+        keys, args = cancel_args(self.client.keys, self.job_id)
+        return bool(await self.client._cancel_script(keys, args))
+
+    async def status(self) -> JobStatus:
+        return status_from_hash(self.job_id, await self.client.redis.hgetall(self.client.keys.job(self.job_id)))

@@ -1,0 +1,138 @@
+"""Events written to `<ns>:out:<job_id>` and their stream-entry codec.
+
+Each entry has two fields: `type` (b"token" | b"done" | b"error" | b"cancelled") and
+`data`, the msgpack of the event dict (which repeats `type`, so `data` alone, as stored in
+the job hash's `result`, is self-describing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clients.errors import ProtocolError
+
+TERMINAL_TYPES = ("done", "error", "cancelled")
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    attempt: int = Field(ge=1)
+    # Set by the reading client, never sent: the stream entry id, to resume from.
+    entry_id: str | None = Field(default=None, exclude=True)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.type in TERMINAL_TYPES
+
+
+class TokenEvent(_Event):
+    type: Literal["token"] = "token"
+    seq: int = Field(ge=0)
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: Any = None
+    # Set by the reading client: True on the first token of a retry (attempt > 1);
+    # discard the deltas of earlier attempts when you see it.
+    reset: bool = Field(default=False, exclude=True)
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Seconds: queue wait, time to first token, time per output token, end to end."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    queue: float | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+
+
+class DoneEvent(_Event):
+    type: Literal["done"] = "done"
+    seq: int = Field(default=0, ge=0)  # number of token events of this attempt
+    finish_reason: FinishReason
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ErrorEvent(_Event):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class CancelledEvent(_Event):
+    type: Literal["cancelled"] = "cancelled"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+Event = Union[TokenEvent, DoneEvent, ErrorEvent, CancelledEvent]
+TerminalEvent = Union[DoneEvent, ErrorEvent, CancelledEvent]
+EVENT_TYPES: dict[str, type[_Event]] = {
+    "token": TokenEvent,
+    "done": DoneEvent,
+    "error": ErrorEvent,
+    "cancelled": CancelledEvent,
+}
+
+
+def encode_event(event: Event) -> dict[str, bytes]:
+    """Stream-entry fields of one event: {"type": b"token", "data": msgpack bytes}."""
+    return {"type": event.type.encode(), "data": encode_event_data(event)}
+
+
+def encode_event_data(event: Event) -> bytes:
+    return msgpack.packb(event.model_dump(), use_bin_type=True)
+
+
+def decode_event(fields: dict, entry_id: str | bytes | None = None) -> Event:
+    """Decode one out-stream entry; raises ProtocolError(code="bad_event")."""
+    type_hint = _text(fields.get(b"type", fields.get("type")))
+    data = fields.get(b"data", fields.get("data"))
+    if data is None:
+        raise ProtocolError("event entry has no 'data' field", code="bad_event")
+    event = decode_event_data(data, type_hint)
+    if entry_id is not None:
+        event.entry_id = _text(entry_id)
+    return event
+
+
+def decode_event_data(data: bytes, type_hint: str | None = None) -> Event:
+    """Decode event msgpack; `type_hint` is used when the dict itself has no `type`."""
+    try:
+        payload = msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"event data is not valid msgpack: {exc}", code="bad_event") from None
+    if not isinstance(payload, dict):
+        raise ProtocolError("event data must be a msgpack map", code="bad_event")
+    event_type = payload.get("type") or type_hint
+    model = EVENT_TYPES.get(event_type) if isinstance(event_type, str) else None
+    if model is None:
+        raise ProtocolError(f"unknown event type {event_type!r}", code="bad_event")
+    try:
+        return model.model_validate({**payload, "type": event_type})
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid {event_type} event: {exc}", code="bad_event") from None
+
+
+def _text(value: str | bytes | None) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value

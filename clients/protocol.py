@@ -1,0 +1,255 @@
+"""Wire protocol: the job schema (JobRequest), its stream-entry codec, and the events.
+
+A request-stream entry carries the job in one field: `data` (msgpack map) or `json`
+(a JSON object, handy for `redis-cli XADD ... json '{"prompt": "hi"}'`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from clients.errors import InvalidJob, ProtocolError
+from clients.events import (  # noqa: F401  (re-exported: events are part of the protocol)
+    EVENT_TYPES,
+    TERMINAL_TYPES,
+    CancelledEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    TerminalEvent,
+    Timings,
+    TokenEvent,
+    Usage,
+    decode_event,
+    decode_event_data,
+    encode_event,
+    encode_event_data,
+)
+from clients.limits import (  # noqa: F401  (re-exported)
+    EARLIEST_DEADLINE,
+    INT32_MAX,
+    JOB_ID_PATTERN,
+    MAX_DECODED_ELEMENTS,
+    MAX_JSON_BYTES,
+    MAX_MESSAGES,
+    MAX_METADATA_BYTES,
+    MAX_MSGPACK_BYTES,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_RESULT_TTL,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SCHEMA_VERSION,
+)
+from clients.safe_payload import read_payload, readable_job_id  # noqa: F401
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+
+
+class FieldValueError(ValueError):
+    """A ValueError that knows which field it is about (for cross-field checks)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class JobRequest(BaseModel):
+    """One generation job. Sampling fields use vLLM SamplingParams names and defaults."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    v: int = Field(default=SCHEMA_VERSION, ge=1, le=SCHEMA_VERSION)
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex, pattern=JOB_ID_PATTERN)
+    prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+
+    max_tokens: int = Field(default=16, ge=1, le=INT32_MAX)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    priority_class: Literal["interactive", "batch"] = "interactive"
+    priority: Int32 = 0
+    deadline: float | None = Field(default=None, gt=0.0)
+    result_ttl: int = Field(default=86_400, ge=1, le=MAX_RESULT_TTL)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off_is_zero(cls, value: int) -> int:
+        return 0 if value == -1 else value
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_size(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if value and sum(len(m.content) for m in value) > MAX_PROMPT_CHARS:
+            raise ValueError(f"total content must be at most {MAX_PROMPT_CHARS} characters")
+        return value
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_is_absolute(cls, value: float | None) -> float | None:
+        if value is not None and value < EARLIEST_DEADLINE:
+            raise ValueError(
+                f"must be absolute epoch seconds (e.g. time.time() + 30), got {value}"
+            )
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            size = len(msgpack.packb(value, use_bin_type=True))
+        except Exception as exc:
+            raise ValueError(f"must be msgpack/JSON serialisable ({exc})") from None
+        if size > MAX_METADATA_BYTES:
+            raise ValueError(f"encodes to {size} bytes, limit {MAX_METADATA_BYTES}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> JobRequest:
+        given = [n for n in ("prompt", "messages", "prompt_token_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise FieldValueError(
+                given[1] if len(given) > 1 else "prompt",
+                f"exactly one of prompt, messages, prompt_token_ids is required (got {got})",
+            )
+        if self.min_tokens > self.max_tokens:
+            raise FieldValueError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]] | None:
+        """`messages` as plain dicts (for a tokenizer's chat template)."""
+        return None if self.messages is None else [m.model_dump() for m in self.messages]
+
+    def sampling_params(self) -> dict[str, Any]:
+        """Keyword arguments for vLLM-style `SamplingParams(**job.sampling_params())`."""
+        return {name: _copy(getattr(self, name)) for name in SAMPLING_PARAM_NAMES}
+
+
+SAMPLING_PARAM_NAMES = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "min_tokens", "logprobs",
+)  # fmt: skip
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_job(payload: Any) -> JobRequest:
+    """JobRequest from a plain dict; raises InvalidJob naming the field and the limit."""
+    if not isinstance(payload, dict):
+        raise InvalidJob(f"job must be a map/object, got {type(payload).__name__}", field="job")
+    try:
+        return JobRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise invalid_job_from(exc, readable_job_id(payload)) from None
+
+
+def invalid_job_from(exc: ValidationError, job_id: str | None) -> InvalidJob:
+    problems = [_describe(err) for err in exc.errors(include_url=False)]
+    message = "invalid job: " + "; ".join(f"{field}: {msg}" for field, msg in problems)
+    return InvalidJob(message, field=problems[0][0], problems=problems, job_id=job_id)
+
+
+def _describe(err: dict) -> tuple[str, str]:
+    cause = (err.get("ctx") or {}).get("error")
+    field = getattr(cause, "field", None) or _format_loc(err["loc"]) or "job"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] not in ("value_error", "missing"):
+        msg += f" (got {_short_repr(err.get('input'))})"
+    return field, msg
+
+
+def _format_loc(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} long)"
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"{type(value).__name__} of {len(value)} items"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---------------------------------------------------------------- stream-entry codec
+
+
+def encode_job(job: JobRequest) -> dict[str, bytes]:
+    """Request-stream entry fields for `job`: {"data": msgpack bytes}."""
+    return {"data": msgpack.packb(job.model_dump(), use_bin_type=True)}
+
+
+def decode_job(fields: dict, entry_id: str | bytes | None = None) -> JobRequest:
+    """Decode a request-stream entry; raises only ProtocolError (InvalidJob is one).
+
+    A payload without `job_id` gets the stream `entry_id` (when given) as its job id, so
+    a producer that only ran `XADD` can find `<ns>:out:<entry id>`.
+    """
+    try:
+        payload = read_payload(fields)
+        if "job_id" not in payload and entry_id is not None:
+            payload["job_id"] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        _check_version(payload)
+        return validate_job(payload)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a bug or a hostile corner case: still a ProtocolError
+        raise ProtocolError(f"could not decode job: {type(exc).__name__}: {exc}") from None
+
+
+def _check_version(payload: dict) -> None:
+    version = payload.get("v", SCHEMA_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        raise ProtocolError(
+            f"v: schema version {version} is newer than this build understands ({SCHEMA_VERSION})",
+            code="unsupported_version",
+            job_id=readable_job_id(payload),
+        )

@@ -1,0 +1,118 @@
+"""I/O-free logic shared by the sync and async clients for submitting and cancelling jobs."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from typing import Any, Iterable
+
+from clients.errors import InvalidJob, QueueFull
+from clients.keys import GROUP, Keys
+from clients.protocol import JobRequest, encode_job, validate_job
+
+# Enqueue once per job_id (idempotent submit) and only below the queue bound.
+# KEYS: job hash, request stream. ARGV: data, ttl, now, max_queue_len (0 = unbounded).
+# Returns 1 enqueued, 0 already known (not enqueued again), -1 queue full.
+SUBMIT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local limit = tonumber(ARGV[4])
+if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then return -1 end
+redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
+return 1
+"""
+
+# Flag and announce a cancellation only for a job that exists and has not finished.
+# KEYS: job hash. ARGV: cancel channel, job id. Returns 1 when requested, else 0.
+CANCEL_LUA = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'done' or status == 'error' or status == 'cancelled' then return 0 end
+redis.call('HSET', KEYS[1], 'cancel', '1')
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"""
+
+JOB_FIELDS = frozenset(JobRequest.model_fields)
+SUBMIT_CHUNK = 500  # jobs per pipelined round trip in submit_many
+
+
+def build_job(fields: dict[str, Any]) -> JobRequest:
+    """Validate submit() keyword arguments; unknown names are an error (likely typos)."""
+    unknown = sorted(set(fields) - JOB_FIELDS)
+    if unknown:
+        raise InvalidJob(_unknown_message(unknown[0]), field=unknown[0])
+    return validate_job({k: v for k, v in fields.items() if v is not None})  # None: the default
+
+
+def build_jobs(items: Iterable[dict[str, Any]]) -> list[JobRequest]:
+    """Validate every job before anything is written; errors name the item index."""
+    jobs = []
+    for index, item in enumerate(items):
+        try:
+            jobs.append(build_job(dict(item)))
+        except InvalidJob as exc:
+            raise InvalidJob(f"jobs[{index}]: {exc.message}", field=exc.field, problems=exc.problems) from None
+    return jobs
+
+
+def _unknown_message(name: str) -> str:
+    close = difflib.get_close_matches(name, JOB_FIELDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{name}: unknown job field{hint}"
+
+
+def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of SUBMIT_LUA for `job`."""
+    data = encode_job(job)["data"]
+    args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0]
+    return [keys.job(job.job_id), keys.requests(job.priority_class)], args
+
+
+QUEUE_FULL = -1
+
+
+def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int | None) -> None:
+    if code == QUEUE_FULL:
+        raise queue_full(job, keys, max_queue_len, [])
+
+
+def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list) -> QueueFull:
+    stream = keys.requests(job.priority_class)
+    message = f"{stream} holds {max_queue_len} or more entries (max_queue_len={max_queue_len})"
+    return QueueFull(message, submitted=submitted)
+
+
+def cancel_args(keys: Keys, job_id: str) -> tuple[list[str], list[str]]:
+    return [keys.job(job_id)], [keys.cancel, job_id]
+
+
+def queue_status_of(keys: Keys, xlens: dict[str, int], groups: dict[str, list], consumers: dict[str, list],
+                    dead_len: int) -> dict[str, Any]:  # fmt: skip
+    """Plain-data summary of the request streams, consumer group and dead letters."""
+    classes = {}
+    for stream in keys.all_requests:
+        group = next((g for g in groups.get(stream, []) if _text(g.get("name")) == GROUP), None)
+        classes[stream.rsplit(":", 1)[1]] = {
+            "stream": stream,
+            "length": xlens.get(stream, 0),
+            "group": group is not None,
+            "pending": int(group.get("pending", 0)) if group else 0,
+            "lag": group.get("lag") if group else None,
+            "consumers": [_consumer(c) for c in consumers.get(stream, [])],
+        }
+    return {"namespace": keys.ns, "requests": classes, "dead_letter": {"stream": keys.dead, "length": dead_len}}
+
+
+def _consumer(info: dict) -> dict[str, Any]:
+    inactive = info.get("inactive")
+    return {
+        "name": _text(info.get("name")),
+        "pending": int(info.get("pending", 0)),
+        "idle_s": int(info.get("idle", 0)) / 1000,
+        "inactive_s": None if inactive in (None, -1) else int(inactive) / 1000,
+    }
+
+
+def _text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
