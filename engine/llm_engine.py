@@ -15,7 +15,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.plan import StepPlan
+from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -40,15 +40,24 @@ class LLMEngine:
                     priority_class: str = "interactive", priority: int = 0,
                     arrival_time: float | None = None) -> Sequence:
         """``prompt``: text, token ids, or chat messages (list of dicts). Raises InvalidRequest."""
+        seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time)
+        self.add_sequence(seq)
+        return seq
+
+    def make_sequence(self, request_id: str, prompt, params: SamplingParams | None = None,
+                      priority_class: str = "interactive", priority: int = 0,
+                      arrival_time: float | None = None) -> Sequence:
+        """Tokenize and validate without touching engine state (the ingest actor calls this)."""
         params = params or SamplingParams()
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             token_ids = self.inputs.apply_chat_template(prompt)
         else:
             token_ids = self.inputs.tokenize(prompt)
-        seq = self.inputs.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)
+        return self.inputs.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)
+
+    def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
         self.outputs.add(seq)
-        return seq
 
     def abort_request(self, request_id: str) -> None:
         seq = self.scheduler.finish(request_id, "abort")
@@ -60,10 +69,17 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.schedule()
         if not plan.scheduled:
-            self._idle(plan)
-        result = self.runner.execute(plan)
+            self._idle()
+        return self.postprocess(plan, self.runner.execute(plan))
+
+    def schedule(self) -> StepPlan:
+        """First half of a step (the actors run the model in between, elsewhere)."""
+        return self.scheduler.schedule()
+
+    def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Second half: apply sampled tokens, detokenize, stop strings; outputs of the step."""
         updated = self.scheduler.update(plan, result)
         for seq in updated:
             stop = self.outputs.feed(seq, result.logprobs.get(seq.seq_id))
@@ -78,9 +94,14 @@ class LLMEngine:
         else:
             self.scheduler.finish(seq.seq_id, "stop", stop)
 
-    def _idle(self, plan: StepPlan) -> None:
-        """Nothing to run: a dynamic batch may be waiting for its window to close."""
-        wait = self.scheduler.policy.seconds_until_ready(self.scheduler.waiting, time.time())
+    def seconds_until_ready(self) -> float:
+        """0 when a step has work; else how long a dynamic batch window stays open (inf: idle)."""
+        if self.scheduler.running or self._ended:
+            return 0.0
+        return self.scheduler.policy.seconds_until_ready(self.scheduler.waiting, time.time())
+
+    def _idle(self) -> None:
+        wait = self.seconds_until_ready()
         if self.scheduler.waiting and 0 < wait < float("inf"):
             time.sleep(wait)
 

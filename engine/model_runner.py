@@ -49,6 +49,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int):
         self.config = config
+        self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -63,7 +64,9 @@ class ModelRunner:
         first = self.attention_layers[0]
         per_block = (2 * len(self.attention_layers) * self.block_size * first.num_kv_heads
                      * first.head_dim * self.dtype.itemsize)
-        num_blocks = self.config.num_kv_blocks or max(1, self._kv_budget_bytes() // per_block)
+        # never more than every running sequence at full length could use
+        useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
+        num_blocks = self.config.num_kv_blocks or max(1, min(useful, self._kv_budget_bytes() // per_block))
         shape = (len(self.attention_layers), first.num_kv_heads, num_blocks, self.block_size, first.head_dim)
         # zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

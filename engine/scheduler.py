@@ -30,6 +30,7 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # steps that computed only part of a prompt
         self._admit_counter = itertools.count()
 
     # ---- requests in and out -------------------------------------------------------
@@ -133,6 +134,8 @@ class Scheduler:
 
     def _schedule(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> None:
         assert num_new > 0
+        if num_new < seq.num_uncomputed_tokens:
+            self.num_chunked_prefills += 1
         new_block_ids = self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
         if not seq.known_to_runner:
             plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
@@ -181,4 +184,5 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
+            "num_chunked_prefills": self.num_chunked_prefills,
         }

@@ -3,6 +3,8 @@ build). When no compiler is available the torch reference path is used instead."
 import functools
 import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -14,6 +16,8 @@ def load():
     """The extension module, or None (disabled with CONVEYOR_CPU_KERNELS=0, or build failed)."""
     if os.environ.get("CONVEYOR_CPU_KERNELS", "1") == "0":
         return None
+    if shutil.which("ninja") is None:  # the `ninja` wheel installs next to this interpreter
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load as load_extension
         return load_extension(name="conveyor_cpu_kernels", sources=[str(SOURCE)],

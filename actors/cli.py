@@ -1,0 +1,112 @@
+"""The ``conveyor`` command: ``serve`` and ``demo`` (here, they need the engine) plus the
+light client commands ``submit`` and ``status`` (from clients.cli)."""
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from clients import cli as client_cli
+
+log = logging.getLogger("conveyor")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description="LLM inference over Redis Streams")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run one engine replica")
+    _add_replica_options(serve)
+    serve.set_defaults(func=run_serve)
+    demo = commands.add_parser("demo", help="embedded Valkey + one replica + a few prompts, streamed")
+    _add_engine_options(demo)
+    demo.set_defaults(func=run_demo)
+    client_cli.register(commands)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (``--max-num-seqs`` ...), defaults from the config."""
+    from engine.config import EngineConfig
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kind = {int: int, float: float}.get(type(field.default), str)
+        parser.add_argument(flag, dest=field.name, type=kind, default=None,
+                            help=f"default: {field.default} (env CONVEYOR_{field.name.upper()})")
+
+
+def _add_replica_options(parser: argparse.ArgumentParser) -> None:
+    _add_engine_options(parser)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                        help="default: $REDIS_URL; without one, an embedded Valkey is started")
+    parser.add_argument("--namespace", default=None, help="key prefix (default: conveyor)")
+    parser.add_argument("--data-dir", default=os.environ.get("CONVEYOR_DATA_DIR", "conveyor-data"),
+                        help="embedded Valkey's AOF directory")
+    parser.add_argument("--lease-s", type=float, default=None)
+    parser.add_argument("--grace-s", type=float, default=None)
+    parser.add_argument("--max-deliveries", type=int, default=None)
+
+
+def build_engine(args: argparse.Namespace):
+    from engine import EngineConfig, LLMEngine
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+               if getattr(args, f.name, None) is not None}
+    return LLMEngine(EngineConfig(**options))
+
+
+def replica_config(args: argparse.Namespace, redis_url: str):
+    from actors.config import ReplicaConfig
+    config = ReplicaConfig(redis_url=redis_url)
+    for name in ("namespace", "lease_s", "grace_s", "max_deliveries"):
+        if getattr(args, name, None) is not None:
+            setattr(config, name, getattr(args, name))
+    return config
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from actors.embedded_valkey import EmbeddedValkey
+    engine = build_engine(args)
+    server = None
+    redis_url = args.redis_url
+    if not redis_url:
+        server = EmbeddedValkey(Path(args.data_dir)).start()
+        redis_url = server.url
+        print(f"embedded Valkey (AOF in {args.data_dir}) at {redis_url}", flush=True)
+    print(f"REDIS_URL={redis_url}", flush=True)
+    try:
+        return _run_loop(_serve(engine, replica_config(args, redis_url)))
+    finally:
+        if server:
+            server.stop()
+
+
+async def _serve(engine, config) -> int:
+    from actors.replica import Replica
+    return await Replica(engine, config).run()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from actors.demo import run as run_demo_async
+    from actors.embedded_valkey import EmbeddedValkey
+    engine = build_engine(args)
+    with tempfile.TemporaryDirectory(prefix="conveyor-demo-") as data_dir:
+        with EmbeddedValkey(data_dir) as server:
+            print(f"embedded Valkey at {server.url}", flush=True)
+            return _run_loop(run_demo_async(engine, replica_config(args, server.url)))
+
+
+def _run_loop(coroutine) -> int:
+    try:
+        import uvloop
+        return uvloop.run(coroutine)
+    except ImportError:
+        return asyncio.run(coroutine)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

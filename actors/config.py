@@ -1,0 +1,31 @@
+"""Options of one replica (the engine's own options live in engine.EngineConfig)."""
+import os
+import socket
+from dataclasses import dataclass, field
+
+from clients.keys import default_namespace
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+@dataclass
+class ReplicaConfig:
+    redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL"))
+    namespace: str = field(default_factory=default_namespace)
+    consumer: str = field(default_factory=lambda: os.environ.get(
+        "CONVEYOR_CONSUMER", f"{socket.gethostname()}-{os.getpid()}"))
+    lease_s: float = field(default_factory=lambda: _env_float("CONVEYOR_LEASE_S", 30.0))
+    max_deliveries: int = field(default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_DELIVERIES", 3)))
+    grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
+    max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
+    read_block_ms: int = 1000
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.lease_s / 3
+
+    @property
+    def reclaim_interval_s(self) -> float:
+        return self.lease_s / 2

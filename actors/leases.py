@@ -1,0 +1,99 @@
+"""Leases: which request entries this replica holds, keeping them alive, and reclaiming
+entries whose owner stopped renewing (a crashed replica).
+
+The lease measures how fast a crash is noticed, never how long a job may run: in-flight
+entries are re-claimed by their owner (XCLAIM ... JUSTID resets their idle time) every
+third of the lease, however long the job takes.
+"""
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from actors.base import Actor
+from actors.config import ReplicaConfig
+from actors.messages import Delivery
+from actors.streams import Streams
+from clients.keys import GROUP
+
+log = logging.getLogger(__name__)
+HAND_BACK_IDLE_MS = 10 * 365 * 86_400_000  # "idle forever": the next XAUTOCLAIM takes it
+
+
+class Leases(Actor):
+    name = "leases"
+
+    def __init__(self, streams: Streams, config: ReplicaConfig, capacity: int):
+        super().__init__()
+        self.streams = streams
+        self.config = config
+        self.capacity = capacity
+        self.held: dict[str, Delivery] = {}  # job id -> delivery
+        self.credit_freed = asyncio.Event()
+        self.reclaim_handler: Callable[[str, str, dict], Awaitable[None]] | None = None
+        self.reclaiming = True
+
+    # ---- bookkeeping (called by ingest and publisher, same event loop) ----------------
+    def free_credits(self) -> int:
+        return self.capacity - len(self.held)
+
+    def holds(self, job_id: str) -> bool:
+        return job_id in self.held
+
+    def track(self, delivery: Delivery) -> None:
+        assert delivery.job_id not in self.held, delivery.job_id
+        self.held[delivery.job_id] = delivery
+
+    def release(self, delivery: Delivery) -> None:
+        if self.held.get(delivery.job_id) is delivery:
+            del self.held[delivery.job_id]
+            self.credit_freed.set()
+
+    # ---- the actor loop ----------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_reclaim = loop.time()
+        while True:
+            await self.renew()
+            if self.reclaiming and loop.time() >= next_reclaim:
+                await self.reclaim()
+                next_reclaim = loop.time() + self.config.reclaim_interval_s
+            await asyncio.sleep(self.config.renew_interval_s)
+
+    async def renew(self) -> None:
+        for stream, ids in self._ids_by_stream().items():
+            await self.streams.redis.xclaim(stream, GROUP, self.streams.consumer, 0, ids, justid=True)
+
+    async def reclaim(self) -> None:
+        """Take over entries idle longer than the lease (their owner died) and rerun them."""
+        min_idle_ms = int(self.config.lease_s * 1000)
+        for stream in self.streams.keys.all_requests:
+            count = self.free_credits()
+            if count <= 0 or self.reclaim_handler is None:
+                return
+            reply = await self.streams.redis.xautoclaim(stream, GROUP, self.streams.consumer, min_idle_ms,
+                                                        start_id="0-0", count=count)
+            for entry_id, fields in reply[1]:
+                entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                if fields is None:  # deleted while pending: nothing to run
+                    await self.streams.redis.xack(stream, GROUP, entry_id)
+                    continue
+                log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry_id)
+                await self.reclaim_handler(stream, entry_id, fields)
+
+    async def hand_back(self) -> None:
+        """Shutdown: make unfinished entries immediately claimable by other replicas."""
+        for stream, ids in self._ids_by_stream().items():
+            await self.streams.redis.xclaim(stream, GROUP, self.streams.consumer, 0, ids,
+                                            idle=HAND_BACK_IDLE_MS, justid=True)
+        async with self.streams.redis.pipeline(transaction=False) as pipe:
+            for delivery in self.held.values():
+                pipe.hset(self.streams.keys.job(delivery.job_id), "status", "queued")
+            await pipe.execute()
+        log.info("handed back %d unfinished jobs", len(self.held))
+        self.held.clear()
+
+    def _ids_by_stream(self) -> dict[str, list[str]]:
+        by_stream: dict[str, list[str]] = {}
+        for delivery in self.held.values():
+            by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
+        return by_stream

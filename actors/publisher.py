@@ -1,0 +1,97 @@
+"""PublisherActor: writes every job's events of a step in one pipelined round trip; a
+finished job's terminal event and status are stored before its request entry is acked."""
+import logging
+
+from actors.base import Actor
+from actors.leases import Leases
+from actors.messages import Delivery, JobEnded, StepOutputs
+from actors.streams import Streams
+from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, Timings, TokenEvent, Usage,
+                            encode_event)
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class PublisherActor(Actor):
+    name = "publisher"
+
+    def __init__(self, streams: Streams, leases: Leases):
+        super().__init__()
+        self.streams = streams
+        self.leases = leases
+        self.next_seq: dict[str, int] = {}  # job id -> seq of its next token event
+
+    async def run(self) -> None:
+        while True:
+            message = await self.mailbox.get()
+            if isinstance(message, StepOutputs):
+                await self._publish_step(message)
+            else:
+                await self._publish_ended(message)
+
+    async def _publish_step(self, message: StepOutputs) -> None:
+        finished = []
+        async with self.streams.redis.pipeline(transaction=False) as pipe:
+            for delivery, output in message.items:
+                if output.new_token_ids or output.new_text:
+                    pipe.xadd(self.streams.keys.out(delivery.job_id), encode_event(self._token(delivery, output)))
+                    pipe.expire(self.streams.keys.out(delivery.job_id), delivery.result_ttl)
+                if output.finished:
+                    status, event = self._terminal(delivery, output)
+                    await self.streams.queue_finish(pipe, delivery, status, encode_event(event))
+                    finished.append(delivery)
+            await pipe.execute()
+        self._release(finished)
+
+    async def _publish_ended(self, message: JobEnded) -> None:
+        delivery = message.delivery
+        async with self.streams.redis.pipeline(transaction=False) as pipe:
+            if message.dead_letter_reason is not None:
+                self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id,
+                                               message.dead_letter_reason, message.raw_fields)
+            if delivery.job_id:
+                event = self._ended_event(message)
+                await self.streams.queue_finish(pipe, delivery, event.type,
+                                          encode_event(event))
+            await pipe.execute()
+        self._release([delivery])
+
+    def _token(self, delivery: Delivery, output: RequestOutput) -> TokenEvent:
+        seq = self.next_seq.get(delivery.job_id, 0)
+        self.next_seq[delivery.job_id] = seq + 1
+        logprobs = None
+        if output.logprobs is not None and output.new_token_ids:
+            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                        for lp in output.logprobs[-len(output.new_token_ids):]]
+        return TokenEvent(attempt=delivery.attempt, seq=seq, text=output.new_text,
+                          token_ids=output.new_token_ids, logprobs=logprobs)
+
+    def _terminal(self, delivery: Delivery, output: RequestOutput):
+        num_events = self.next_seq.pop(delivery.job_id, 0)
+        if output.finish_reason == "abort":
+            if delivery.abort_reason == "cancelled":
+                return "cancelled", CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
+            return "error", ErrorEvent(attempt=delivery.attempt, code=delivery.abort_reason or "aborted",
+                                       message=f"job stopped: {delivery.abort_reason}", metadata=delivery.metadata)
+        metrics = output.metrics
+        usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
+                      total_tokens=len(output.prompt_token_ids) + len(output.token_ids))
+        timings = Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e) \
+            if metrics else Timings()
+        return "done", DoneEvent(attempt=delivery.attempt, seq=num_events, finish_reason=output.finish_reason,
+                                 text=output.text, token_ids=output.token_ids, usage=usage, timings=timings,
+                                 metadata=delivery.metadata)
+
+    @staticmethod
+    def _ended_event(message: JobEnded):
+        delivery = message.delivery
+        if message.event_type == "cancelled":
+            return CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
+        return ErrorEvent(attempt=delivery.attempt, code=message.code, message=message.message,
+                          metadata=delivery.metadata)
+
+    def _release(self, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            self.next_seq.pop(delivery.job_id, None)
+            self.leases.release(delivery)

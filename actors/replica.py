@@ -1,0 +1,99 @@
+"""One engine replica: wires the actors, watches for crashes and signals, shuts down
+gracefully (finish in-flight jobs within the grace period, hand back the rest)."""
+import asyncio
+import logging
+import signal
+
+import redis.asyncio as aioredis
+
+from actors.config import ReplicaConfig
+from actors.gpu import GPUActor
+from actors.ingest import IngestActor
+from actors.leases import Leases
+from actors.messages import AbortJob
+from actors.publisher import PublisherActor
+from actors.scheduler_actor import SchedulerActor
+from actors.streams import Streams
+from clients.keys import Keys
+from engine import LLMEngine
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    def __init__(self, engine: LLMEngine, config: ReplicaConfig):
+        assert config.redis_url, "a replica needs a Redis URL"
+        self.engine = engine
+        self.config = config
+        self.redis = aioredis.Redis.from_url(config.redis_url)
+        self.streams = Streams(self.redis, Keys(config.namespace), config.consumer)
+        capacity = config.max_in_flight or 2 * engine.config.max_num_seqs
+        self.leases = Leases(self.streams, config, capacity)
+        self.publisher = PublisherActor(self.streams, self.leases)
+        self.gpu = GPUActor(engine.runner)
+        self.scheduler = SchedulerActor(engine, self.gpu, self.publisher)
+        self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher,
+                                  config.max_deliveries, config.read_block_ms)
+        self.leases.reclaim_handler = self.ingest.accept
+        self.stop_requested = asyncio.Event()
+        self.crash: BaseException | None = None
+        self._cancel_task: asyncio.Task | None = None
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or ``request_stop``); 0 on a clean stop, 1 on a crash."""
+        await self.streams.ensure_groups()
+        self._install_signal_handlers()
+        for actor in (self.publisher, self.gpu, self.scheduler, self.leases, self.ingest):
+            actor.start(self._on_crash)
+        self._cancel_task = asyncio.create_task(self._listen_for_cancels())
+        log.info("replica %s serving namespace %r", self.config.consumer, self.config.namespace)
+        await self.stop_requested.wait()
+        if self.crash is None:
+            await self._drain()
+        await self._stop_actors()
+        return 1 if self.crash else 0
+
+    def request_stop(self) -> None:
+        self.stop_requested.set()
+
+    def _on_crash(self, name: str, exc: BaseException) -> None:
+        log.critical("actor %s crashed; stopping the replica", name, exc_info=exc)
+        self.crash = exc
+        self.stop_requested.set()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.request_stop)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+
+    async def _drain(self) -> None:
+        """Stop taking work; let in-flight jobs finish within the grace period."""
+        await self.ingest.stop()
+        self.leases.reclaiming = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.grace_s
+        while self.leases.held and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.leases.held:
+            await self.leases.hand_back()
+
+    async def _stop_actors(self) -> None:
+        if self._cancel_task:
+            self._cancel_task.cancel()
+        for actor in (self.ingest, self.leases, self.scheduler, self.gpu, self.publisher):
+            await actor.stop()
+        await self.redis.aclose()
+
+    async def _listen_for_cancels(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.streams.keys.cancel)
+        try:
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    job_id = message["data"].decode()
+                    await self.scheduler.send(AbortJob(job_id, "cancelled"))
+        finally:
+            await pubsub.aclose()

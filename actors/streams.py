@@ -1,0 +1,89 @@
+"""Redis Streams operations of a replica: consumer groups, reading, fenced finishing,
+dead letters. Every key it creates except the request streams gets a TTL."""
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from actors.messages import Delivery
+from clients.keys import GROUP, Keys
+
+DEAD_LETTER_MAXLEN = 100_000
+DEAD_LETTER_TTL_S = 7 * 86_400  # refreshed on every dead letter
+
+# Terminal event + status + ack, only while this replica's attempt is the latest (fencing:
+# a stale owner whose job was reclaimed must not publish a final result over the new one).
+# KEYS: job hash, out stream, request stream. ARGV: attempt, status, type, data, ttl, group,
+# entry id, now. Returns 1 when written, 0 when fenced off.
+FINISH_LUA = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
+if current > tonumber(ARGV[1]) then return 0 end
+redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'data', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[4], 'updated', ARGV[8])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+redis.call('XACK', KEYS[3], ARGV[6], ARGV[7])
+redis.call('XDEL', KEYS[3], ARGV[7])
+return 1
+"""
+
+
+class Streams:
+    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str):
+        self.redis = client
+        self.keys = keys
+        self.consumer = consumer
+        self.finish_script = client.register_script(FINISH_LUA)
+
+    async def ensure_groups(self) -> None:
+        for stream in self.keys.all_requests:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    async def read_new(self, count: int, block_ms: int) -> list[tuple[str, str, dict]]:
+        """Up to ``count`` new entries, interactive first; blocks only when both are empty."""
+        entries = []
+        for stream in self.keys.all_requests:
+            if len(entries) < count:
+                entries += await self._read({stream: ">"}, count - len(entries), None)
+        if not entries:
+            entries = await self._read({s: ">" for s in self.keys.all_requests}, count, block_ms)
+        return entries
+
+    async def _read(self, streams: dict, count: int, block_ms: int | None):
+        reply = await self.redis.xreadgroup(GROUP, self.consumer, streams, count=count, block=block_ms)
+        return [(_text(stream), _text(entry_id), fields)
+                for stream, items in (reply or []) for entry_id, fields in items if fields is not None]
+
+    async def start_attempt(self, job_id: str, ttl: int) -> tuple[int, bool]:
+        """Count this delivery on the job hash; returns (attempt, cancel requested)."""
+        key = self.keys.job(job_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(key, "attempt", 1)
+            pipe.hset(key, mapping={"status": "running", "updated": repr(time.time())})
+            pipe.expire(key, ttl)
+            pipe.hget(key, "cancel")
+            attempt, _, _, cancel = await pipe.execute()
+        return int(attempt), cancel == b"1"
+
+    async def queue_finish(self, pipe, delivery: Delivery, status: str, event: dict[str, bytes]) -> None:
+        await self.finish_script(
+            keys=[self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream],
+            args=[delivery.attempt, status, event["type"], event["data"], delivery.result_ttl, GROUP,
+                  delivery.entry_id, repr(time.time())], client=pipe)
+
+    def queue_dead_letter(self, pipe, stream: str, entry_id: str, reason: str, fields: dict | None) -> None:
+        entry = {"stream": stream, "entry_id": entry_id, "reason": reason[:4096], "at": repr(time.time())}
+        for name, value in (fields or {}).items():
+            entry[f"field:{_text(name)}"] = value
+        pipe.xadd(self.keys.dead, entry, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        pipe.expire(self.keys.dead, DEAD_LETTER_TTL_S)
+        pipe.xack(stream, GROUP, entry_id)
+        pipe.xdel(stream, entry_id)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
