@@ -133,6 +133,9 @@ def outcome(job_id: str, event: TerminalEvent) -> JobResult:
     return JobResult(job_id=job_id, **event.model_dump(exclude={"type", "seq"}), entry_id=event.entry_id)
 
 
+MAX_BLOCK_MS = 2000  # below redis-py's default 5 s socket timeout; callers loop until the deadline
+
+
 class Deadline:
     """Remaining time of an optional timeout, as XREAD BLOCK milliseconds."""
 
@@ -145,8 +148,8 @@ class Deadline:
 
     def block_ms(self) -> int:
         if self.ends is None:
-            return 0  # block forever
-        return max(1, int((self.ends - time.monotonic()) * 1000))
+            return MAX_BLOCK_MS  # no deadline: wait in slices, forever
+        return max(1, min(MAX_BLOCK_MS, int((self.ends - time.monotonic()) * 1000)))
 
     def expired(self) -> bool:
         return self.ends is not None and time.monotonic() >= self.ends

@@ -1,0 +1,48 @@
+"""Runs a real replica (engine + actors) on its own event loop in a background thread."""
+import asyncio
+import threading
+
+from actors.config import ReplicaConfig
+from actors.replica import Replica
+from engine import EngineConfig, LLMEngine
+
+
+class ReplicaThread:
+    def __init__(self, model: str, redis_url: str, namespace: str, consumer: str = "replica-a",
+                 lease_s: float = 30.0, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.config = ReplicaConfig(redis_url=redis_url, namespace=namespace, consumer=consumer,
+                                    lease_s=lease_s, grace_s=10.0, read_block_ms=100)
+        self.loop = asyncio.new_event_loop()
+        self.replica: Replica | None = None
+        self.exit_code: int | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name=consumer, daemon=True)
+
+    def start(self) -> "ReplicaThread":
+        self._thread.start()
+        assert self._ready.wait(30), "replica did not start"
+        return self
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.loop.call_soon_threadsafe(self.replica.request_stop)
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "replica did not stop"
+        return self.exit_code
+
+    def call(self, coroutine, timeout: float = 30.0):
+        """Run a coroutine on the replica's loop (to look at its state from a test)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.replica = Replica(self.engine, self.config)
+        self.loop.call_soon(self._ready.set)
+        self.exit_code = self.loop.run_until_complete(self.replica.run())
+        self.loop.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.stop()

@@ -1,0 +1,181 @@
+"""A real replica (tiny model, real Valkey) driven through the Redis front door."""
+import asyncio
+import json
+import threading
+import time
+
+import msgpack
+import pytest
+import redis
+
+from clients import Client
+from clients.errors import JobFailed
+from clients.keys import Keys
+from engine import LLM, SamplingParams
+from model_factory import build_tiny_model, mixed_prompts
+from replica_harness import ReplicaThread
+
+ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    return LLM(tiny_model, **ENGINE_OPTIONS)
+
+
+@pytest.fixture
+def replica(tiny_model, redis_url, namespace):
+    with ReplicaThread(tiny_model, redis_url, namespace, **ENGINE_OPTIONS) as running:
+        yield running
+
+
+def job_specs(count, seed):
+    prompts = mixed_prompts(768, n=count, seed=seed, min_len=1, max_len=120)
+    specs = []
+    for index, prompt in enumerate(prompts):
+        spec = {"prompt_token_ids": prompt, "max_tokens": 4 + index % 20, "temperature": 0.0}
+        if index % 3 == 1:
+            spec.update(temperature=0.8, top_p=0.9, seed=1000 + index)
+        if index % 4 == 2:
+            spec.update(priority_class="batch", ignore_eos=True)
+        specs.append(spec)
+    return specs
+
+
+def offline_expectation(llm, spec):
+    params = SamplingParams(**{k: v for k, v in spec.items() if k not in ("prompt_token_ids", "priority_class")})
+    return llm.generate([spec["prompt_token_ids"]], params, use_tqdm=False)[0]
+
+
+def test_fifty_jobs_from_three_producers_match_offline(replica, redis_url, namespace, offline):
+    results = {}
+    errors = []
+
+    def producer(index):
+        try:
+            client = Client(redis_url, namespace=namespace)
+            specs = job_specs(17 if index < 2 else 16, seed=index)
+            jobs = [(client.submit(**spec), spec) for spec in specs]
+            for job, spec in jobs:
+                deltas, seqs = [], []
+                for event in job.stream(timeout=60):
+                    deltas.append(event.text)
+                    seqs.append(event.seq)
+                results[job.job_id] = (spec, job.result(timeout=60), "".join(deltas), seqs)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=producer, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not errors, errors
+    assert len(results) == 50
+    for spec, result, streamed, seqs in results.values():
+        expected = offline_expectation(offline, spec)
+        assert result.token_ids == expected.token_ids
+        assert result.text == expected.text == streamed
+        assert seqs == list(range(len(seqs)))
+        assert result.finish_reason == expected.finish_reason
+        assert result.usage.completion_tokens == len(result.token_ids)
+
+
+def test_raw_xadd_with_json_field_completes(replica, redis_url, namespace):
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    raw.xadd(keys.interactive, {"json": json.dumps({"job_id": "raw-1", "prompt": "def main():",
+                                                     "max_tokens": 5, "temperature": 0})})
+    result = Client(redis_url, namespace=namespace).job("raw-1").result(timeout=30)
+    assert result.finish_reason in ("stop", "length") and result.token_ids
+    assert raw.hget(keys.job("raw-1"), "status") == b"done"
+    assert raw.ttl(keys.job("raw-1")) > 0 and raw.ttl(keys.out("raw-1")) > 0
+    assert raw.xlen(keys.interactive) == 0  # acked and deleted
+
+
+@pytest.mark.parametrize("fields, expect_event", [
+    ({"data": b"\xc1\xff not msgpack"}, False),
+    ({"data": msgpack.packb({"job_id": "bad-type", "prompt": "hi", "max_tokens": "5"})}, True),
+    ({"data": msgpack.packb({"job_id": "no-prompt", "max_tokens": 5})}, True),
+    ({"json": json.dumps({"job_id": "bad-temp", "prompt": "hi", "temperature": -1})}, True),
+    ({"json": "{not json"}, False),
+])
+def test_malformed_entries_are_reported_and_the_replica_keeps_serving(replica, redis_url, namespace,
+                                                                       fields, expect_event):
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    raw.xadd(keys.interactive, fields)
+    client = Client(redis_url, namespace=namespace)
+    good = client.submit(prompt="hello", max_tokens=3, temperature=0)
+    assert good.result(timeout=30).token_ids  # the next job is served
+    dead = raw.xrange(keys.dead)
+    assert len(dead) == 1 and dead[0][1][b"reason"]
+    if expect_event:
+        job_id = json.loads(fields["json"])["job_id"] if "json" in fields else msgpack.unpackb(fields["data"])["job_id"]
+        with pytest.raises(JobFailed) as failure:
+            client.job(job_id).result(timeout=10)
+        assert failure.value.code and failure.value.message
+    assert raw.xlen(keys.interactive) == 0
+
+
+def test_unknown_fields_are_ignored(replica, redis_url, namespace):
+    raw = redis.Redis.from_url(redis_url)
+    raw.xadd(Keys(namespace).interactive, {"data": msgpack.packb(
+        {"job_id": "extra", "prompt": "hi", "max_tokens": 2, "temperature": 0, "colour": "blue"})})
+    assert Client(redis_url, namespace=namespace).job("extra").result(timeout=30).token_ids
+
+
+def test_engine_level_errors_reach_the_job(replica, redis_url, namespace):
+    client = Client(redis_url, namespace=namespace)
+    job = client.submit(prompt_token_ids=[5] * 1000, max_tokens=100)  # beyond max_model_len 1024
+    with pytest.raises(JobFailed) as failure:
+        job.result(timeout=30)
+    assert "max_model_len" in failure.value.message
+    assert client.submit(prompt="ok", max_tokens=2).result(timeout=30).token_ids
+
+
+def test_two_replicas_split_the_work_and_each_job_ends_once(tiny_model, redis_url, namespace):
+    with ReplicaThread(tiny_model, redis_url, namespace, consumer="a", **ENGINE_OPTIONS) as first, \
+            ReplicaThread(tiny_model, redis_url, namespace, consumer="b", **ENGINE_OPTIONS) as second:
+        client = Client(redis_url, namespace=namespace)
+        jobs = client.submit_many([{"prompt_token_ids": p, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+                                   for p in mixed_prompts(768, n=40, seed=7, min_len=20, max_len=100)],
+                                  progress=False)
+        for job in jobs:
+            job.result(timeout=120)
+        assert first.replica.scheduler.steps > 0 and second.replica.scheduler.steps > 0
+    raw = redis.Redis.from_url(redis_url)
+    for job in jobs:
+        types = [fields[b"type"] for _, fields in raw.xrange(Keys(namespace).out(job.job_id))]
+        assert sum(t in (b"done", b"error", b"cancelled") for t in types) == 1
+        assert types[-1] == b"done"
+
+
+@pytest.mark.slow
+def test_event_loop_stays_responsive_during_a_long_prefill(redis_url, namespace):
+    """SmolLM2 prefills 2,000 tokens in one multi-second step on the GPU actor's thread;
+    meanwhile a periodic task on the replica's loop must keep running on time."""
+    with ReplicaThread("smollm2", redis_url, namespace, max_num_seqs=4, max_num_batched_tokens=2048) as running:
+        client = Client(redis_url, namespace=namespace)
+        job = client.submit(prompt_token_ids=[100 + i % 5000 for i in range(2000)], max_tokens=2)
+
+        async def probe():
+            loop = asyncio.get_running_loop()
+            lags = []
+            while not running.replica.scheduler.steps:  # until the prefill step has finished
+                before = loop.time()
+                await asyncio.sleep(0.01)
+                lags.append(loop.time() - before - 0.01)
+            return lags
+
+        started = time.perf_counter()
+        lags = running.call(probe(), timeout=120)
+        prefill_s = time.perf_counter() - started
+        job.result(timeout=60)
+    assert prefill_s > 1.0, "the prefill must be long for this check to mean anything"
+    assert len(lags) > 20 and max(lags) < 0.2, f"event loop stalled {max(lags):.3f}s during {prefill_s:.1f}s"
