@@ -77,9 +77,9 @@ class IngestActor(Actor):
         return None
 
     def _make_sequence(self, job: JobRequest, entry_id: str):
-        prompt = job.chat_messages() or job.prompt or job.prompt_token_ids
-        return self.engine.make_sequence(job.job_id, prompt, SamplingParams(**job.sampling_params()),
-                                         job.priority_class, job.priority, _enqueue_time(entry_id))
+        return self.engine.make_sequence(job.job_id, job.prompt or job.prompt_token_ids,
+                                         SamplingParams(**job.sampling_params()), job.priority_class,
+                                         job.priority, _enqueue_time(entry_id), job.chat_messages())
 
 
 def _enqueue_time(entry_id: str) -> float:

@@ -33,6 +33,15 @@ class IncrementalDetokenizer:
         self.window, self.prefix_offset, self.read_offset = self._trimmed()
         self._append(full[len(prefix):])
 
+    def flush(self) -> None:
+        """At the end: decode what was held back as an incomplete character (it stays U+FFFD)."""
+        if self.stop_string is None and self.read_offset < len(self.window):
+            prefix = self._decode(self.window[self.prefix_offset:self.read_offset])
+            full = self._decode(self.window[self.prefix_offset:])
+            self.read_offset = len(self.window)
+            if len(full) > len(prefix):
+                self._append(full[len(prefix):])
+
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out; unless ``final``, minus a possible stop-string start."""
         end = len(self.text) if final or self.stop_string else len(self.text) - self._held_back()

@@ -31,9 +31,10 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """``messages``: one conversation (list of {role, content}) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run(conversations, sampling_params, use_tqdm, None)
+        return self._run(conversations, sampling_params, use_tqdm, None, chat=True)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority,
+             chat: bool = False) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         results: dict[str, RequestOutput] = {}
@@ -42,7 +43,10 @@ class LLM:
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self.engine.add_request(request_id, prompt, param, priority=prio)
+                if chat:
+                    self.engine.add_request(request_id, params=param, priority=prio, messages=prompt)
+                else:
+                    self.engine.add_request(request_id, prompt, param, priority=prio)
             except InvalidRequest as exc:
                 results[request_id] = _error_output(request_id, prompt, exc)
         self._drain(results, len(order), use_tqdm)

@@ -36,21 +36,21 @@ class LLMEngine:
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
 
     # ---- requests --------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                     priority_class: str = "interactive", priority: int = 0,
-                    arrival_time: float | None = None) -> Sequence:
-        """``prompt``: text, token ids, or chat messages (list of dicts). Raises InvalidRequest."""
-        seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time)
+                    arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
+        """``prompt``: text or token ids; or ``messages`` (chat). Raises InvalidRequest."""
+        seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time, messages)
         self.add_sequence(seq)
         return seq
 
-    def make_sequence(self, request_id: str, prompt, params: SamplingParams | None = None,
+    def make_sequence(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                       priority_class: str = "interactive", priority: int = 0,
-                      arrival_time: float | None = None) -> Sequence:
+                      arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
         """Tokenize and validate without touching engine state (the ingest actor calls this)."""
         params = params or SamplingParams()
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            token_ids = self.inputs.apply_chat_template(prompt)
+        if messages is not None:
+            token_ids = self.inputs.apply_chat_template(messages)
         else:
             token_ids = self.inputs.tokenize(prompt)
         return self.inputs.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)

@@ -19,16 +19,18 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.states: dict[str, RequestState] = {}
+        # keyed by the Sequence itself: an aborted request's final output may still be due
+        # when a new request reuses its id
+        self.states: dict[Sequence, RequestState] = {}
 
     def add(self, seq: Sequence) -> None:
         detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop,
                                              seq.params.skip_special_tokens)
-        self.states[seq.seq_id] = RequestState(detokenizer, [] if seq.params.logprobs is not None else None)
+        self.states[seq] = RequestState(detokenizer, [] if seq.params.logprobs is not None else None)
 
     def feed(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> str | None:
         """Decode the sequence's new tokens; returns the stop string if one just completed."""
-        state = self.states[seq.seq_id]
+        state = self.states[seq]
         if logprobs is not None and state.logprobs is not None:
             state.logprobs.append(logprobs)
         detok = state.detokenizer
@@ -40,13 +42,15 @@ class OutputProcessor:
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The request's output now, with the delta since the last call. Forgets finished ones."""
-        state = self.states[seq.seq_id]
+        state = self.states[seq]
         finished = seq.is_finished
+        if finished:
+            state.detokenizer.flush()
         new_text = state.detokenizer.take_delta(final=finished)
         new_tokens = seq.output_token_ids[state.num_reported_tokens:]
         state.num_reported_tokens = seq.num_output_tokens
         if finished:
-            del self.states[seq.seq_id]
+            del self.states[seq]
         return RequestOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=state.detokenizer.text[:state.detokenizer.emitted],

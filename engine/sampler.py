@@ -43,7 +43,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [r.params for r in rows]
-        temperature = self._column([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        temperature = self._column([1.0 if p.greedy else p.temperature for p in params])
         logits = logits / temperature[:, None]
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             logits = apply_top_k_top_p_min_p(

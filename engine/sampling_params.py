@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM): no logits / ~0 overflow
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -51,7 +51,10 @@ def resolve_model_dir(model: str) -> Path:
 def load_spec(model: str) -> ModelSpec:
     from transformers import AutoConfig
     model_dir = resolve_model_dir(model)
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model: cannot read {model_dir / 'config.json'}: {exc}") from exc
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ModelLoadError(f"model: architecture {model_type!r} is not supported; supported: {SUPPORTED}")

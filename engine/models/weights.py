@@ -10,13 +10,16 @@ from engine.errors import ModelLoadError
 
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a Hugging Face checkpoint: ``*.safetensors`` (sharded too) or ``*.bin``."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         for file in files:
-            with safe_open(str(file), framework="pt") as shard:
-                for name in shard.keys():
-                    yield name, shard.get_tensor(name)
+            try:
+                with safe_open(str(file), framework="pt") as shard:
+                    for name in shard.keys():
+                        yield name, shard.get_tensor(name)
+            except SafetensorError as exc:
+                raise ModelLoadError(f"weights: cannot read {file.name}: {exc}") from exc
         return
     files = sorted(model_dir.glob("pytorch_model*.bin"))
     if not files:
@@ -38,7 +41,7 @@ class WeightLoader:
         self.packed = packed or {}
         self.transposed = transposed
         self.ignored = tuple(ignored)  # name suffixes
-        self.filled: set[str] = set()  # our parameter names that received data
+        self.filled: set[str] = set()  # our parameter names (or "fused#part") that received data
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], rename=lambda n: n) -> None:
         for raw_name, tensor in weights:
@@ -53,19 +56,31 @@ class WeightLoader:
         for fragment, (fused, offset, rows) in self.packed.items():
             if fragment in name:
                 target = name.replace(fragment, fused)
-                self._param(target, name).data[offset:offset + rows].copy_(tensor)
-                self.filled.add(target)
+                self._fill(self._param(target, name).data[offset:offset + rows], tensor, name)
+                self.filled.add(f"{target}#{fragment}")
                 return
-        param = self._param(name, name)
-        if param.shape != tensor.shape:
-            raise ModelLoadError(f"weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        self._fill(self._param(name, name).data, tensor, name)
         self.filled.add(name)
 
-    def check_complete(self, optional: tuple[str, ...] = ()) -> None:
-        missing = sorted(set(self.params) - self.filled - set(optional))
+    def check_complete(self) -> None:
+        """Every parameter, and every part of a fused one, must have come from the checkpoint."""
+        missing = sorted(self._required() - self.filled)
         if missing:
             raise ModelLoadError(f"weights: checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _required(self) -> set[str]:
+        required = set()
+        for name in self.params:
+            parts = [f"{name}#{fragment}" for fragment, (fused, _, _) in self.packed.items()
+                     if f".{fused}." in f".{name}"]
+            required.update(parts or [name])
+        return required
+
+    @staticmethod
+    def _fill(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+        if target.shape != tensor.shape:
+            raise ModelLoadError(f"weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)
 
     def _param(self, name: str, source: str) -> nn.Parameter:
         if name not in self.params:
