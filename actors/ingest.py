@@ -54,7 +54,7 @@ class IngestActor(Actor):
                                                raw_fields=fields))
             return
         attempt, cancelled = await self.streams.start_attempt(job.job_id, job.result_ttl)
-        delivery = Delivery(stream, entry_id, job.job_id, attempt, job.result_ttl, job.metadata)
+        delivery = Delivery(stream, entry_id, job.job_id, attempt, job.result_ttl, job.metadata, job.deadline)
         self.leases.track(delivery)
         ended = self._reject_reason(job, attempt, cancelled)
         if ended is not None:
@@ -74,6 +74,8 @@ class IngestActor(Actor):
             return ("error", "max_deliveries", reason, reason)
         if cancelled:
             return ("cancelled", "", "", None)
+        if job.deadline is not None and job.deadline <= time.time():
+            return ("error", "deadline_exceeded", "the job's deadline passed before it started", None)
         return None
 
     def _make_sequence(self, job: JobRequest, entry_id: str):

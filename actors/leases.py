@@ -61,7 +61,8 @@ class Leases(Actor):
 
     async def renew(self) -> None:
         for stream, ids in self._ids_by_stream().items():
-            await self.streams.redis.xclaim(stream, GROUP, self.streams.consumer, 0, ids, justid=True)
+            await self.streams.resilient(lambda: self.streams.redis.xclaim(
+                stream, GROUP, self.streams.consumer, 0, ids, justid=True), "renew leases")
 
     async def reclaim(self) -> None:
         """Take over entries idle longer than the lease (their owner died) and rerun them."""
@@ -70,26 +71,28 @@ class Leases(Actor):
             count = self.free_credits()
             if count <= 0 or self.reclaim_handler is None:
                 return
-            reply = await self.streams.redis.xautoclaim(stream, GROUP, self.streams.consumer, min_idle_ms,
-                                                        start_id="0-0", count=count)
+            reply = await self.streams.resilient(lambda: self.streams.redis.xautoclaim(
+                stream, GROUP, self.streams.consumer, min_idle_ms, start_id="0-0", count=count), "reclaim")
+            for entry_id in reply[2] if len(reply) > 2 else []:  # deleted while pending
+                await self.streams.resilient(lambda: self.streams.redis.xack(stream, GROUP, entry_id), "ack")
             for entry_id, fields in reply[1]:
                 entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                if fields is None:  # deleted while pending: nothing to run
-                    await self.streams.redis.xack(stream, GROUP, entry_id)
+                if fields is None:
                     continue
                 log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry_id)
                 await self.reclaim_handler(stream, entry_id, fields)
 
     async def hand_back(self) -> None:
         """Shutdown: make unfinished entries immediately claimable by other replicas."""
-        for stream, ids in self._ids_by_stream().items():
-            await self.streams.redis.xclaim(stream, GROUP, self.streams.consumer, 0, ids,
-                                            idle=HAND_BACK_IDLE_MS, justid=True)
-        async with self.streams.redis.pipeline(transaction=False) as pipe:
-            for delivery in self.held.values():
+        held = list(self.held.values())
+
+        async def queue(pipe):
+            for stream, ids in self._ids_by_stream().items():
+                pipe.xclaim(stream, GROUP, self.streams.consumer, 0, ids, idle=HAND_BACK_IDLE_MS, justid=True)
+            for delivery in held:
                 pipe.hset(self.streams.keys.job(delivery.job_id), "status", "queued")
-            await pipe.execute()
-        log.info("handed back %d unfinished jobs", len(self.held))
+        await self.streams.write(queue, "hand back")
+        log.info("handed back %d unfinished jobs", len(held))
         self.held.clear()
 
     def _ids_by_stream(self) -> dict[str, list[str]]:

@@ -15,7 +15,8 @@ class Delivery:
     attempt: int = 1
     result_ttl: int = 86_400
     metadata: dict = field(default_factory=dict)
-    abort_reason: str | None = None  # why the scheduler aborted it ('cancelled', ...)
+    deadline: float | None = None  # absolute epoch seconds
+    abort_reason: str | None = None  # why the scheduler aborted it ('cancelled', 'deadline_exceeded', ...)
 
 
 @dataclass

@@ -11,10 +11,12 @@ from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, Timings, Toke
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+ABORT_MESSAGES = {"deadline_exceeded": "the job's deadline passed while it was running"}
 
 
 class PublisherActor(Actor):
     name = "publisher"
+    mailbox_size = 4096  # steps keep their outputs here while Redis is briefly away
 
     def __init__(self, streams: Streams, leases: Leases):
         super().__init__()
@@ -31,30 +33,35 @@ class PublisherActor(Actor):
                 await self._publish_ended(message)
 
     async def _publish_step(self, message: StepOutputs) -> None:
-        finished = []
-        async with self.streams.redis.pipeline(transaction=False) as pipe:
-            for delivery, output in message.items:
-                if output.new_token_ids or output.new_text:
-                    pipe.xadd(self.streams.keys.out(delivery.job_id), encode_event(self._token(delivery, output)))
-                    pipe.expire(self.streams.keys.out(delivery.job_id), delivery.result_ttl)
-                if output.finished:
-                    status, event = self._terminal(delivery, output)
-                    await self.streams.queue_finish(pipe, delivery, status, encode_event(event))
-                    finished.append(delivery)
-            await pipe.execute()
-        self._release(finished)
+        # events are built once: a retried round trip resends the very same events
+        tokens, finishes = [], []
+        for delivery, output in message.items:
+            if output.new_token_ids or output.new_text:
+                tokens.append((delivery, encode_event(self._token(delivery, output))))
+            if output.finished:
+                status, event = self._terminal(delivery, output)
+                finishes.append((delivery, status, encode_event(event)))
+
+        async def queue(pipe):
+            for delivery, event in tokens:
+                pipe.xadd(self.streams.keys.out(delivery.job_id), event)
+                pipe.expire(self.streams.keys.out(delivery.job_id), delivery.result_ttl)
+            for delivery, status, event in finishes:
+                await self.streams.queue_finish(pipe, delivery, status, event)
+        await self.streams.write(queue, "publish step")
+        self._release([delivery for delivery, _, _ in finishes])
 
     async def _publish_ended(self, message: JobEnded) -> None:
         delivery = message.delivery
-        async with self.streams.redis.pipeline(transaction=False) as pipe:
+        event = encode_event(self._ended_event(message)) if delivery.job_id else None
+
+        async def queue(pipe):
             if message.dead_letter_reason is not None:
                 self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id,
                                                message.dead_letter_reason, message.raw_fields)
-            if delivery.job_id:
-                event = self._ended_event(message)
-                await self.streams.queue_finish(pipe, delivery, event.type,
-                                          encode_event(event))
-            await pipe.execute()
+            if event is not None:
+                await self.streams.queue_finish(pipe, delivery, message.event_type, event)
+        await self.streams.write(queue, "publish ended job")
         self._release([delivery])
 
     def _token(self, delivery: Delivery, output: RequestOutput) -> TokenEvent:
@@ -72,8 +79,10 @@ class PublisherActor(Actor):
         if output.finish_reason == "abort":
             if delivery.abort_reason == "cancelled":
                 return "cancelled", CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
-            return "error", ErrorEvent(attempt=delivery.attempt, code=delivery.abort_reason or "aborted",
-                                       message=f"job stopped: {delivery.abort_reason}", metadata=delivery.metadata)
+            reason = delivery.abort_reason or "aborted"
+            message = ABORT_MESSAGES.get(reason, f"job stopped: {reason}")
+            return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
+                                       metadata=delivery.metadata)
         metrics = output.metrics
         usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
                       total_tokens=len(output.prompt_token_ids) + len(output.token_ids))

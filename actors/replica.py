@@ -10,7 +10,7 @@ from actors.config import ReplicaConfig
 from actors.gpu import GPUActor
 from actors.ingest import IngestActor
 from actors.leases import Leases
-from actors.messages import AbortJob
+from actors.cancel_watcher import CancelWatcher
 from actors.publisher import PublisherActor
 from actors.scheduler_actor import SchedulerActor
 from actors.streams import Streams
@@ -34,18 +34,17 @@ class Replica:
         self.scheduler = SchedulerActor(engine, self.gpu, self.publisher)
         self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher,
                                   config.max_deliveries, config.read_block_ms)
+        self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
         self.leases.reclaim_handler = self.ingest.accept
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
-        self._cancel_task: asyncio.Task | None = None
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or ``request_stop``); 0 on a clean stop, 1 on a crash."""
-        await self.streams.ensure_groups()
+        await self.streams.resilient(self.streams.ensure_groups, "create consumer groups")
         self._install_signal_handlers()
-        for actor in (self.publisher, self.gpu, self.scheduler, self.leases, self.ingest):
+        for actor in self._actors():
             actor.start(self._on_crash)
-        self._cancel_task = asyncio.create_task(self._listen_for_cancels())
         log.info("replica %s serving namespace %r", self.config.consumer, self.config.namespace)
         await self.stop_requested.wait()
         if self.crash is None:
@@ -80,20 +79,11 @@ class Replica:
         if self.leases.held:
             await self.leases.hand_back()
 
+    def _actors(self):
+        """Downstream first, so each actor's consumers exist before it sends to them."""
+        return (self.publisher, self.gpu, self.scheduler, self.leases, self.cancels, self.ingest)
+
     async def _stop_actors(self) -> None:
-        if self._cancel_task:
-            self._cancel_task.cancel()
-        for actor in (self.ingest, self.leases, self.scheduler, self.gpu, self.publisher):
+        for actor in reversed(self._actors()):
             await actor.stop()
         await self.redis.aclose()
-
-    async def _listen_for_cancels(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.streams.keys.cancel)
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    job_id = message["data"].decode()
-                    await self.scheduler.send(AbortJob(job_id, "cancelled"))
-        finally:
-            await pubsub.aclose()

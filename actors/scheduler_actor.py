@@ -2,13 +2,16 @@
 and aborts; each iteration sends the step plan to the GPU actor, waits for the sampled
 tokens, and hands the step's outputs to the publisher."""
 import asyncio
+import time
 
+from actors import faults
 from actors.base import Actor, drain
 from actors.gpu import GPUActor
 from actors.messages import AbortJob, Delivery, NewJob, StepOutputs
 from engine import LLMEngine
 
 IDLE_POLL_S = 1.0
+EARLY_CANCEL_MEMORY_S = 60.0  # a cancel can overtake its job on the way in: remember it this long
 
 
 class SchedulerActor(Actor):
@@ -21,6 +24,7 @@ class SchedulerActor(Actor):
         self.gpu = gpu
         self.publisher = publisher
         self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
+        self.early_cancels: dict[str, float] = {}  # job id -> when a cancel for an unknown job came
         self.steps = 0
 
     @property
@@ -31,6 +35,7 @@ class SchedulerActor(Actor):
         while True:
             for message in drain(self.mailbox):
                 self._apply(message)
+            self._expire_deadlines()
             wait = self.engine.seconds_until_ready() if self.engine.has_unfinished_requests() else IDLE_POLL_S
             if wait > 0:
                 await self._wait_for_mail(min(wait, IDLE_POLL_S))
@@ -59,8 +64,30 @@ class SchedulerActor(Actor):
 
     def _apply(self, message) -> None:
         if isinstance(message, NewJob):
+            faults.crash_if_poisoned(message.delivery.metadata)
             self.deliveries[message.delivery.job_id] = message.delivery
             self.engine.add_sequence(message.seq)
-        elif isinstance(message, AbortJob) and message.job_id in self.deliveries:
-            self.deliveries[message.job_id].abort_reason = message.reason
-            self.engine.abort_request(message.job_id)
+            if self.early_cancels.pop(message.delivery.job_id, None) is not None:
+                self._abort(message.delivery.job_id, "cancelled")
+        elif isinstance(message, AbortJob):
+            if message.job_id in self.deliveries:
+                self._abort(message.job_id, message.reason)
+            else:
+                self._remember_early_cancel(message.job_id)
+
+    def _abort(self, job_id: str, reason: str) -> None:
+        delivery = self.deliveries[job_id]
+        if delivery.abort_reason is None:
+            delivery.abort_reason = reason
+            self.engine.abort_request(job_id)
+
+    def _remember_early_cancel(self, job_id: str) -> None:
+        now = time.time()
+        self.early_cancels = {k: t for k, t in self.early_cancels.items() if now - t < EARLY_CANCEL_MEMORY_S}
+        self.early_cancels[job_id] = now
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for job_id, delivery in list(self.deliveries.items()):
+            if delivery.deadline is not None and delivery.deadline <= now:
+                self._abort(job_id, "deadline_exceeded")

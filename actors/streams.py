@@ -1,11 +1,13 @@
 """Redis Streams operations of a replica: consumer groups, reading, fenced finishing,
 dead letters. Every key it creates except the request streams gets a TTL."""
 import time
+from typing import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from actors.messages import Delivery
+from actors.resilience import retrying
 from clients.keys import GROUP, Keys
 
 DEAD_LETTER_MAXLEN = 100_000
@@ -13,13 +15,17 @@ DEAD_LETTER_TTL_S = 7 * 86_400  # refreshed on every dead letter
 
 # Terminal event + status + ack, only while this replica's attempt is the latest (fencing:
 # a stale owner whose job was reclaimed must not publish a final result over the new one).
+# Idempotent: a retry after a lost reply does not add a second terminal event.
 # KEYS: job hash, out stream, request stream. ARGV: attempt, status, type, data, ttl, group,
 # entry id, now. Returns 1 when written, 0 when fenced off.
 FINISH_LUA = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
 if current > tonumber(ARGV[1]) then return 0 end
-redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'data', ARGV[4])
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[4], 'updated', ARGV[8])
+if redis.call('HGET', KEYS[1], 'finished_attempt') ~= ARGV[1] then
+  redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'data', ARGV[4])
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[4], 'updated', ARGV[8],
+           'finished_attempt', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('XACK', KEYS[3], ARGV[6], ARGV[7])
@@ -35,6 +41,18 @@ class Streams:
         self.consumer = consumer
         self.finish_script = client.register_script(FINISH_LUA)
 
+    async def resilient(self, operation: Callable[[], Awaitable], what: str):
+        """``operation`` retried through outages; recreates lost consumer groups."""
+        return await retrying(operation, what, self.ensure_groups)
+
+    async def write(self, queue_commands: Callable[[object], Awaitable[None]], what: str) -> None:
+        """One pipelined round trip, rebuilt and resent until it goes through."""
+        async def attempt():
+            async with self.redis.pipeline(transaction=False) as pipe:
+                await queue_commands(pipe)
+                await pipe.execute()
+        await self.resilient(attempt, what)
+
     async def ensure_groups(self) -> None:
         for stream in self.keys.all_requests:
             try:
@@ -45,13 +63,15 @@ class Streams:
 
     async def read_new(self, count: int, block_ms: int) -> list[tuple[str, str, dict]]:
         """Up to ``count`` new entries, interactive first; blocks only when both are empty."""
-        entries = []
-        for stream in self.keys.all_requests:
-            if len(entries) < count:
-                entries += await self._read({stream: ">"}, count - len(entries), None)
-        if not entries:
-            entries = await self._read({s: ">" for s in self.keys.all_requests}, count, block_ms)
-        return entries
+        async def read():
+            entries = []
+            for stream in self.keys.all_requests:
+                if len(entries) < count:
+                    entries += await self._read({stream: ">"}, count - len(entries), None)
+            if not entries:
+                entries = await self._read({s: ">" for s in self.keys.all_requests}, count, block_ms)
+            return entries
+        return await self.resilient(read, "read jobs")
 
     async def _read(self, streams: dict, count: int, block_ms: int | None):
         reply = await self.redis.xreadgroup(GROUP, self.consumer, streams, count=count, block=block_ms)
@@ -61,12 +81,15 @@ class Streams:
     async def start_attempt(self, job_id: str, ttl: int) -> tuple[int, bool]:
         """Count this delivery on the job hash; returns (attempt, cancel requested)."""
         key = self.keys.job(job_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(key, "attempt", 1)
-            pipe.hset(key, mapping={"status": "running", "updated": repr(time.time())})
-            pipe.expire(key, ttl)
-            pipe.hget(key, "cancel")
-            attempt, _, _, cancel = await pipe.execute()
+
+        async def start():
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hincrby(key, "attempt", 1)
+                pipe.hset(key, mapping={"status": "running", "updated": repr(time.time())})
+                pipe.expire(key, ttl)
+                pipe.hget(key, "cancel")
+                return await pipe.execute()
+        attempt, _, _, cancel = await self.resilient(start, "start job")
         return int(attempt), cancel == b"1"
 
     async def queue_finish(self, pipe, delivery: Delivery, status: str, event: dict[str, bytes]) -> None:

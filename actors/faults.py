@@ -1,0 +1,20 @@
+"""Fault injection for the reliability suite, off unless CONVEYOR_FAULT_INJECTION=1.
+
+A job whose metadata has ``"conveyor_fault": "crash"`` kills the replica that starts running
+it (as a crashing kernel would), so tests can watch poison jobs get retried and parked."""
+import logging
+import os
+
+log = logging.getLogger(__name__)
+CRASH_EXIT_CODE = 70
+
+
+def enabled() -> bool:
+    return os.environ.get("CONVEYOR_FAULT_INJECTION") == "1"
+
+
+def crash_if_poisoned(metadata: dict) -> None:
+    if enabled() and metadata.get("conveyor_fault") == "crash":
+        log.critical("fault injection: crashing on a poison job")
+        logging.shutdown()
+        os._exit(CRASH_EXIT_CODE)

@@ -1,0 +1,46 @@
+"""Surviving Redis going away: every replica operation retries with capped exponential
+backoff until the server is back, and a consumer group lost with the server's data
+(NOGROUP) is recreated. Generation keeps going meanwhile; nothing is dropped."""
+import asyncio
+import logging
+from typing import Awaitable, Callable, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+FIRST_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 2.0
+
+
+async def retrying(operation: Callable[[], Awaitable[T]], what: str,
+                   recreate_groups: Callable[[], Awaitable[None]] | None = None) -> T:
+    """Run ``operation`` until it succeeds. Connection loss: wait and retry. NOGROUP: recreate
+    the groups (the server restarted without its data) and retry. Other errors propagate."""
+    backoff = FIRST_BACKOFF_S
+    failures = 0
+    groups_missing = False
+    while True:
+        try:
+            if groups_missing:
+                await recreate_groups()
+                groups_missing = False
+            result = await operation()
+            if failures:
+                log.warning("%s: Redis is back after %d failed attempts", what, failures)
+            return result
+        except CONNECTION_ERRORS as exc:
+            failures += 1
+            if failures == 1 or failures % 20 == 0:
+                log.warning("%s: Redis unavailable (%s); retrying", what, exc)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc) or recreate_groups is None:
+                raise
+            log.warning("%s: consumer group missing (server lost its data?); recreating it", what)
+            groups_missing = True
+            continue
+        await asyncio.sleep(backoff)
+        backoff = min(MAX_BACKOFF_S, backoff * 2)
