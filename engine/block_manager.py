@@ -1,20 +1,32 @@
-"""KV block accounting (no tensors): a preallocated pool, free list, reference counts."""
-from collections import deque
+"""KV block accounting (no tensors): a preallocated pool, reference counts, and a prefix
+cache of full blocks.
+
+A full block is identified by a hash chained over its tokens (its parent block's hash and
+its own token ids), so equal prefixes map to equal block chains. Freed blocks keep their
+hash and wait in an LRU free list: a later request with the same prefix takes them back
+(a cache hit) until the pool needs them for new content (eviction from the LRU end).
+"""
+from collections import OrderedDict
 
 from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the cache
+        self.prefix_hits = 0  # of those, tokens found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_blocks)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -30,20 +42,75 @@ class BlockManager:
         """Append blocks to ``seq.block_table`` to hold ``num_tokens``; returns the new ids."""
         needed = self.num_missing_blocks(seq, num_tokens)
         assert needed <= self.num_free_blocks, "caller must check can_grow first"
-        new_ids = [self.free_block_ids.popleft() for _ in range(needed)]
-        for block_id in new_ids:
-            assert self.ref_counts[block_id] == 0
-            self.ref_counts[block_id] = 1
+        new_ids = [self._take_free_block() for _ in range(needed)]
         seq.block_table.extend(new_ids)
         return new_ids
 
     def free(self, seq: Sequence) -> None:
+        # the tail goes to the free list first, so a prefix outlives its extensions
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0
             if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+                self.free_blocks[block_id] = None
         seq.block_table = []
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence with nothing computed: take the cached blocks of its longest cached
+        prefix (never its last token, whose logits must be computed). Returns tokens reused."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        full_blocks = (seq.num_tokens - 1) // self.block_size
+        self.prefix_queries += seq.num_tokens
+        for index in range(full_blocks):
+            block_id = self.cached.get(self._hash_of(seq, index))
+            if block_id is None:
+                break
+            if self.ref_counts[block_id] == 0:
+                del self.free_blocks[block_id]
+            self.ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        seq.num_registered_blocks = len(seq.block_table)
+        reused = len(seq.block_table) * self.block_size
+        self.prefix_hits += reused
+        return reused
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish the hashes of blocks ``seq`` has completely computed since last time."""
+        if not self.enable_prefix_caching:
+            return
+        full_blocks = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        for index in range(seq.num_registered_blocks, full_blocks):
+            block_hash = self._hash_of(seq, index)
+            block_id = seq.block_table[index]
+            if block_hash not in self.cached and self.block_hash[block_id] is None:
+                self.cached[block_hash] = block_id
+                self.block_hash[block_id] = block_hash
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full_blocks)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def _hash_of(self, seq: Sequence, index: int) -> int:
+        """Chained hash of block ``index`` of ``seq``, memoised on the sequence."""
+        while len(seq.block_hashes) <= index:
+            position = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.token_ids[position * self.block_size:(position + 1) * self.block_size])
+            seq.block_hashes.append(hash((parent, tokens)))
+        return seq.block_hashes[index]
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed
+        assert self.ref_counts[block_id] == 0
+        if self.block_hash[block_id] is not None:  # evict its cached content
+            del self.cached[self.block_hash[block_id]]
+            self.block_hash[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
 
     @property
     def usage(self) -> float:

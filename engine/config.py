@@ -22,6 +22,7 @@ class EngineConfig:
     max_batch_size: int | None = None  # dynamic batching: default max_num_seqs
     batch_window_ms: float = 50.0  # dynamic batching: wait at most this for a full batch
     batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self):

@@ -20,7 +20,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
                  eos_token_ids: set[int]):
         self.config = config
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = make_policy(config)
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -87,6 +87,7 @@ class Scheduler:
             if seq is None:
                 continue  # finished (aborted) while the step ran
             seq.num_computed_tokens += item.num_new
+            self.block_manager.register_full_blocks(seq)
             token_id = sampled.get(item.seq_id)
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -111,7 +112,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_blocks_sent = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
@@ -121,9 +122,13 @@ class Scheduler:
         for seq in self.policy.admissible(ranked, now):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if not seq.block_table:
+                seq.num_computed_tokens = self.block_manager.reuse_cached_prefix(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new, reserve):
+                self.block_manager.free(seq)  # hand the cached prefix back; retried next step
+                seq.num_computed_tokens = 0
                 return
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -136,7 +141,9 @@ class Scheduler:
         assert num_new > 0
         if num_new < seq.num_uncomputed_tokens:
             self.num_chunked_prefills += 1
-        new_block_ids = self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+        self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+        new_block_ids = seq.block_table[seq.num_blocks_sent:]
+        seq.num_blocks_sent = len(seq.block_table)
         if not seq.known_to_runner:
             plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
                                             self._min_tokens_stop_ids(seq)))
@@ -185,4 +192,5 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "num_preemptions": self.num_preemptions,
             "num_chunked_prefills": self.num_chunked_prefills,
+            "prefix_cache_hit_rate": self.block_manager.prefix_hit_rate,
         }

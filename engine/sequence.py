@@ -29,6 +29,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (memo)
+    num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
+    num_blocks_sent: int = 0  # leading block-table entries the model runner already has
     admit_order: int = -1  # set each time the scheduler admits it
     finish_reason: str | None = None
     stop_reason: str | int | None = None

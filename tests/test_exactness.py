@@ -68,3 +68,29 @@ def test_sharded_checkpoint_loads(tmp_path):
     output = LLM(str(tmp_path / "sharded")).generate([prompt], SamplingParams(temperature=0, max_tokens=12),
                                                      use_tqdm=False)[0]
     assert output.token_ids == hf_greedy(source, prompt, 12)
+
+
+@pytest.mark.parametrize("options", [dict(block_size=4), dict(block_size=4, num_kv_blocks=90)],
+                         ids=["ample_kv", "preemption"])
+def test_prefix_cache_hits_keep_outputs_exact(tiny_model, options):
+    """Prompts sharing a long instruction prefix reuse its cached blocks, also after preemption."""
+    prefix = mixed_prompts(768, n=1, seed=11, min_len=70, max_len=70)[0]
+    suffixes = mixed_prompts(768, n=8, seed=12, min_len=1, max_len=40)
+    prompts = [prefix] + [prefix + s for s in suffixes] + [prefix[:50]]
+    llm = LLM(tiny_model, **options)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)  # warms the cache with the prefix
+    outputs = first + llm.generate(prompts[1:], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == hf_greedy(tiny_model, prompt, 12)
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hit_rate"] > 0.5
+    if "num_kv_blocks" in options:
+        assert stats["num_preemptions"] > 0
+
+
+def test_prefix_caching_can_be_switched_off(tiny_model):
+    prompt = mixed_prompts(768, n=1, seed=13, min_len=64, max_len=64)[0]
+    llm = LLM(tiny_model, enable_prefix_caching=False)
+    llm.generate([prompt, prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert llm.engine.stats()["prefix_cache_hit_rate"] == 0.0
