@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from clients.keys import default_namespace
 
 
+def _env_int_or_none(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
 def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
@@ -21,6 +26,7 @@ class ReplicaConfig:
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
     max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
     read_block_ms: int = 1000
+    metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
 
     @property
     def renew_interval_s(self) -> float:

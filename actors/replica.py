@@ -10,6 +10,7 @@ from actors.config import ReplicaConfig
 from actors.gpu import GPUActor
 from actors.ingest import IngestActor
 from actors.leases import Leases
+from actors.metrics import ReplicaMetrics
 from actors.cancel_watcher import CancelWatcher
 from actors.publisher import PublisherActor
 from actors.scheduler_actor import SchedulerActor
@@ -31,7 +32,8 @@ class Replica:
         self.leases = Leases(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.leases)
         self.gpu = GPUActor(engine.runner)
-        self.scheduler = SchedulerActor(engine, self.gpu, self.publisher)
+        self.metrics = ReplicaMetrics()
+        self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics)
         self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher,
                                   config.max_deliveries, config.read_block_ms)
         self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
@@ -42,6 +44,8 @@ class Replica:
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or ``request_stop``); 0 on a clean stop, 1 on a crash."""
         await self.streams.resilient(self.streams.ensure_groups, "create consumer groups")
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.metrics_port)
         self._install_signal_handlers()
         for actor in self._actors():
             actor.start(self._on_crash)

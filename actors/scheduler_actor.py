@@ -8,6 +8,7 @@ from actors import faults
 from actors.base import Actor, drain
 from actors.gpu import GPUActor
 from actors.messages import AbortJob, Delivery, NewJob, StepOutputs
+from actors.metrics import ReplicaMetrics
 from engine import LLMEngine
 
 IDLE_POLL_S = 1.0
@@ -18,9 +19,10 @@ class SchedulerActor(Actor):
     name = "scheduler"
     mailbox_size = 1024
 
-    def __init__(self, engine: LLMEngine, gpu: GPUActor, publisher: Actor):
+    def __init__(self, engine: LLMEngine, gpu: GPUActor, publisher: Actor, metrics: ReplicaMetrics):
         super().__init__()
         self.engine = engine
+        self.metrics = metrics
         self.gpu = gpu
         self.publisher = publisher
         self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
@@ -47,6 +49,7 @@ class SchedulerActor(Actor):
         result = await self.gpu.execute(plan)
         outputs = self.engine.postprocess(plan, result)
         self.steps += 1
+        self.metrics.record_step(self.engine.stats(), outputs)
         items = []
         for output in outputs:
             delivery = self.deliveries[output.request_id]

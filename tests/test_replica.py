@@ -179,3 +179,31 @@ def test_event_loop_stays_responsive_during_a_long_prefill(redis_url, namespace)
         job.result(timeout=60)
     assert prefill_s > 1.0, "the prefill must be long for this check to mean anything"
     assert len(lags) > 20 and max(lags) < 0.2, f"event loop stalled {max(lags):.3f}s during {prefill_s:.1f}s"
+
+
+def test_prometheus_endpoint_is_scraped_during_a_run(tiny_model, redis_url, namespace):
+    import socket
+    import urllib.request
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    running = ReplicaThread(tiny_model, redis_url, namespace, **ENGINE_OPTIONS)
+    running.config.metrics_port = port
+    with running:
+        client = Client(redis_url, namespace=namespace)
+        jobs = [client.submit(prompt_token_ids=p, max_tokens=8, ignore_eos=True, temperature=0)
+                for p in mixed_prompts(768, n=6, seed=5, min_len=5, max_len=40)]
+        for job in jobs:
+            job.result(timeout=60)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line and not line.startswith("#")}
+    assert values["conveyor_generation_tokens_total"] == 48
+    assert values["conveyor_requests_finished_total"] == 6
+    assert values["conveyor_time_to_first_token_seconds_count"] == 6
+    assert values["conveyor_inter_token_latency_seconds_count"] > 0
+    for name in ("conveyor_num_requests_running", "conveyor_num_requests_waiting", "conveyor_kv_cache_usage_perc",
+                 "conveyor_kv_cache_fragmentation_perc", "conveyor_prefix_cache_hit_rate", "conveyor_num_preemptions",
+                 "conveyor_prompt_tokens_total", "conveyor_e2e_request_latency_seconds_count",
+                 "conveyor_request_queue_time_seconds_count"):
+        assert name in values

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one replica, with the field's usual names (vLLM's, prefixed
+``conveyor_``). The scheduler actor records them after every step; an HTTP endpoint
+serves them when ``--metrics-port`` is set."""
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class ReplicaMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        gauge = lambda name, doc: Gauge(f"conveyor_{name}", doc, registry=self.registry)  # noqa: E731
+        counter = lambda name, doc: Counter(f"conveyor_{name}", doc, registry=self.registry)  # noqa: E731
+        histogram = lambda name, doc: Histogram(f"conveyor_{name}", doc, buckets=LATENCY_BUCKETS,  # noqa: E731
+                                                registry=self.registry)
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting in the scheduler")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
+        self.kv_fragmentation = gauge("kv_cache_fragmentation_perc",
+                                      "Allocated-but-unused KV slots / allocated slots")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self.preemptions = gauge("num_preemptions", "Preemptions since start")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.finished = counter("requests_finished", "Finished requests")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive steps")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
+        self.queue = histogram("request_queue_time_seconds", "Enqueue to first scheduled")
+        self._last_token_time: dict[str, float] = {}
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def record_step(self, stats: dict, outputs: list[RequestOutput]) -> None:
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_usage.set(stats["kv_usage"])
+        self.kv_fragmentation.set(stats["kv_fragmentation"])
+        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
+        self.preemptions.set(stats["num_preemptions"])
+        now = time.time()
+        for output in outputs:
+            self._record_tokens(output, now)
+            if output.finished:
+                self._record_finish(output)
+
+    def _record_tokens(self, output: RequestOutput, now: float) -> None:
+        if not output.new_token_ids:
+            return
+        self.generation_tokens.inc(len(output.new_token_ids))
+        last = self._last_token_time.get(output.request_id)
+        if last is not None:
+            self.itl.observe((now - last) / len(output.new_token_ids))
+        self._last_token_time[output.request_id] = now
+
+    def _record_finish(self, output: RequestOutput) -> None:
+        self._last_token_time.pop(output.request_id, None)
+        self.finished.inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        metrics = output.metrics
+        if metrics is None:
+            return
+        for histogram, value in ((self.ttft, metrics.ttft), (self.e2e, metrics.e2e), (self.queue, metrics.queue_time)):
+            if value is not None:
+                histogram.observe(value)
