@@ -5,7 +5,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.models.layers import PagedAttention
+from engine.models.layers import PagedAttention, TiedHead
 from engine.models.weights import WeightLoader
 
 ACTIVATIONS = {
@@ -78,8 +78,8 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = TiedHead(self.wte) if self.tie_word_embeddings else \
+            nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x = self.wte(input_ids) + self.wpe(positions)
@@ -88,7 +88,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.wte.weight if self.tie_word_embeddings else self.lm_head.weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
         # HF GPT-2 stores Conv1D weights as [in, out]; nn.Linear wants [out, in]

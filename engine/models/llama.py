@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead, apply_rotary
 from engine.models.weights import WeightLoader
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -153,8 +153,8 @@ class LlamaForCausalLM(nn.Module):
         self.arch = LlamaArch.from_hf(config, architecture)
         self.model = LlamaModel(self.arch)
         self.rotary = rotary_for(config, architecture, max_model_len)
-        if not self.arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        self.lm_head = TiedHead(self.model.embed_tokens) if self.arch.tie_word_embeddings else \
+            nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x = self.model.embed_tokens(input_ids)
@@ -164,8 +164,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
         a = self.arch

@@ -10,6 +10,7 @@ from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
 from engine.models.gguf_import import converted_dir, smollm2_gguf
 from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.layers import transpose_linears
 from engine.models.llama import LlamaForCausalLM, max_context
 from engine.models.weights import iter_checkpoint
 
@@ -68,6 +69,8 @@ def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
     with torch.device("cpu"):
         model = cls(spec.hf_config, architecture, max_model_len)
     model.load_weights(iter_checkpoint(spec.model_dir))
+    if device.type == "cpu":
+        transpose_linears(model)
     return model.to(device=device, dtype=dtype).eval()
 
 
