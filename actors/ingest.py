@@ -7,9 +7,10 @@ import time
 from actors.base import Actor
 from actors.leases import Leases
 from actors.messages import Delivery, JobEnded, NewJob
-from actors.streams import Streams
+from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
-from clients.protocol import JobRequest, decode_job
+from clients.keys import GROUP
+from clients.protocol import JobRequest, decode_job, payload_digest
 from engine import InvalidRequest, LLMEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -48,12 +49,13 @@ class IngestActor(Actor):
             await self.publisher.send(JobEnded(delivery, "error", exc.code or "invalid_job", exc.message,
                                                dead_letter_reason=f"{exc.code}: {exc.message}", raw_fields=fields))
             return
-        if self.leases.holds(job.job_id):
-            await self.publisher.send(JobEnded(Delivery(stream, entry_id, None), "error",
-                                               dead_letter_reason=f"job_id {job.job_id!r} is already running here",
-                                               raw_fields=fields))
+        if self.leases.holds(job.job_id):  # our own entry, reclaimed after renewals failed: keep running it
             return
-        attempt, cancelled = await self.streams.start_attempt(job.job_id, job.result_ttl)
+        attempt, cancelled = await self.streams.start_attempt(job.job_id, entry_id, job.result_ttl,
+                                                              payload_digest(job))
+        if attempt in (DUPLICATE, CONFLICT):
+            await self._drop_second_submission(stream, entry_id, job, fields, attempt == CONFLICT)
+            return
         delivery = Delivery(stream, entry_id, job.job_id, attempt, job.result_ttl, job.metadata, job.deadline)
         self.leases.track(delivery)
         ended = self._reject_reason(job, attempt, cancelled)
@@ -66,6 +68,16 @@ class IngestActor(Actor):
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
             return
         await self.scheduler.send(NewJob(delivery, job, seq))
+
+    async def _drop_second_submission(self, stream, entry_id, job, fields, conflict: bool) -> None:
+        """Another entry for a job that already has one: the job's own stream is left alone."""
+        if conflict:
+            reason = f"job_id {job.job_id!r} reused with a different payload"
+            await self.publisher.send(JobEnded(Delivery(stream, entry_id, None), "error",
+                                               dead_letter_reason=f"conflict: {reason}", raw_fields=fields))
+        else:
+            await self.streams.resilient(lambda: self.streams.redis.xack(stream, GROUP, entry_id), "ack duplicate")
+            await self.streams.resilient(lambda: self.streams.redis.xdel(stream, entry_id), "delete duplicate")
 
     def _reject_reason(self, job: JobRequest, attempt: int, cancelled: bool):
         """(event type, code, message, dead-letter reason) for a job that must not run."""

@@ -10,6 +10,20 @@ from actors.messages import Delivery
 from actors.resilience import retrying
 from clients.keys import GROUP, Keys
 
+# Start an attempt: count the delivery, unless this entry is a second submission of a job
+# that already has one (same payload: a duplicate, not run again; other payload: a conflict).
+# KEYS: job hash. ARGV: entry id, ttl, now, payload digest.
+# Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
+START_LUA = """
+local state = redis.call('HMGET', KEYS[1], 'entry', 'digest', 'cancel')
+if state[2] and state[2] ~= ARGV[4] then return {-2, ''} end
+if state[1] and state[1] ~= ARGV[1] then return {-1, ''} end
+local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'updated', ARGV[3], 'entry', ARGV[1], 'digest', ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return {attempt, state[3] or ''}
+"""
+DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 100_000
 DEAD_LETTER_TTL_S = 7 * 86_400  # refreshed on every dead letter
 
@@ -40,6 +54,7 @@ class Streams:
         self.keys = keys
         self.consumer = consumer
         self.finish_script = client.register_script(FINISH_LUA)
+        self.start_script = client.register_script(START_LUA)
 
     async def resilient(self, operation: Callable[[], Awaitable], what: str):
         """``operation`` retried through outages; recreates lost consumer groups."""
@@ -78,18 +93,10 @@ class Streams:
         return [(_text(stream), _text(entry_id), fields)
                 for stream, items in (reply or []) for entry_id, fields in items if fields is not None]
 
-    async def start_attempt(self, job_id: str, ttl: int) -> tuple[int, bool]:
-        """Count this delivery on the job hash; returns (attempt, cancel requested)."""
-        key = self.keys.job(job_id)
-
-        async def start():
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hincrby(key, "attempt", 1)
-                pipe.hset(key, mapping={"status": "running", "updated": repr(time.time())})
-                pipe.expire(key, ttl)
-                pipe.hget(key, "cancel")
-                return await pipe.execute()
-        attempt, _, _, cancel = await self.resilient(start, "start job")
+    async def start_attempt(self, job_id: str, entry_id: str, ttl: int, digest: str) -> tuple[int, bool]:
+        """Count this delivery on the job hash; returns (attempt or DUPLICATE/CONFLICT, cancel requested)."""
+        attempt, cancel = await self.resilient(lambda: self.start_script(
+            keys=[self.keys.job(job_id)], args=[entry_id, ttl, repr(time.time()), digest]), "start job")
         return int(attempt), cancel == b"1"
 
     async def queue_finish(self, pipe, delivery: Delivery, status: str, event: dict[str, bytes]) -> None:

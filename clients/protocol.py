@@ -6,6 +6,7 @@ A request-stream entry carries the job in one field: `data` (msgpack map) or `js
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -253,3 +254,10 @@ def _check_version(payload: dict) -> None:
             code="unsupported_version",
             job_id=readable_job_id(payload),
         )
+
+
+def payload_digest(job: JobRequest) -> str:
+    """What the job asks for, hashed: the same job_id with another digest is a conflict.
+    Delivery bookkeeping (result_ttl, deadline) and metadata are not part of it."""
+    content = job.model_dump(exclude={"job_id", "result_ttl", "deadline", "metadata"})
+    return hashlib.sha256(msgpack.packb(content, use_bin_type=True)).hexdigest()[:32]

@@ -207,3 +207,23 @@ def test_prometheus_endpoint_is_scraped_during_a_run(tiny_model, redis_url, name
                  "conveyor_prompt_tokens_total", "conveyor_e2e_request_latency_seconds_count",
                  "conveyor_request_queue_time_seconds_count"):
         assert name in values
+
+
+def test_second_submission_of_a_job_id_runs_once_and_conflicts_are_parked(replica, redis_url, namespace):
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    job = {"job_id": "twice", "prompt": "def main():", "max_tokens": 6, "temperature": 0}
+    raw.xadd(keys.interactive, {"json": json.dumps(job)})
+    first = Client(redis_url, namespace=namespace).job("twice").result(timeout=30)
+    raw.xadd(keys.interactive, {"json": json.dumps(job)})  # same payload: a duplicate
+    raw.xadd(keys.interactive, {"json": json.dumps({**job, "prompt": "other"})})  # a conflict
+    deadline = time.time() + 20
+    while raw.xlen(keys.interactive) and time.time() < deadline:
+        time.sleep(0.05)
+    assert raw.xlen(keys.interactive) == 0
+    terminal = [f for _, f in raw.xrange(keys.out("twice")) if f[b"type"] != b"token"]
+    assert len(terminal) == 1  # ran once
+    assert raw.hget(keys.job("twice"), "attempt") == b"1"
+    assert Client(redis_url, namespace=namespace).job("twice").result(timeout=5).token_ids == first.token_ids
+    dead = raw.xrange(keys.dead)
+    assert len(dead) == 1 and b"conflict" in dead[0][1][b"reason"]
