@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Iterable
 
-import redis
 import redis.asyncio as aioredis
 from tqdm import tqdm
 
@@ -20,9 +19,11 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent, TokenEvent
-from clients.keys import GROUP, Keys, default_namespace, default_redis_url
+from clients.keys import PRIORITY_CLASSES, Keys, default_namespace, default_redis_url
+from clients.queue_status import model_names, queue_status_commands, queue_status_from
 from clients.submission import (
     CANCEL_LUA,
+    ENQUEUED,
     QUEUE_FULL,
     SUBMIT_CHUNK,
     SUBMIT_LUA,
@@ -31,7 +32,6 @@ from clients.submission import (
     cancel_args,
     check_submitted,
     queue_full,
-    queue_status_of,
     submit_args,
 )
 
@@ -55,8 +55,9 @@ class AsyncClient:
     async def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> AsyncJob:
         job = build_job({"prompt": prompt, **fields})
         keys, args = submit_args(self.keys, job, max_queue_len)
-        check_submitted(await self._submit_script(keys, args), job, self.keys, max_queue_len)
-        return AsyncJob(self, job.job_id)
+        code = await self._submit_script(keys, args)
+        check_submitted(code, job, self.keys, max_queue_len)
+        return AsyncJob(self, job.job_id, enqueued=code == ENQUEUED)
 
     async def submit_many(
         self,
@@ -79,7 +80,8 @@ class AsyncClient:
         for job in chunk:
             await self._submit_script(*submit_args(self.keys, job, max_queue_len), client=pipe)
         codes = await pipe.execute()
-        jobs.extend(AsyncJob(self, job.job_id) for job, code in zip(chunk, codes) if code != QUEUE_FULL)
+        jobs.extend(AsyncJob(self, job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes)
+                    if code != QUEUE_FULL)  # fmt: skip
         if QUEUE_FULL in codes:
             raise queue_full(chunk[codes.index(QUEUE_FULL)], self.keys, max_queue_len, jobs)
 
@@ -87,18 +89,12 @@ class AsyncClient:
         return AsyncJob(self, job_id)
 
     async def queue_status(self) -> dict[str, Any]:
-        streams = self.keys.all_requests
-        xlens = {s: await self.redis.xlen(s) for s in streams}
-        groups = {s: await self._xinfo(self.redis.xinfo_groups, s) for s in streams}
-        consumers = {s: await self._xinfo(self.redis.xinfo_consumers, s, GROUP) for s in streams}
-        return queue_status_of(self.keys, xlens, groups, consumers, await self.redis.xlen(self.keys.dead))
-
-    @staticmethod
-    async def _xinfo(command: Any, *args: str) -> list:
-        try:
-            return await command(*args)
-        except redis.ResponseError:
-            return []
+        streams = [k for c in PRIORITY_CLASSES async for k in self.redis.scan_iter(
+            match=self.keys.model_requests_pattern(c), _type="STREAM")]  # fmt: skip
+        models = model_names(self.keys, await self.redis.smembers(self.keys.models), streams)
+        pipe = self.redis.pipeline(transaction=False)
+        queue_status_commands(pipe, self.keys, models)
+        return queue_status_from(self.keys, models, await pipe.execute(raise_on_error=False))
 
     async def close(self) -> None:
         if self._owns_redis:
@@ -114,9 +110,10 @@ class AsyncClient:
 class AsyncJob:
     """Async handle on one submitted job; same semantics as clients.client.Job."""
 
-    def __init__(self, client: AsyncClient, job_id: str) -> None:
+    def __init__(self, client: AsyncClient, job_id: str, enqueued: bool | None = None) -> None:
         self.client = client
         self.job_id = job_id
+        self.enqueued = enqueued
         self._terminal: TerminalEvent | None = None
 
     def __repr__(self) -> str:

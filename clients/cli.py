@@ -1,4 +1,4 @@
-"""Client subcommands `submit` and `status`.
+"""Client subcommands `submit`, `status` and `summarize`.
 
 The `conveyor` entry point (actors/cli.py) calls `register(subparsers)`; this module also
 runs on its own: `python -m clients.cli submit "Hello" --stream`. `register` adds
@@ -15,12 +15,15 @@ import time
 from typing import Any
 
 import redis
+from pydantic import ValidationError
 
 from clients.client import Client, Job
 from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
 from clients.keys import PRIORITY_CLASSES
+from clients.summarize import summarize_documents
+from clients.summary_prompts import SummarizeOptions
 
-EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # (flag, job field, type) of the sampling and scheduling options of `submit`.
 JOB_OPTIONS = [
@@ -42,11 +45,30 @@ JOB_OPTIONS = [
 ]
 
 
+# (flag, SummarizeOptions field, type) of `summarize`.
+SUMMARIZE_OPTIONS = [
+    ("--model", "model", str),
+    ("--max-tokens", "max_tokens", int),
+    ("--max-chunk-tokens", "max_chunk_tokens", int),
+    ("--context-tokens", "context_tokens", int),
+    ("--overlap-tokens", "overlap_tokens", int),
+    ("--instruction", "map_instruction", str),
+    ("--reduce-instruction", "reduce_instruction", str),
+    ("--system", "system_prompt", str),
+    ("--temperature", "temperature", float),
+    ("--max-in-flight", "max_in_flight", int),
+    ("--job-timeout", "job_timeout", float),
+    ("--result-ttl", "result_ttl", int),
+]
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `submit` and `status` subcommands (each with --redis-url/--namespace)."""
+    """Add the `submit`, `status` and `summarize` subcommands (each with --redis-url/--namespace)."""
     connection = _connection_options()
     _add_submit(subparsers.add_parser("submit", parents=[connection], help="submit jobs and print results"))
     _add_status(subparsers.add_parser("status", parents=[connection], help="show queues and consumers"))
+    _add_summarize(subparsers.add_parser("summarize", parents=[connection],
+                                         help="summarize documents (map-reduce through the queue, resumable)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +107,18 @@ def _add_submit(parser: argparse.ArgumentParser) -> None:
 def _add_status(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
     parser.set_defaults(func=run_status)
+
+
+def _add_summarize(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="text files, or folders of them (recursively)")
+    parser.add_argument("--out", default="summaries", help="output folder (default: ./summaries)")
+    for flag, field, kind in SUMMARIZE_OPTIONS:
+        info = SummarizeOptions.model_fields[field]
+        help_text = f"{info.description}; default: {info.default}" if info.description else f"default: {info.default}"
+        parser.add_argument(flag, dest=field, type=kind, default=None, help=help_text.replace("%", "%%"))
+    parser.add_argument("--priority-class", choices=PRIORITY_CLASSES, default=None, help="default: batch")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run_summarize)
 
 
 # ---------------------------------------------------------------- submit
@@ -217,16 +251,63 @@ def _status(args: argparse.Namespace) -> int:
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [f"namespace {status['namespace']}"]
-    for name, info in status["requests"].items():
-        group = f"pending {info['pending']}, lag {info['lag']}" if info["group"] else "no consumer group yet"
-        lines.append(f"  {name:<12} {info['stream']}: length {info['length']}, {group}")
-        for consumer in info["consumers"]:
-            lines.append(
-                f"    consumer {consumer['name']}: pending {consumer['pending']}, idle {consumer['idle_s']:.1f} s"
-            )
+    lines += _stream_lines(status["requests"], "  ")
+    for model, info in status["models"].items():
+        published = f"published, max_model_len {info['max_model_len']}" if info["published"] else "not published"
+        lines.append(f"  model {model} ({published})")
+        lines += _stream_lines(info["requests"], "    ")
+    for model, info in status["models"].items():
+        if info["unserved"]:
+            why = "no consumers" if info["published"] else "no replica published it"
+            lines.append(f"  ! {info['queued']} queued jobs for model {model!r} and no replica serves it ({why})")
     dead = status["dead_letter"]
     lines.append(f"  dead letters {dead['stream']}: length {dead['length']}")
     return "\n".join(lines)
+
+
+def _stream_lines(requests: dict[str, Any], indent: str) -> list[str]:
+    lines = []
+    for name, info in requests.items():
+        group = f"pending {info['pending']}, lag {info['lag']}" if info["group"] else "no consumer group yet"
+        lines.append(f"{indent}{name:<12} {info['stream']}: length {info['length']}, {group}")
+        for consumer in info["consumers"]:
+            lines.append(
+                f"{indent}  consumer {consumer['name']}: pending {consumer['pending']}, idle {consumer['idle_s']:.1f} s"
+            )
+    return lines
+
+
+# ---------------------------------------------------------------- summarize
+
+
+def run_summarize(args: argparse.Namespace) -> int:
+    try:
+        return _reporting_errors(_summarize, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume (finished jobs are reused)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _summarize(args: argparse.Namespace) -> int:
+    names = [field for _, field, _ in SUMMARIZE_OPTIONS] + ["priority_class"]
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        results = summarize_documents(args.paths, args.out, redis_url=args.redis_url, namespace=args.namespace,
+                                      progress=not args.quiet, **options)  # fmt: skip
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        return _fail(f"invalid option {'.'.join(map(str, error['loc']))}: {error['msg']}", EXIT_USAGE)
+    for result in results:
+        print(_summary_line(result.record), file=sys.stdout if result.ok else sys.stderr)
+    return EXIT_OK if all(r.ok for r in results) else EXIT_JOB_FAILED
+
+
+def _summary_line(record: dict[str, Any]) -> str:
+    if record["status"] == "error":
+        return f"error: {record['error']}"
+    jobs = record["jobs"]
+    return (f"{record['document']}: {len(record['chunks'])} chunks, {len(jobs)} jobs ({record['submitted']} "
+            f"submitted, {record['reused']} reused), {record['wall_s']:.1f} s -> {record['summary_file']}")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent, TokenEvent
-from clients.keys import GROUP, Keys, default_namespace, default_redis_url
+from clients.keys import PRIORITY_CLASSES, Keys, default_namespace, default_redis_url
+from clients.queue_status import model_names, queue_status_commands, queue_status_from
 from clients.submission import (
     CANCEL_LUA,
+    ENQUEUED,
     QUEUE_FULL,
     SUBMIT_CHUNK,
     SUBMIT_LUA,
@@ -30,7 +32,6 @@ from clients.submission import (
     cancel_args,
     check_submitted,
     queue_full,
-    queue_status_of,
     submit_args,
 )
 
@@ -58,8 +59,9 @@ class Client:
         """Validate, then enqueue one job (idempotent per job_id). See JobRequest for fields."""
         job = build_job({"prompt": prompt, **fields})
         keys, args = submit_args(self.keys, job, max_queue_len)
-        check_submitted(self._submit_script(keys, args), job, self.keys, max_queue_len)
-        return Job(self, job.job_id)
+        code = self._submit_script(keys, args)
+        check_submitted(code, job, self.keys, max_queue_len)
+        return Job(self, job.job_id, enqueued=code == ENQUEUED)
 
     def submit_many(
         self,
@@ -83,7 +85,8 @@ class Client:
         for job in chunk:
             self._submit_script(*submit_args(self.keys, job, max_queue_len), client=pipe)
         codes = pipe.execute()
-        jobs.extend(Job(self, job.job_id) for job, code in zip(chunk, codes) if code != QUEUE_FULL)
+        jobs.extend(Job(self, job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes)
+                    if code != QUEUE_FULL)  # fmt: skip
         if QUEUE_FULL in codes:
             raise queue_full(chunk[codes.index(QUEUE_FULL)], self.keys, max_queue_len, jobs)
 
@@ -92,19 +95,15 @@ class Client:
         return Job(self, job_id)
 
     def queue_status(self) -> dict[str, Any]:
-        """Lengths, pending counts and consumers of the request streams; dead-letter length."""
-        streams = self.keys.all_requests
-        xlens = {s: self.redis.xlen(s) for s in streams}
-        groups = {s: self._xinfo(self.redis.xinfo_groups, s) for s in streams}
-        consumers = {s: self._xinfo(self.redis.xinfo_consumers, s, GROUP) for s in streams}
-        return queue_status_of(self.keys, xlens, groups, consumers, self.redis.xlen(self.keys.dead))
-
-    @staticmethod
-    def _xinfo(command: Any, *args: str) -> list:
-        try:
-            return command(*args)
-        except redis.ResponseError:  # no such stream or group yet
-            return []
+        """Lengths, pending counts and consumers of the default and per-model request
+        streams, which models are published (and which have queued jobs nobody serves),
+        dead-letter length."""
+        streams = [k for c in PRIORITY_CLASSES for k in self.redis.scan_iter(
+            match=self.keys.model_requests_pattern(c), _type="STREAM")]  # fmt: skip
+        models = model_names(self.keys, self.redis.smembers(self.keys.models), streams)
+        pipe = self.redis.pipeline(transaction=False)
+        queue_status_commands(pipe, self.keys, models)
+        return queue_status_from(self.keys, models, pipe.execute(raise_on_error=False))
 
     def close(self) -> None:
         if self._owns_redis:
@@ -118,11 +117,16 @@ class Client:
 
 
 class Job:
-    """Handle on one submitted job."""
+    """Handle on one submitted job.
 
-    def __init__(self, client: Client, job_id: str) -> None:
+    `enqueued` (set by submit): True when this call enqueued it, False when a job with
+    this id already existed (idempotent submit), None for handles from `client.job(id)`.
+    """
+
+    def __init__(self, client: Client, job_id: str, enqueued: bool | None = None) -> None:
         self.client = client
         self.job_id = job_id
+        self.enqueued = enqueued
         self._terminal: TerminalEvent | None = None
 
     def __repr__(self) -> str:

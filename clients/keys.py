@@ -46,6 +46,39 @@ class Keys:
     def all_requests(self) -> tuple[str, ...]:
         return tuple(self.requests(c) for c in PRIORITY_CLASSES)
 
+    def model_requests(self, model: str, priority_class: str) -> str:
+        """Request stream of jobs naming `model`: only replicas serving that model read it."""
+        if not model:
+            raise ValueError("model must be a non-empty name")
+        return f"{self.requests(priority_class)}:{model}"
+
+    def all_model_requests(self, model: str) -> tuple[str, ...]:
+        return tuple(self.model_requests(model, c) for c in PRIORITY_CLASSES)
+
+    def request_stream(self, priority_class: str, model: str | None = None) -> str:
+        """Where a job goes: its model's own stream when it names one, else the default."""
+        return self.model_requests(model, priority_class) if model else self.requests(priority_class)
+
+    def model_requests_pattern(self, priority_class: str) -> str:
+        """SCAN MATCH pattern of every model's request stream of one class."""
+        return _glob_escape(f"{self.requests(priority_class)}:") + "*"
+
+    def model_of_stream(self, stream: str, priority_class: str) -> str | None:
+        """The model named by a per-model request stream key, else None."""
+        prefix = f"{self.requests(priority_class)}:"
+        if not stream.startswith(prefix):
+            return None
+        return stream[len(prefix):] or None
+
+    def model_info(self, name: str) -> str:
+        """Hash describing a served model for light clients (see clients/model_info.py)."""
+        return f"{self.ns}:model:{name}"
+
+    @property
+    def models(self) -> str:
+        """Set of the names whose model info was published."""
+        return f"{self.ns}:models"
+
     def out(self, job_id: str) -> str:
         """Per-job output stream of events."""
         return f"{self.ns}:out:{job_id}"
@@ -62,3 +95,7 @@ class Keys:
     def cancel(self) -> str:
         """Pub/sub channel carrying the ids of jobs whose cancellation was requested."""
         return f"{self.ns}:cancel"
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)

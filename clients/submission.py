@@ -7,7 +7,7 @@ import time
 from typing import Any, Iterable
 
 from clients.errors import InvalidJob, QueueFull
-from clients.keys import GROUP, Keys
+from clients.keys import Keys
 from clients.protocol import JobRequest, encode_job, validate_job
 
 # Enqueue once per job_id (idempotent submit) and only below the queue bound.
@@ -63,13 +63,13 @@ def _unknown_message(name: str) -> str:
 
 
 def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of SUBMIT_LUA for `job`."""
+    """KEYS and ARGV of SUBMIT_LUA for `job` (a job naming a model goes to that model's stream)."""
     data = encode_job(job)["data"]
     args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0]
-    return [keys.job(job.job_id), keys.requests(job.priority_class)], args
+    return [keys.job(job.job_id), keys.request_stream(job.priority_class, job.model)], args
 
 
-QUEUE_FULL = -1
+QUEUE_FULL, ENQUEUED = -1, 1  # SUBMIT_LUA replies (0: job id already known, not enqueued)
 
 
 def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int | None) -> None:
@@ -78,41 +78,10 @@ def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int |
 
 
 def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list) -> QueueFull:
-    stream = keys.requests(job.priority_class)
+    stream = keys.request_stream(job.priority_class, job.model)
     message = f"{stream} holds {max_queue_len} or more entries (max_queue_len={max_queue_len})"
     return QueueFull(message, submitted=submitted)
 
 
 def cancel_args(keys: Keys, job_id: str) -> tuple[list[str], list[str]]:
     return [keys.job(job_id)], [keys.cancel, job_id]
-
-
-def queue_status_of(keys: Keys, xlens: dict[str, int], groups: dict[str, list], consumers: dict[str, list],
-                    dead_len: int) -> dict[str, Any]:  # fmt: skip
-    """Plain-data summary of the request streams, consumer group and dead letters."""
-    classes = {}
-    for stream in keys.all_requests:
-        group = next((g for g in groups.get(stream, []) if _text(g.get("name")) == GROUP), None)
-        classes[stream.rsplit(":", 1)[1]] = {
-            "stream": stream,
-            "length": xlens.get(stream, 0),
-            "group": group is not None,
-            "pending": int(group.get("pending", 0)) if group else 0,
-            "lag": group.get("lag") if group else None,
-            "consumers": [_consumer(c) for c in consumers.get(stream, [])],
-        }
-    return {"namespace": keys.ns, "requests": classes, "dead_letter": {"stream": keys.dead, "length": dead_len}}
-
-
-def _consumer(info: dict) -> dict[str, Any]:
-    inactive = info.get("inactive")
-    return {
-        "name": _text(info.get("name")),
-        "pending": int(info.get("pending", 0)),
-        "idle_s": int(info.get("idle", 0)) / 1000,
-        "inactive_s": None if inactive in (None, -1) else int(inactive) / 1000,
-    }
-
-
-def _text(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value

@@ -14,6 +14,7 @@ from engine.models.layers import PagedAttention
 from engine.models.loader import ModelSpec, build_model
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import Sampler, SamplingRow
+from kernels import cpu_extension
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -57,6 +58,8 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed)
+        if self.device.type == "cpu":
+            cpu_extension.load()  # build or load the fused kernel now, not inside the first step
         self.seqs: dict[str, RunnerSeq] = {}
 
     # ---- KV cache --------------------------------------------------------------------

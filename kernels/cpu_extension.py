@@ -1,6 +1,14 @@
-"""The compiled CPU kernels, built once on first use (torch's C++ extension loader caches the
-build). When no compiler is available the torch reference path is used instead."""
+"""The compiled CPU kernels, built once on first use and loaded directly afterwards.
+
+The build goes through torch's C++ extension loader (ninja, a lock while compiling). Once
+the shared library exists for this exact source, it is imported directly: no lock, so a
+process killed mid-load can never leave others waiting. Without a compiler the torch
+reference path is used instead.
+"""
 import functools
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import shutil
@@ -9,6 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
 
 
 @functools.cache
@@ -16,13 +25,35 @@ def load():
     """The extension module, or None (disabled with CONVEYOR_CPU_KERNELS=0, or build failed)."""
     if os.environ.get("CONVEYOR_CPU_KERNELS", "1") == "0":
         return None
-    if shutil.which("ninja") is None:  # the `ninja` wheel installs next to this interpreter
-        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    name, build_dir = _build_location()
+    built = build_dir / f"{name}.so"
     try:
-        from torch.utils.cpp_extension import load as load_extension
-        return load_extension(name="conveyor_cpu_kernels", sources=[str(SOURCE)],
-                              extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
-                              verbose=False)
+        return _import(name, built) if built.exists() else _build(name, build_dir)
     except Exception as exc:  # no compiler, missing headers...: keep serving on the reference path
         log.warning("CPU attention kernel unavailable (%s); using the torch reference path", exc)
         return None
+
+
+def _build_location() -> tuple[str, Path]:
+    from torch.utils.cpp_extension import _get_build_directory
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    name = f"conveyor_cpu_kernels_{digest}"
+    return name, Path(_get_build_directory(name, verbose=False))
+
+
+def _build(name: str, build_dir: Path):
+    from torch.utils.cpp_extension import load as load_extension
+    if shutil.which("ninja") is None:  # the `ninja` wheel installs next to this interpreter
+        os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    log.info("building the CPU attention kernel (once)")
+    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                          build_directory=str(build_dir), verbose=False)
+
+
+def _import(name: str, path: Path):
+    import torch  # noqa: F401  (the library links against torch's)
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module

@@ -1,0 +1,177 @@
+"""What a light client needs to know about a served model, published by each replica.
+
+`<ns>:model:<name>` is a hash (see docs/protocol.md, "Model info") holding the model's
+name, max_model_len, EOS ids, chat template, special tokens and tokenizer.json bytes with
+their sha256, so producers count tokens exactly with `tokenizers` (TokenCounter), without
+torch. `<ns>:models` is the set of published names. Both have a TTL: replicas republish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from clients.errors import ConveyorError, ProtocolError
+from clients.keys import Keys
+
+MODEL_INFO_VERSION = 1
+MODEL_INFO_TTL_S = 3600  # replicas republish well within it (MODEL_INFO_REPUBLISH_S)
+MODEL_INFO_REPUBLISH_S = 600
+
+
+class ModelNotPublished(ConveyorError):
+    """No (or no single) model info to use: no replica published one, or several did."""
+
+    code = "model_not_published"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    tokenizer_json: bytes | None = field(default=None, repr=False)
+    special_tokens: Mapping[str, Any] = field(default_factory=dict)  # bos_token, eos_token, ...
+    published_at: float | None = None
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        return None if self.tokenizer_json is None else hashlib.sha256(self.tokenizer_json).hexdigest()
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @classmethod
+    def from_hf_tokenizer(cls, name: str, max_model_len: int, eos_token_ids: Any, tokenizer: Any) -> ModelInfo:
+        """From a transformers fast tokenizer (duck-typed: clients/ never imports transformers).
+
+        Its backend tokenizer, not the file, so edits transformers makes on load (a BOS
+        post-processor, say) are what clients count with.
+        """
+        return cls(
+            name=name,
+            max_model_len=int(max_model_len),
+            eos_token_ids=tuple(sorted(int(t) for t in eos_token_ids)),
+            chat_template=tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+            tokenizer_json=tokenizer.backend_tokenizer.to_str().encode(),
+            special_tokens=dict(tokenizer.special_tokens_map),
+        )
+
+    def to_fields(self) -> dict[str, str | bytes]:
+        """Hash fields of `<ns>:model:<name>`."""
+        fields: dict[str, str | bytes] = {
+            "v": str(MODEL_INFO_VERSION),
+            "name": self.name,
+            "max_model_len": str(self.max_model_len),
+            "eos_token_ids": json.dumps(list(self.eos_token_ids)),
+            "chat_template": self.chat_template or "",
+            "special_tokens": json.dumps(dict(self.special_tokens)),
+            "published_at": repr(time.time() if self.published_at is None else self.published_at),
+        }
+        if self.tokenizer_json is not None:
+            fields.update(tokenizer_json=self.tokenizer_json, tokenizer_sha256=self.tokenizer_sha256)
+        return fields
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[bytes, bytes]) -> ModelInfo:
+        text = {k.decode(): v for k, v in fields.items()}
+        try:
+            info = cls(
+                name=text["name"].decode(),
+                max_model_len=int(text["max_model_len"]),
+                eos_token_ids=tuple(json.loads(text.get("eos_token_ids", b"[]"))),
+                chat_template=text.get("chat_template", b"").decode() or None,
+                tokenizer_json=text.get("tokenizer_json"),
+                special_tokens=json.loads(text.get("special_tokens", b"{}")),
+                published_at=float(text["published_at"]) if "published_at" in text else None,
+            )
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"model info is malformed: {type(exc).__name__}: {exc}") from None
+        _check_sha256(info, text.get("tokenizer_sha256"))
+        return info
+
+    def token_counter(self) -> Any:
+        """A TokenCounter (clients.token_counter) for this model."""
+        from clients.token_counter import TokenCounter  # imports tokenizers and jinja2: only when asked
+
+        if self.tokenizer_json is None:
+            raise ModelNotPublished(f"model {self.name!r}: its model info carries no tokenizer.json")
+        return TokenCounter.from_json(self.tokenizer_json, self.chat_template, self.special_tokens)
+
+
+def _check_sha256(info: ModelInfo, published: bytes | None) -> None:
+    if published is not None and info.tokenizer_sha256 != published.decode():
+        raise ProtocolError(f"model info of {info.name!r}: tokenizer_json does not match its tokenizer_sha256")
+
+
+# ---------------------------------------------------------------- publish
+
+
+def queue_publish(pipe: Any, keys: Keys, info: ModelInfo, ttl_s: int = MODEL_INFO_TTL_S) -> None:
+    """Queue the publish on a redis-py pipeline, sync or asyncio (use transaction=True)."""
+    key = keys.model_info(info.name)
+    pipe.delete(key)  # no field left over from an older publish
+    pipe.hset(key, mapping=info.to_fields())
+    pipe.expire(key, ttl_s)
+    pipe.sadd(keys.models, info.name)
+    pipe.expire(keys.models, ttl_s)
+
+
+def publish_model_info(redis: Any, keys: Keys, info: ModelInfo, ttl_s: int = MODEL_INFO_TTL_S) -> None:
+    pipe = redis.pipeline(transaction=True)
+    queue_publish(pipe, keys, info, ttl_s)
+    pipe.execute()
+
+
+async def publish_model_info_async(redis: Any, keys: Keys, info: ModelInfo, ttl_s: int = MODEL_INFO_TTL_S) -> None:
+    """What a replica awaits at start and every MODEL_INFO_REPUBLISH_S (redis.asyncio client)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        queue_publish(pipe, keys, info, ttl_s)
+        await pipe.execute()
+
+
+# ---------------------------------------------------------------- fetch
+
+
+def fetch_model_info(redis: Any, keys: Keys, name: str | None = None) -> ModelInfo:
+    """Model info of `name`, or of the only published model when `name` is None."""
+    if name is None:
+        members = sorted(redis.smembers(keys.models))
+        pipe = redis.pipeline(transaction=False)
+        for member in members:
+            pipe.exists(keys.model_info(member.decode()))
+        name = only_model(keys, members, pipe.execute())
+    return model_info_from(keys, name, redis.hgetall(keys.model_info(name)))
+
+
+async def fetch_model_info_async(redis: Any, keys: Keys, name: str | None = None) -> ModelInfo:
+    if name is None:
+        members = sorted(await redis.smembers(keys.models))
+        pipe = redis.pipeline(transaction=False)
+        for member in members:
+            pipe.exists(keys.model_info(member.decode()))
+        name = only_model(keys, members, await pipe.execute())
+    return model_info_from(keys, name, await redis.hgetall(keys.model_info(name)))
+
+
+def only_model(keys: Keys, members: list[bytes], exists: list[int]) -> str:
+    live = [m.decode() for m, alive in zip(members, exists) if alive]
+    if not live:
+        raise ModelNotPublished(
+            f"no model info published in namespace {keys.ns!r} ({keys.models} is empty): "
+            "start a replica (it publishes its model) or check --namespace"
+        )
+    if len(live) > 1:
+        raise ModelNotPublished(f"several models are published ({', '.join(live)}): name one with model=...")
+    return live[0]
+
+
+def model_info_from(keys: Keys, name: str, fields: Mapping[bytes, bytes]) -> ModelInfo:
+    if not fields:
+        raise ModelNotPublished(f"no model info for {name!r} at {keys.model_info(name)}: no replica serves it")
+    return ModelInfo.from_fields(fields)

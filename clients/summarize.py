@@ -1,0 +1,211 @@
+"""Summarize documents through the queue: map-reduce over token-budgeted chunks.
+
+    from clients.summarize import summarize_documents
+    results = summarize_documents(["report.txt", "docs/"], out_dir="summaries", max_tokens=96)
+
+Map: one job per chunk, each prompt starting with the same instruction. Reduce: the chunk
+summaries are combined, level after level, until one summary remains. Every job id is a
+hash of what the job computes (document content, step, prompt, parameters, model) and
+submitting a known id is a no-op, so a rerun after a crash or Ctrl-C waits on the jobs
+already queued or finished and submits only the missing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from tqdm import tqdm
+
+from clients.async_client import AsyncClient, AsyncJob
+from clients.chunking import Chunk
+from clients.documents import Document, load_documents, summary_path, write_outputs
+from clients.errors import JobFailed, Timeout
+from clients.event_reader import JobResult
+from clients.model_info import ModelInfo, fetch_model_info_async
+from clients.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
+
+__all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents",
+           "summarize_documents_async"]  # fmt: skip
+
+RETRIED_STATUSES = ("error", "cancelled")
+
+
+@dataclass
+class DocumentSummary:
+    """Outcome for one document: `summary` or `error`, and the run record (also in JSON)."""
+
+    name: str
+    source: str | None
+    summary: str | None
+    error: str | None
+    record: dict[str, Any] = field(repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str | Path | None = None, *,
+                        redis_url: str | None = None, namespace: str | None = None, progress: bool = False,
+                        **options: Any) -> list[DocumentSummary]:  # fmt: skip
+    """Summarize files, folders and Documents; `options` are SummarizeOptions fields.
+
+    Writes `<name>.summary.txt` and `<name>.summary.json` per document into `out_dir`
+    when given. Raises ModelNotPublished when no model info can be found.
+    """
+    return asyncio.run(summarize_documents_async(
+        sources, out_dir, redis_url=redis_url, namespace=namespace, progress=progress, **options))  # fmt: skip
+
+
+async def summarize_documents_async(sources: Iterable[str | Path | Document], out_dir: str | Path | None = None,
+                                    *, client: AsyncClient | None = None, redis_url: str | None = None,
+                                    namespace: str | None = None, progress: bool = False,
+                                    **options: Any) -> list[DocumentSummary]:  # fmt: skip
+    """summarize_documents as a coroutine, optionally on an existing AsyncClient."""
+    settings = SummarizeOptions(**options)
+    documents = load_documents(sources)
+    owned = client is None
+    client = client or AsyncClient(redis_url, namespace)
+    try:
+        info = await fetch_model_info_async(client.redis, client.keys, settings.model)
+        run = _Run(client, info, settings, Path(out_dir) if out_dir else None, progress, len(documents))
+        try:
+            return list(await asyncio.gather(*(run.summarize(doc) for doc in documents)))
+        finally:
+            run.close()
+    finally:
+        if owned:
+            await client.close()
+
+
+class _Run:
+    """One pipeline run: shared prompts, the bound on jobs in flight, progress bars."""
+
+    def __init__(self, client: AsyncClient, info: ModelInfo, options: SummarizeOptions, out_dir: Path | None,
+                 progress: bool, documents: int) -> None:  # fmt: skip
+        self.client, self.info, self.options, self.out_dir = client, info, options, out_dir
+        self.prompts = Prompts(options, info.token_counter(), info.max_model_len)
+        self.in_flight = asyncio.Semaphore(options.max_in_flight)
+        self.documents_bar = tqdm(total=documents, desc="documents", unit="doc", disable=not progress, position=0)
+        self.jobs_bar = tqdm(total=0, desc="jobs (chunks + merges)", unit="job", disable=not progress, position=1)
+
+    def close(self) -> None:
+        self.jobs_bar.close()
+        self.documents_bar.close()
+
+    async def summarize(self, doc: Document) -> DocumentSummary:
+        record = _Record(doc, self)
+        try:
+            summary, error = await self._summarize(doc, record), None
+        except SummarizeError as exc:
+            summary, error = None, f"{doc.name}: {exc.message}"
+        written = self.out_dir and summary is not None
+        record.finish(summary, error, str(summary_path(self.out_dir, doc)) if written else None)
+        if self.out_dir:
+            write_outputs(self.out_dir, doc, summary, record.data)
+        self.documents_bar.update()
+        return DocumentSummary(doc.name, doc.source, summary, error, record.data)
+
+    async def _summarize(self, doc: Document, record: _Record) -> str:
+        problem = doc.problem()
+        if problem:
+            raise SummarizeError(problem)
+        try:
+            chunks = self.prompts.chunks(doc)
+        except ValueError as exc:
+            raise SummarizeError(str(exc)) from None
+        record.add_chunks(chunks, self.prompts)
+        summaries = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
+        level = 0
+        while len(summaries) > 1:
+            level += 1
+            groups = self.prompts.groups(summaries)
+            summaries = await self._level(doc, record, "reduce", level, [self.prompts.reduce_messages(g) for g in groups])
+        if not summaries[0]:
+            raise SummarizeError("the model returned an empty summary")
+        return summaries[0]
+
+    async def _level(self, doc: Document, record: _Record, kind: str, level: int, prompts: list[Messages]) -> list[str]:
+        """Run one level's jobs; all of them finish (for a rerun to reuse) before a failure is raised."""
+        self.jobs_bar.total += len(prompts)
+        self.jobs_bar.refresh()
+        outcomes = await asyncio.gather(*(self._job(doc, record, kind, level, index, messages)
+                                          for index, messages in enumerate(prompts)), return_exceptions=True)  # fmt: skip
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    async def _job(self, doc: Document, record: _Record, kind: str, level: int, index: int,
+                   messages: Messages) -> str:  # fmt: skip
+        step = {"kind": kind, "level": level, "index": index}
+        job_key = job_id(kind, doc, level, index, messages, self.options, self.info.name)
+        async with self.in_flight:
+            if self.options.retry_failed:
+                await self._forget_failure(job_key)
+            job = await self.client.submit(job_id=job_key, messages=messages, model=self.options.model,
+                                           metadata={"pipeline": "summarize", "document": doc.name, **step},
+                                           **self.options.job_fields())  # fmt: skip
+            try:
+                result = await job.result(timeout=self.options.job_timeout)
+            except (JobFailed, Timeout) as exc:
+                record.add_job(step, job, error=exc.message)
+                raise SummarizeError(f"{kind} job {index} of level {level} failed: {exc.message}") from None
+        record.add_job(step, job, result)
+        self.jobs_bar.update()
+        return result.text.strip()
+
+    async def _forget_failure(self, job_key: str) -> None:
+        """Let a job that failed in an earlier run be submitted again."""
+        if (await self.client.job(job_key).status()).status in RETRIED_STATUSES:
+            await self.client.redis.delete(self.client.keys.job(job_key), self.client.keys.out(job_key))
+
+
+class _Record:
+    """The JSON record of one document: chunks, jobs, tokens, timings."""
+
+    def __init__(self, doc: Document, run: _Run) -> None:
+        self.started = time.monotonic()
+        self.data: dict[str, Any] = {
+            "document": doc.name, "source": doc.source, "sha256": doc.sha256, "characters": len(doc.text),
+            "model": run.info.name, "context_tokens": run.prompts.context, "options": run.options.model_dump(),
+            "chunks": [], "jobs": [],
+        }  # fmt: skip
+
+    def add_chunks(self, chunks: list[Chunk], prompts: Prompts) -> None:
+        self.data["chunking_s"] = round(time.monotonic() - self.started, 4)
+        self.data["chunks"] = [
+            {"index": c.index, "start": c.start, "end": c.end, "tokens": prompts.counter.count(c.text, False),
+             "prompt_tokens": prompts.counter.count_chat(prompts.map_messages(c.text))}
+            for c in chunks
+        ]  # fmt: skip
+
+    def add_job(self, step: dict[str, Any], job: AsyncJob, result: JobResult | None = None,
+                error: str | None = None) -> None:  # fmt: skip
+        entry = {**step, "job_id": job.job_id, "enqueued": job.enqueued}
+        if result is not None:
+            entry.update(prompt_tokens=result.usage.prompt_tokens, completion_tokens=result.usage.completion_tokens,
+                         finish_reason=result.finish_reason, attempt=result.attempt,
+                         timings=result.timings.model_dump())  # fmt: skip
+        if error is not None:
+            entry["error"] = error
+        self.data["jobs"].append(entry)
+
+    def finish(self, summary: str | None, error: str | None, summary_file: str | None) -> None:
+        jobs = sorted(self.data["jobs"], key=lambda j: (j["level"], j["index"]))
+        self.data.update(
+            jobs=jobs,
+            status="error" if error else "done",
+            error=error,
+            summary_file=summary_file,
+            levels=max((j["level"] for j in jobs), default=-1) + 1,
+            submitted=sum(bool(j["enqueued"]) for j in jobs),
+            reused=sum(not j["enqueued"] for j in jobs),
+            usage={name: sum(j.get(name, 0) for j in jobs) for name in ("prompt_tokens", "completion_tokens")},
+            wall_s=round(time.monotonic() - self.started, 3),
+            summary=summary,
+        )

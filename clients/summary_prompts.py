@@ -1,0 +1,138 @@
+"""Options, prompts, token budgets and job ids of the summarization pipeline (no I/O)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from clients.chunking import Chunk, split_text
+from clients.documents import Document
+from clients.errors import ConveyorError
+from clients.limits import MAX_RESULT_TTL
+from clients.submission import JOB_FIELDS
+
+DEFAULT_MAP_INSTRUCTION = "Summarize the following text in a few sentences. Reply with the summary only."
+DEFAULT_REDUCE_INSTRUCTION = (
+    "Here are summaries of consecutive parts of one document. "
+    "Combine them into one short summary of the whole document. Reply with the summary only."
+)
+PIPELINE_FIELDS = frozenset({"job_id", "prompt", "messages", "prompt_token_ids", "model", "metadata",
+                             "max_tokens", "temperature", "priority_class", "result_ttl"})  # fmt: skip
+
+Messages = list[dict[str, str]]
+
+
+class SummarizeError(ConveyorError):
+    """One document could not be summarized (the others go on)."""
+
+    code = "summarize_failed"
+
+
+class SummarizeOptions(BaseModel):
+    """How documents are chunked and summarized. Every field that changes a summary is
+    part of its job ids, so a rerun with the same options reuses finished jobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="model to use (None: the only one published); "
+                                                "naming one sends the jobs to its own streams")
+    max_tokens: int = Field(128, ge=1, description="tokens per summary (map and reduce)")
+    max_chunk_tokens: int | None = Field(None, ge=1, description="cap on a chunk's tokens")
+    context_tokens: int | None = Field(None, ge=2, description="cap on prompt + summary tokens per job")
+    overlap_tokens: int = Field(0, ge=0, description="tokens repeated from one chunk into the next")
+    map_instruction: str = Field(DEFAULT_MAP_INSTRUCTION, min_length=1)
+    reduce_instruction: str = Field(DEFAULT_REDUCE_INSTRUCTION, min_length=1)
+    system_prompt: str | None = Field(None, description="system message (None: the chat template's own)")
+    temperature: float = Field(0.0, ge=0.0, description="0 is greedy")
+    job_options: dict[str, Any] = Field(default_factory=dict, description="more job fields: seed, stop, ...")
+    priority_class: Literal["interactive", "batch"] = "batch"
+    max_in_flight: int = Field(8, ge=1, description="jobs submitted and not yet finished, per pipeline")
+    job_timeout: float | None = Field(None, gt=0.0, description="seconds to wait for one job's result")
+    result_ttl: int = Field(7 * 86_400, ge=1, le=MAX_RESULT_TTL, description="how long results stay reusable")
+    retry_failed: bool = Field(True, description="resubmit jobs that ended in error in an earlier run")
+
+    @field_validator("job_options")
+    @classmethod
+    def _only_other_job_fields(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = sorted(set(value) - (JOB_FIELDS - PIPELINE_FIELDS))
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a job field the pipeline leaves to you")
+        return value
+
+    def job_fields(self) -> dict[str, Any]:
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                "priority_class": self.priority_class, "result_ttl": self.result_ttl, **self.job_options}  # fmt: skip
+
+    def output_fields(self) -> dict[str, Any]:
+        """What changes a job's output (hashed into its id); priority and TTL do not."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, **self.job_options}
+
+
+class Prompts:
+    """Map and reduce prompts of one run and their exact token counts."""
+
+    def __init__(self, options: SummarizeOptions, counter: Any, max_model_len: int) -> None:
+        self.options = options
+        self.counter = counter
+        self.context = min(max_model_len, options.context_tokens or max_model_len)
+
+    def map_messages(self, chunk: str) -> Messages:
+        return self._chat(f"{self.options.map_instruction}\n\n{chunk}")  # shared prefix: the instruction
+
+    def reduce_messages(self, summaries: list[str]) -> Messages:
+        return self._chat(self.options.reduce_instruction + "".join(f"\n\n{s}" for s in summaries))
+
+    def _chat(self, user: str) -> Messages:
+        system = [{"role": "system", "content": self.options.system_prompt}] if self.options.system_prompt else []
+        return [*system, {"role": "user", "content": user}]
+
+    def excess(self, messages: Messages) -> int:
+        """Tokens by which prompt + summary exceed the context (<= 0: fits)."""
+        return self.counter.count_chat(messages) + self.options.max_tokens - self.context
+
+    def chunk_budget(self) -> int:
+        """Token budget of a chunk's text: what the context leaves beside the instruction."""
+        room = -self.excess(self.map_messages(""))
+        if room < 1:
+            raise SummarizeError(
+                f"the map instruction and max_tokens {self.options.max_tokens} leave no room for text "
+                f"in a context of {self.context} tokens"
+            )
+        return min(room, self.options.max_chunk_tokens or room)
+
+    def chunks(self, doc: Document) -> list[Chunk]:
+        cap = self.options.max_chunk_tokens
+
+        def chunk_excess(text: str) -> int:
+            over_cap = self.counter.count(text, add_special_tokens=False) - cap if cap else 0
+            return max(over_cap, self.excess(self.map_messages(text)))
+
+        budget = self.chunk_budget()
+        return split_text(doc.text, self.counter.offsets(doc.text), budget, self.options.overlap_tokens, chunk_excess)
+
+    def groups(self, summaries: list[str]) -> list[list[str]]:
+        """Consecutive summaries packed greedily into reduce prompts that fit."""
+        groups: list[list[str]] = [[]]
+        for summary in summaries:
+            if groups[-1] and self.excess(self.reduce_messages([*groups[-1], summary])) > 0:
+                groups.append([])
+            groups[-1].append(summary)
+        if len(groups) == len(summaries) > 1:
+            raise SummarizeError(
+                f"two summaries of up to {self.options.max_tokens} tokens do not fit one reduce prompt in a "
+                f"context of {self.context} tokens: lower max_tokens or raise context_tokens"
+            )
+        return groups
+
+
+def job_id(kind: str, doc: Document, level: int, index: int, messages: Messages, options: SummarizeOptions,
+           model: str) -> str:  # fmt: skip
+    """Deterministic id: the same document, step, prompt, parameters and model give the same job."""
+    key = {"kind": kind, "document": doc.sha256, "level": level, "index": index, "messages": messages,
+           "params": options.output_fields(), "model": model}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return f"sum-{kind}-{digest[:40]}"
+

@@ -1,0 +1,113 @@
+"""Exact token counts for light clients: the model's tokenizer.json through the `tokenizers`
+package and its chat template rendered with jinja2 the way transformers renders it."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Mapping
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TokenCounter:
+    """Counts tokens as the serving replica will (same tokenizer.json, same chat template)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
+                 special_tokens: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or None
+        self.special_tokens = dict(special_tokens or {})
+
+    @classmethod
+    def from_json(cls, tokenizer_json: bytes | str, chat_template: str | None = None,
+                  special_tokens: Mapping[str, Any] | None = None) -> TokenCounter:  # fmt: skip
+        text = tokenizer_json.decode() if isinstance(tokenizer_json, bytes) else tokenizer_json
+        return cls(Tokenizer.from_str(text), chat_template, special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def count(self, text: str, add_special_tokens: bool = True) -> int:
+        return len(self.encode(text, add_special_tokens))
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character span of every token of `text` (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).offsets
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def render_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text, as `tokenizer.apply_chat_template(messages, tokenize=False)` returns it."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template")
+        plain = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
+        context = {**self.special_tokens, "messages": plain, "tools": None, "documents": None,
+                   "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        return compile_template(self.chat_template).render(**context)
+
+    def encode_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt token ids of a chat (the template already holds the special tokens)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def count_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> int:
+        return len(self.encode_chat(messages, add_generation_prompt))
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks it; we need not)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace() refusing underscore attributes, like transformers' sandbox."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+        super().__setitem__(name, value)
+
+
+class _Dict:
+    """`dict(...)` for templates without handing them the type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict:
+        return dict.fromkeys(*args)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    # jinja's own tojson escapes HTML characters; transformers' does not
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def compile_template(chat_template: str) -> jinja2.Template:
+    """The template in the environment transformers uses for chat templates."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])  # fmt: skip
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))  # fmt: skip
+    return env.from_string(chat_template)
