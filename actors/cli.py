@@ -50,6 +50,8 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--grace-s", type=float, default=None)
     parser.add_argument("--max-deliveries", type=int, default=None)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name jobs use to reach this replica (default: the model's basename)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (env CONVEYOR_METRICS_PORT)")
 
@@ -64,7 +66,7 @@ def build_engine(args: argparse.Namespace):
 def replica_config(args: argparse.Namespace, redis_url: str):
     from actors.config import ReplicaConfig
     config = ReplicaConfig(redis_url=redis_url)
-    for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port"):
+    for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "served_model_name"):
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     return config

@@ -26,6 +26,7 @@ class ReplicaConfig:
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
     max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
     read_block_ms: int = 1000
+    served_model_name: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_SERVED_MODEL_NAME"))
     metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
 
     @property

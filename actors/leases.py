@@ -67,7 +67,7 @@ class Leases(Actor):
     async def reclaim(self) -> None:
         """Take over entries idle longer than the lease (their owner died) and rerun them."""
         min_idle_ms = int(self.config.lease_s * 1000)
-        for stream in self.streams.keys.all_requests:
+        for stream in self.streams.request_streams:
             count = self.free_credits()
             if count <= 0 or self.reclaim_handler is None:
                 return

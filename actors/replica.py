@@ -3,6 +3,7 @@ gracefully (finish in-flight jobs within the grace period, hand back the rest)."
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -11,6 +12,7 @@ from actors.gpu import GPUActor
 from actors.ingest import IngestActor
 from actors.leases import Leases
 from actors.metrics import ReplicaMetrics
+from actors.model_announcer import ModelAnnouncer
 from actors.cancel_watcher import CancelWatcher
 from actors.publisher import PublisherActor
 from actors.scheduler_actor import SchedulerActor
@@ -27,7 +29,8 @@ class Replica:
         self.engine = engine
         self.config = config
         self.redis = aioredis.Redis.from_url(config.redis_url)
-        self.streams = Streams(self.redis, Keys(config.namespace), config.consumer)
+        self.model_name = config.served_model_name or Path(engine.spec.name).name
+        self.streams = Streams(self.redis, Keys(config.namespace), config.consumer, self.model_name)
         capacity = config.max_in_flight or 2 * engine.config.max_num_seqs
         self.leases = Leases(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.leases)
@@ -37,6 +40,7 @@ class Replica:
         self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher,
                                   config.max_deliveries, config.read_block_ms)
         self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
+        self.announcer = ModelAnnouncer(self.streams, engine, self.model_name)
         self.leases.reclaim_handler = self.ingest.accept
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
@@ -49,7 +53,8 @@ class Replica:
         self._install_signal_handlers()
         for actor in self._actors():
             actor.start(self._on_crash)
-        log.info("replica %s serving namespace %r", self.config.consumer, self.config.namespace)
+        log.info("replica %s serving model %r in namespace %r", self.config.consumer, self.model_name,
+                 self.config.namespace)
         await self.stop_requested.wait()
         if self.crash is None:
             await self._drain()
@@ -85,7 +90,7 @@ class Replica:
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
-        return (self.publisher, self.gpu, self.scheduler, self.leases, self.cancels, self.ingest)
+        return (self.publisher, self.gpu, self.scheduler, self.leases, self.cancels, self.announcer, self.ingest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

@@ -49,10 +49,13 @@ return 1
 
 
 class Streams:
-    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str):
+    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, model_name: str):
         self.redis = client
         self.keys = keys
         self.consumer = consumer
+        # the default streams and this model's own, interactive ones first
+        self.request_streams = (keys.interactive, keys.model_requests(model_name, "interactive"),
+                                keys.batch, keys.model_requests(model_name, "batch"))
         self.finish_script = client.register_script(FINISH_LUA)
         self.start_script = client.register_script(START_LUA)
 
@@ -69,7 +72,7 @@ class Streams:
         await self.resilient(attempt, what)
 
     async def ensure_groups(self) -> None:
-        for stream in self.keys.all_requests:
+        for stream in self.request_streams:
             try:
                 await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except ResponseError as exc:
@@ -80,11 +83,11 @@ class Streams:
         """Up to ``count`` new entries, interactive first; blocks only when both are empty."""
         async def read():
             entries = []
-            for stream in self.keys.all_requests:
+            for stream in self.request_streams:
                 if len(entries) < count:
                     entries += await self._read({stream: ">"}, count - len(entries), None)
             if not entries:
-                entries = await self._read({s: ">" for s in self.keys.all_requests}, count, block_ms)
+                entries = await self._read({s: ">" for s in self.request_streams}, count, block_ms)
             return entries
         return await self.resilient(read, "read jobs")
 

@@ -9,10 +9,11 @@ from engine import EngineConfig, LLMEngine
 
 class ReplicaThread:
     def __init__(self, model: str, redis_url: str, namespace: str, consumer: str = "replica-a",
-                 lease_s: float = 30.0, **engine_options):
+                 lease_s: float = 30.0, served_model_name: str | None = None, **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.config = ReplicaConfig(redis_url=redis_url, namespace=namespace, consumer=consumer,
-                                    lease_s=lease_s, grace_s=10.0, read_block_ms=100)
+                                    lease_s=lease_s, grace_s=10.0, read_block_ms=100,
+                                    served_model_name=served_model_name)
         self.loop = asyncio.new_event_loop()
         self.replica: Replica | None = None
         self.exit_code: int | None = None

@@ -56,4 +56,4 @@ def test_engine_command_serves_jobs_and_exits_cleanly_on_sigterm(compose, redis_
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, output[-2000:]
-    assert "serving namespace" in output
+    assert "serving model" in output

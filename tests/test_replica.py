@@ -227,3 +227,35 @@ def test_second_submission_of_a_job_id_runs_once_and_conflicts_are_parked(replic
     assert Client(redis_url, namespace=namespace).job("twice").result(timeout=5).token_ids == first.token_ids
     dead = raw.xrange(keys.dead)
     assert len(dead) == 1 and b"conflict" in dead[0][1][b"reason"]
+
+
+def test_replica_publishes_model_info_and_serves_its_model_streams(tiny_model, redis_url, namespace):
+    from clients.model_info import fetch_model_info
+    from clients.token_counter import TokenCounter
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    with ReplicaThread(tiny_model, redis_url, namespace, served_model_name="tiny", **ENGINE_OPTIONS) as running:
+        client = Client(redis_url, namespace=namespace)
+        named = client.submit(prompt="def main():", max_tokens=4, temperature=0, model="tiny")
+        assert named.result(timeout=30).token_ids
+        orphan = client.submit(prompt="hi", max_tokens=4, model="no-such-model")
+        info = fetch_model_info(raw, keys, "tiny")
+        assert info.max_model_len == 1024 and info.eos_token_ids
+        assert raw.ttl(keys.model_info("tiny")) > 0
+        counter = TokenCounter.from_json(info.tokenizer_json, info.chat_template)
+        text = "def main():\n    return 42"
+        assert counter.encode(text, add_special_tokens=False) == running.engine.tokenizer.encode(
+            text, add_special_tokens=False)
+        unserved = [line for line in _walk(client.queue_status()) if line.get("unserved")]
+        assert unserved and "no-such-model" in json.dumps(unserved, default=str)
+        assert orphan.status().status == "queued"
+
+
+def _walk(value):
+    """Every dict nested in a status report."""
+    if isinstance(value, dict):
+        yield value
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _walk(item)
