@@ -6,6 +6,7 @@ from clients.client import Client, Job
 from clients.errors import (
     ConveyorError,
     InvalidJob,
+    JobConflict,
     JobCancelled,
     JobFailed,
     ProtocolError,
@@ -36,6 +37,7 @@ __all__ = [
     "InvalidJob",
     "Job",
     "JobCancelled",
+    "JobConflict",
     "JobFailed",
     "JobRequest",
     "JobResult",

@@ -24,14 +24,13 @@ from clients.queue_status import model_names, queue_status_commands, queue_statu
 from clients.submission import (
     CANCEL_LUA,
     ENQUEUED,
-    QUEUE_FULL,
     SUBMIT_CHUNK,
     SUBMIT_LUA,
     build_job,
     build_jobs,
     cancel_args,
+    check_chunk,
     check_submitted,
-    queue_full,
     submit_args,
 )
 
@@ -81,9 +80,8 @@ class AsyncClient:
             await self._submit_script(*submit_args(self.keys, job, max_queue_len), client=pipe)
         codes = await pipe.execute()
         jobs.extend(AsyncJob(self, job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes)
-                    if code != QUEUE_FULL)  # fmt: skip
-        if QUEUE_FULL in codes:
-            raise queue_full(chunk[codes.index(QUEUE_FULL)], self.keys, max_queue_len, jobs)
+                    if code >= 0)  # fmt: skip
+        check_chunk(codes, chunk, self.keys, max_queue_len, jobs)
 
     def job(self, job_id: str) -> AsyncJob:
         return AsyncJob(self, job_id)

@@ -100,3 +100,13 @@ class QueueFull(ConveyorError):
     def __init__(self, message: str, *, submitted: list | None = None) -> None:
         super().__init__(message)
         self.submitted = submitted or []
+
+
+class JobConflict(ConveyorError):
+    """The job_id was already submitted with a different payload (idempotency key reuse)."""
+
+    code = "conflict"
+
+    def __init__(self, message: str, *, job_id: str | None = None) -> None:
+        super().__init__(message)
+        self.job_id = job_id

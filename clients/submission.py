@@ -6,20 +6,27 @@ import difflib
 import time
 from typing import Any, Iterable
 
-from clients.errors import InvalidJob, QueueFull
+from clients.errors import InvalidJob, JobConflict, QueueFull
 from clients.keys import Keys
-from clients.protocol import JobRequest, encode_job, validate_job
+from clients.protocol import JobRequest, encode_job, payload_digest, validate_job
 
-# Enqueue once per job_id (idempotent submit) and only below the queue bound.
-# KEYS: job hash, request stream. ARGV: data, ttl, now, max_queue_len (0 = unbounded).
-# Returns 1 enqueued, 0 already known (not enqueued again), -1 queue full.
+# Enqueue once per job_id (idempotent submit) and only below the queue bound. The hash keeps
+# the payload digest (the same id with another payload is a conflict) and the entry id
+# (replicas run a job from that entry only; another entry for it is a duplicate).
+# KEYS: job hash, request stream. ARGV: data, ttl, now, max_queue_len (0 = unbounded), digest.
+# Returns 1 enqueued, 0 already known (not enqueued again), -1 queue full, -2 conflict.
 SUBMIT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local digest = redis.call('HGET', KEYS[1], 'digest')
+  if digest and digest ~= ARGV[5] then return -2 end
+  return 0
+end
 local limit = tonumber(ARGV[4])
 if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then return -1 end
-redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3])
+local entry = redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3], 'digest', ARGV[5],
+           'entry', entry)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
 return 1
 """
 
@@ -65,16 +72,27 @@ def _unknown_message(name: str) -> str:
 def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of SUBMIT_LUA for `job` (a job naming a model goes to that model's stream)."""
     data = encode_job(job)["data"]
-    args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0]
+    args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0, payload_digest(job)]
     return [keys.job(job.job_id), keys.request_stream(job.priority_class, job.model)], args
 
 
-QUEUE_FULL, ENQUEUED = -1, 1  # SUBMIT_LUA replies (0: job id already known, not enqueued)
+CONFLICT, QUEUE_FULL, ENQUEUED = -2, -1, 1  # SUBMIT_LUA replies (0: job id already known, not enqueued)
 
 
-def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int | None) -> None:
+def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int | None,
+                    submitted: list | None = None) -> None:
     if code == QUEUE_FULL:
-        raise queue_full(job, keys, max_queue_len, [])
+        raise queue_full(job, keys, max_queue_len, submitted or [])
+    if code == CONFLICT:
+        raise JobConflict(f"job_id {job.job_id!r} was already submitted with a different payload",
+                          job_id=job.job_id)
+
+
+def check_chunk(codes: list[int], chunk: list[JobRequest], keys: Keys, max_queue_len: int | None,
+                submitted: list) -> None:
+    """submit_many: the first failed job of a pipelined chunk raises (after the rest went in)."""
+    for code, job in zip(codes, chunk):
+        check_submitted(code, job, keys, max_queue_len, submitted)
 
 
 def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list) -> QueueFull:

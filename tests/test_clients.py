@@ -112,9 +112,12 @@ def test_unknown_kwarg_suggests_the_right_name(client):
 
 
 def test_submit_is_idempotent_per_job_id(client):
+    from clients import JobConflict
     first = client.submit("x", job_id="same")
-    second = client.submit("y", job_id="same")
-    assert first.job_id == second.job_id == "same"
+    second = client.submit("x", job_id="same")
+    assert first.job_id == second.job_id == "same" and first.enqueued and not second.enqueued
+    with pytest.raises(JobConflict):
+        client.submit("y", job_id="same")
     assert client.redis.xlen(client.keys.interactive) == 1
 
 

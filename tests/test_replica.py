@@ -259,3 +259,18 @@ def _walk(value):
     if isinstance(value, (list, tuple)):
         for item in value:
             yield from _walk(item)
+
+
+def test_resubmitting_a_job_id_same_payload_shares_the_run_other_payload_conflicts(replica, redis_url, namespace):
+    from clients import JobConflict
+    first_producer = Client(redis_url, namespace=namespace)
+    second_producer = Client(redis_url, namespace=namespace)
+    job = dict(job_id="shared", prompt="def main():", max_tokens=6, temperature=0)
+    first = first_producer.submit(**job)
+    second = second_producer.submit(**job)
+    assert first.enqueued and not second.enqueued
+    assert first.result(timeout=30).token_ids == second.result(timeout=30).token_ids
+    with pytest.raises(JobConflict):
+        second_producer.submit(**{**job, "prompt": "something else"})
+    raw = redis.Redis.from_url(redis_url)
+    assert raw.hget(Keys(namespace).job("shared"), "attempt") == b"1"
