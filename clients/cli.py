@@ -17,6 +17,7 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from clients.cli_dead import register_dead
 from clients.client import Client, Job
 from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
 from clients.keys import PRIORITY_CLASSES
@@ -63,12 +64,13 @@ SUMMARIZE_OPTIONS = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `submit`, `status` and `summarize` subcommands (each with --redis-url/--namespace)."""
+    """Add `submit`, `status`, `summarize` and `dead` (each with --redis-url/--namespace)."""
     connection = _connection_options()
     _add_submit(subparsers.add_parser("submit", parents=[connection], help="submit jobs and print results"))
     _add_status(subparsers.add_parser("status", parents=[connection], help="show queues and consumers"))
     _add_summarize(subparsers.add_parser("summarize", parents=[connection],
                                          help="summarize documents (map-reduce through the queue, resumable)"))
+    register_dead(subparsers, connection)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,8 +41,11 @@ def requeue(redis, keys: Keys, dead_ids: list[str] | None = None) -> list[str]:
     letters = [d for d in list_dead(redis, keys, count=100_000) if dead_ids is None or d.dead_id in dead_ids]
     new_ids = []
     for letter in letters:
+        # a fresh delivery budget; "entry" will name the entry it now runs from. An existing
+        # hash keeps its TTL; none is created here (the replica creates it, with a TTL).
+        reset = letter.job_id is not None and redis.exists(keys.job(letter.job_id))
         with redis.pipeline(transaction=True) as pipe:
-            if letter.job_id:  # a fresh delivery budget; "entry" names the entry it now runs from
+            if reset:
                 pipe.hdel(keys.job(letter.job_id), "entry", "finished_attempt")
                 pipe.hset(keys.job(letter.job_id), mapping={"attempt": 0, "status": "queued"})
             pipe.xadd(letter.stream, letter.fields)

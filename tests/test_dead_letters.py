@@ -40,3 +40,17 @@ def test_job_parked_after_max_deliveries_can_be_requeued(tmp_path, redis_url, na
         assert wait_for_status(raw, keys.job("unlucky"), b"done") == b"done"
         assert Client(redis_url, namespace=namespace).job("unlucky").result(timeout=5).token_ids
     assert raw.hget(keys.job("unlucky"), "attempt") == b"1"
+
+
+def test_dead_cli_lists_and_requeues(redis_url, namespace, capsys):
+    from actors.cli import main
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    raw.xadd(keys.dead, {"stream": keys.interactive, "entry_id": "1-0", "reason": "invalid_job: prompt: missing",
+                         "at": "1700000000", "field:json": '{"job_id": "j-dead"}'})
+    assert main(["dead", "list", "--redis-url", redis_url, "--namespace", namespace]) == 0
+    listed = capsys.readouterr().out
+    assert "job=j-dead" in listed and "invalid_job: prompt: missing" in listed
+    assert main(["dead", "requeue", "--redis-url", redis_url, "--namespace", namespace]) == 0
+    assert "requeued 1 job(s)" in capsys.readouterr().out
+    assert raw.xlen(keys.dead) == 0 and raw.xrange(keys.interactive)[0][1] == {b"json": b'{"job_id": "j-dead"}'}
