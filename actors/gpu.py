@@ -27,11 +27,13 @@ class GPUActor(Actor):
         while True:
             plan, reply = await self.mailbox.get()
             try:
-                reply.set_result(await loop.run_in_executor(self.executor, self.runner.execute, plan))
+                result = await loop.run_in_executor(self.executor, self.runner.execute, plan)
             except Exception as exc:
                 if not reply.done():
                     reply.set_exception(exc)
                 raise
+            if not reply.done():  # the scheduler may have stopped waiting (shutdown)
+                reply.set_result(result)
 
     async def stop(self) -> None:
         await super().stop()

@@ -31,6 +31,7 @@ class PublisherActor(Actor):
                 await self._publish_step(message)
             else:
                 await self._publish_ended(message)
+            self.mailbox.task_done()
 
     async def _publish_step(self, message: StepOutputs) -> None:
         # events are built once: a retried round trip resends the very same events

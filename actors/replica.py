@@ -78,7 +78,8 @@ class Replica:
                 pass
 
     async def _drain(self) -> None:
-        """Stop taking work; let in-flight jobs finish within the grace period."""
+        """Stop taking work; let in-flight jobs finish within the grace period; hand back
+        the rest only once no step can publish them any more (no result after hand-back)."""
         await self.ingest.stop()
         self.leases.reclaiming = False
         loop = asyncio.get_running_loop()
@@ -86,6 +87,8 @@ class Replica:
         while self.leases.held and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.leases.held:
+            await self.scheduler.stop()
+            await self.publisher.mailbox.join()  # outputs of finished steps still get published
             await self.leases.hand_back()
 
     def _actors(self):
