@@ -17,6 +17,7 @@ class Actor:
     def __init__(self):
         self.mailbox: asyncio.Queue = asyncio.Queue(self.mailbox_size)
         self._task: asyncio.Task | None = None
+        self.stopped = False  # loops check it: cancellation alone can be lost (see stop)
         self._on_crash: Callable[[str, BaseException], None] = _log_crash
 
     def start(self, on_crash: Callable[[str, BaseException], None] | None = None) -> None:
@@ -25,9 +26,12 @@ class Actor:
         self._task = asyncio.create_task(self._guarded_run(), name=self.name)
 
     async def stop(self) -> None:
-        if self._task and not self._task.done():
+        # on Python 3.11 a cancellation landing inside redis-py's asyncio.wait_for can be
+        # swallowed (CPython gh-86296): loops also check ``stopped``, and we cancel until done
+        self.stopped = True
+        while self._task is not None and not self._task.done():
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=0.05)
 
     async def send(self, message: Any) -> None:
         """Waits while the mailbox is full: back-pressure instead of unbounded memory."""

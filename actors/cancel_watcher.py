@@ -29,7 +29,7 @@ class CancelWatcher(Actor):
         await asyncio.gather(self._listen(), self._poll())
 
     async def _listen(self) -> None:
-        while True:
+        while not self.stopped:
             try:
                 async with self.streams.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.streams.keys.cancel)
@@ -41,7 +41,7 @@ class CancelWatcher(Actor):
             await asyncio.sleep(0.5)
 
     async def _poll(self) -> None:
-        while True:
+        while not self.stopped:
             await asyncio.sleep(POLL_INTERVAL_S)
             job_ids = list(self.leases.held)
             if not job_ids:

@@ -32,12 +32,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (``--max-num-seqs`` ...), defaults from the config."""
+    import typing
     from engine.config import EngineConfig
+    hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
-        kind = {int: int, float: float}.get(type(field.default), str)
+        kind = _flag_type(hints[field.name])
         parser.add_argument(flag, dest=field.name, type=kind, default=None,
                             help=f"default: {field.default} (env CONVEYOR_{field.name.upper()})")
+
+
+def _flag_type(hint):
+    """int for ``int`` and ``int | None``; float likewise; bool flags take true/false; else str."""
+    import typing
+    options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    if len(options) != 1:
+        return str  # e.g. kv_cache_memory: int | str, parsed by the engine
+    if options[0] is bool:
+        return lambda text: text.lower() in ("1", "true", "yes", "on")
+    return options[0] if options[0] in (int, float) else str
 
 
 def _add_replica_options(parser: argparse.ArgumentParser) -> None:

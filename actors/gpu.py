@@ -24,7 +24,7 @@ class GPUActor(Actor):
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self.stopped:
             plan, reply = await self.mailbox.get()
             try:
                 result = await loop.run_in_executor(self.executor, self.runner.execute, plan)

@@ -31,14 +31,18 @@ class IngestActor(Actor):
         self.read_block_ms = read_block_ms
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             credits = self.leases.free_credits()
             if credits <= 0:
                 self.leases.credit_freed.clear()
                 await self.leases.credit_freed.wait()
                 continue
-            for stream, entry_id, fields in await self.streams.read_new(credits, self.read_block_ms):
+            entries = await self.streams.read_new(credits, self.read_block_ms)
+            # leased from the moment they are read: renewed, never reclaimed from under us
+            self.leases.intake.update((stream, entry_id) for stream, entry_id, _ in entries)
+            for stream, entry_id, fields in entries:
                 await self.accept(stream, entry_id, fields)
+                self.leases.intake.discard((stream, entry_id))
 
     async def accept(self, stream: str, entry_id: str, fields: dict) -> None:
         """One delivered entry (new, or reclaimed from a dead replica)."""

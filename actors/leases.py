@@ -28,13 +28,18 @@ class Leases(Actor):
         self.config = config
         self.capacity = capacity
         self.held: dict[str, Delivery] = {}  # job id -> delivery
+        self.intake: set[tuple[str, str]] = set()  # (stream, entry id) read, not yet accepted
         self.credit_freed = asyncio.Event()
         self.reclaim_handler: Callable[[str, str, dict], Awaitable[None]] | None = None
         self.reclaiming = True
 
     # ---- bookkeeping (called by ingest and publisher, same event loop) ----------------
     def free_credits(self) -> int:
-        return self.capacity - len(self.held)
+        return self.capacity - len(self.held) - len(self.intake)
+
+    @property
+    def holding(self) -> bool:
+        return bool(self.held or self.intake)
 
     def holds(self, job_id: str) -> bool:
         return job_id in self.held
@@ -52,7 +57,7 @@ class Leases(Actor):
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         next_reclaim = loop.time()
-        while True:
+        while not self.stopped:
             await self.renew()
             if self.reclaiming and loop.time() >= next_reclaim:
                 await self.reclaim()
@@ -92,11 +97,14 @@ class Leases(Actor):
             for delivery in held:
                 pipe.hset(self.streams.keys.job(delivery.job_id), "status", "queued")
         await self.streams.write(queue, "hand back")
-        log.info("handed back %d unfinished jobs", len(held))
+        log.info("handed back %d unfinished jobs and %d entries not yet taken in", len(held), len(self.intake))
+        self.intake.clear()
         self.held.clear()
 
     def _ids_by_stream(self) -> dict[str, list[str]]:
+        """Every entry this replica holds: running jobs and entries still being taken in."""
         by_stream: dict[str, list[str]] = {}
-        for delivery in self.held.values():
-            by_stream.setdefault(delivery.stream, []).append(delivery.entry_id)
+        entries = {(d.stream, d.entry_id) for d in self.held.values()} | self.intake
+        for stream, entry_id in entries:
+            by_stream.setdefault(stream, []).append(entry_id)
         return by_stream

@@ -22,7 +22,7 @@ class ModelAnnouncer(Actor):
             eos_token_ids=engine.spec.eos_token_ids, tokenizer=engine.tokenizer)
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             await self.streams.resilient(lambda: publish_model_info_async(
                 self.streams.redis, self.streams.keys, self.info, ttl_s=MODEL_INFO_TTL_S), "publish model info")
             await asyncio.sleep(MODEL_INFO_REPUBLISH_S)

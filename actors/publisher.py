@@ -25,7 +25,7 @@ class PublisherActor(Actor):
         self.next_seq: dict[str, int] = {}  # job id -> seq of its next token event
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             message = await self.mailbox.get()
             if isinstance(message, StepOutputs):
                 await self._publish_step(message)

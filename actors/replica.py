@@ -84,9 +84,9 @@ class Replica:
         self.leases.reclaiming = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.grace_s
-        while self.leases.held and loop.time() < deadline:
+        while self.leases.held and loop.time() < deadline:  # entries still in intake can't progress now
             await asyncio.sleep(0.05)
-        if self.leases.held:
+        if self.leases.holding:
             await self.scheduler.stop()
             await self.publisher.mailbox.join()  # outputs of finished steps still get published
             await self.leases.hand_back()

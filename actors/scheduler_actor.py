@@ -34,7 +34,7 @@ class SchedulerActor(Actor):
         return len(self.deliveries)
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             for message in drain(self.mailbox):
                 self._apply(message)
             self._expire_deadlines()

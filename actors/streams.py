@@ -11,13 +11,15 @@ from actors.resilience import retrying
 from clients.keys import GROUP, Keys
 
 # Start an attempt: count the delivery, unless this entry is a second submission of a job
-# that already has one (same payload: a duplicate, not run again; other payload: a conflict).
+# that already has one, or of a job that already finished (e.g. reclaimed just before its
+# owner's finish acked it): a duplicate, not run again; another payload: a conflict.
 # KEYS: job hash. ARGV: entry id, ttl, now, payload digest.
 # Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
 START_LUA = """
-local state = redis.call('HMGET', KEYS[1], 'entry', 'digest', 'cancel')
+local state = redis.call('HMGET', KEYS[1], 'entry', 'digest', 'cancel', 'finished_attempt')
 if state[2] and state[2] ~= ARGV[4] then return {-2, ''} end
 if state[1] and state[1] ~= ARGV[1] then return {-1, ''} end
+if state[4] then return {-1, ''} end
 local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'updated', ARGV[3], 'entry', ARGV[1], 'digest', ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
