@@ -84,8 +84,7 @@ class ServeProcess:
             **os.environ,
             "CONVEYOR_CONSUMER": consumer,
             "CONVEYOR_LOG_LEVEL": "INFO",
-            # `--num-kv-blocks N` reaches the engine as a string (see test_faults_process.py),
-            # so the pool size goes through the environment.
+            # a small KV pool (the 1 GiB CPU default, times several replicas, is wasted here)
             "CONVEYOR_NUM_KV_BLOCKS": str(num_kv_blocks),
             "OMP_NUM_THREADS": "1",  # tiny tensors; several replicas share two cores
             "PYTHONUNBUFFERED": "1",

@@ -204,8 +204,8 @@ def test_intake_slower_than_the_lease_does_not_reclaim_its_own_entries(spawn, ti
                                                                        raw):
     replica = spawn(namespace, "slow-intake", tiny_model, lease_s=1.0).start().wait_ready()
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
-    # 66 KB prompts: ~10 ms of tokenization each, so a 128-entry read takes seconds to accept
-    # (they then fail fast: longer than max_model_len)
+    # 66 KB prompts: ~50 ms of tokenization each, so a 128-entry read takes seconds to accept,
+    # several leases (they then fail fast: longer than max_model_len)
     jobs = client.submit_many([{"prompt": f"x = {i} + y\n" * 6000, "max_tokens": 1} for i in range(200)],
                               progress=False)
     ids = [job.job_id for job in jobs]
@@ -215,3 +215,5 @@ def test_intake_slower_than_the_lease_does_not_reclaim_its_own_entries(spawn, ti
     assert replica.alive(), f"the replica crashed:\n{replica.log_tail(1500)}"
     summary = ledger.summary(ids)
     assert summary["duplicates"] == 0 and summary["lost"] == 0, summary
+    assert replica.reclaimed_entries() == [], "the replica reclaimed entries it was still taking in"
+    record("intake of a batch slower than the lease (long prompts)", **summary, lease_s=1.0)
