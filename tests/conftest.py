@@ -57,3 +57,12 @@ def redis_client(redis_url: str):
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The reliability figures of this run, before pytest's closing line."""
+    import fault_harness
+    table = fault_harness.recorded_table()
+    if table:
+        terminalreporter.write_sep("-", f"reliability figures ({fault_harness.reliability_file()})")
+        terminalreporter.write_line(table)

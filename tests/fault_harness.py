@@ -14,7 +14,6 @@ Nothing here mocks Redis or the replica: faults are real signals to real process
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -349,14 +348,13 @@ def record(fault: str, *, submitted: int, completed: int, lost: int, duplicates:
     mode = "a" if _recorded or os.environ.get(RELIABILITY_FILE_ENV) else "w"
     with open(path, mode) as out:
         out.write(json.dumps(row) + "\n")
-    if not _recorded:
-        atexit.register(_print_table)
     _recorded.append(row)
     return row
 
 
-def _print_table() -> None:
-    print(f"\nReliability figures of this run ({reliability_file()}):\n{markdown_table(_recorded)}", flush=True)
+def recorded_table() -> str | None:
+    """This run's rows as a table (conftest prints it in pytest's terminal summary)."""
+    return markdown_table(_recorded) if _recorded else None
 
 
 def markdown_table(rows: list[dict]) -> str:
