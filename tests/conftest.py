@@ -59,6 +59,17 @@ def redis_client(redis_url: str):
     client.close()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny-model engines: their ops are far too small for intra-op threads, and
+    on a shared 2-core box two OpenMP threads spin against each other (0.4 s vs 5-60 s measured)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_terminal_summary(terminalreporter):
     """The reliability figures of this run, before pytest's closing line."""
     import fault_harness

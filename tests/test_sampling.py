@@ -25,14 +25,7 @@ from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_prompts
 KV = "64MiB"  # KV cache pool per engine: plenty for the tiny model, far below the 1 GiB default
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model's ops are far too small for intra-op threads; on a shared 2-core box two
-    OpenMP threads spin against each other (measured: 0.4 s vs 5-60 s for 3000 prefills)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
