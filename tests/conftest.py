@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -36,17 +35,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def namespace(redis_url: str):
     """A namespace unique to this test; its keys are deleted afterwards."""
-    import redis
+    from scratch import scratch_namespace
 
-    ns = f"test-{uuid.uuid4().hex[:12]}"
-    yield ns
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    with scratch_namespace(redis_url) as ns:
+        yield ns
 
 
 @pytest.fixture
@@ -57,6 +49,12 @@ def redis_client(redis_url: str):
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def raw(redis_client):
+    """The fault tests' short name for ``redis_client``."""
+    return redis_client
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from clients.errors import ConveyorError, JobCancelled, JobFailed
 from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
 from model_factory import build_tiny_model
 from replica_harness import ReplicaThread
+from scratch import scratch_namespace
 
 LONG = 1000  # tokens: ~2 s on the tiny model, long enough to act on a running job
 
@@ -32,13 +33,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def module_namespace(redis_url):
-    ns = f"control-{uuid.uuid4().hex[:10]}"
-    yield ns
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    with scratch_namespace(redis_url, "control") as ns:
+        yield ns
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 
 from clients import Client
 from fault_harness import (JobLedger, check_attempt_sequences, pending_owners, record, spawner_fixture,
@@ -36,13 +35,6 @@ def slow_model(tmp_path_factory):
 def spawn(request, tmp_path, redis_url, namespace):
     """Replica factory; torn down before `namespace` deletes the keys."""
     yield from spawner_fixture(request, tmp_path, redis_url)
-
-
-@pytest.fixture
-def raw(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 def long_job(index: int = 0, max_tokens: int = 900) -> dict:

@@ -38,13 +38,6 @@ def spawn(request, tmp_path, redis_url, namespace):
     yield from spawner_fixture(request, tmp_path, redis_url)
 
 
-@pytest.fixture
-def raw(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
 # --------------------------------------------------------------------------- hostile entries
 
 GOOD = {"prompt": "def main():", "max_tokens": 3, "temperature": 0}

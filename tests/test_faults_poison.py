@@ -14,14 +14,14 @@ import threading
 import time
 
 import pytest
-import redis
 
 from clients import Client
 from clients.errors import JobCancelled, JobFailed
 from clients.keys import Keys
 from fault_harness import (JobLedger, check_attempt_sequences, raw_job, record, spawner_fixture, start_all,
-                           unique_namespace, wait_until)
+                           wait_until)
 from model_factory import build_tiny_model
+from scratch import scratch_namespace
 
 LEASE_S = 2.0
 MAX_DELIVERIES = 2
@@ -55,13 +55,8 @@ class Supervisor(threading.Thread):
 
 @pytest.fixture(scope="module")
 def namespace(redis_url):
-    ns = unique_namespace("poison")
-    yield ns
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    with scratch_namespace(redis_url, "poison") as ns:
+        yield ns
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +69,6 @@ def cluster(request, tmp_path_factory, redis_url, namespace):
         supervisor.start()
         yield supervisor
         supervisor.stop()
-
-
-@pytest.fixture
-def raw(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
 
 
 def good_jobs(count: int, tag: int, max_tokens: int = 20) -> list[dict]:

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from clients.model_info import ModelInfo, publish_model_info
 from clients.summarize import summarize_documents, summarize_documents_async
 from clients.summary_prompts import Prompts, SummarizeError, SummarizeOptions, job_id
 from replica_harness import ReplicaThread
+from scratch import scratch_namespace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LICENCE = Path("/usr/share/common-licenses/LGPL-3")
@@ -150,15 +150,7 @@ def test_cli_reports_a_missing_model_and_bad_options(redis_url, namespace, tmp_p
 # ---------------------------------------------------------------- through a real replica
 
 
-@contextmanager
-def fresh_namespace(redis_url: str):
-    ns = f"test-sum-{uuid.uuid4().hex[:10]}"
-    yield ns
-    client = redis.Redis.from_url(redis_url)
-    keys = list(client.scan_iter(match=f"{ns}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+fresh_namespace = scratch_namespace
 
 
 @contextmanager
