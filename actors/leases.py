@@ -37,10 +37,6 @@ class Leases(Actor):
     def free_credits(self) -> int:
         return self.capacity - len(self.held) - len(self.intake)
 
-    @property
-    def holding(self) -> bool:
-        return bool(self.held or self.intake)
-
     def holds(self, job_id: str) -> bool:
         return job_id in self.held
 
@@ -88,11 +84,14 @@ class Leases(Actor):
                 await self.reclaim_handler(stream, entry_id, fields)
 
     async def hand_back(self) -> None:
-        """Shutdown: make unfinished entries immediately claimable by other replicas."""
+        """Shutdown: make every entry still pending under this consumer immediately claimable
+        by other replicas. The server's pending list, not only our bookkeeping: a read whose
+        reply arrived as the ingest was being cancelled left entries we never recorded."""
         held = list(self.held.values())
+        pending = await self._pending_ids_by_stream()
 
         async def queue(pipe):
-            for stream, ids in self._ids_by_stream().items():
+            for stream, ids in pending.items():
                 pipe.xclaim(stream, GROUP, self.streams.consumer, 0, ids, idle=HAND_BACK_IDLE_MS, justid=True)
             for delivery in held:
                 pipe.hset(self.streams.keys.job(delivery.job_id), "status", "queued")
@@ -100,6 +99,17 @@ class Leases(Actor):
         log.info("handed back %d unfinished jobs and %d entries not yet taken in", len(held), len(self.intake))
         self.intake.clear()
         self.held.clear()
+
+    async def _pending_ids_by_stream(self) -> dict[str, list[str]]:
+        by_stream = self._ids_by_stream()
+        for stream in self.streams.request_streams:
+            rows = await self.streams.resilient(lambda: self.streams.redis.xpending_range(
+                stream, GROUP, min="-", max="+", count=100_000, consumername=self.streams.consumer), "list pending")
+            known = set(by_stream.get(stream, []))
+            extra = [row["message_id"].decode() for row in rows if row["message_id"].decode() not in known]
+            if extra:
+                by_stream.setdefault(stream, []).extend(extra)
+        return by_stream
 
     def _ids_by_stream(self) -> dict[str, list[str]]:
         """Every entry this replica holds: running jobs and entries still being taken in."""

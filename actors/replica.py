@@ -86,10 +86,10 @@ class Replica:
         deadline = loop.time() + self.config.grace_s
         while self.leases.held and loop.time() < deadline:  # entries still in intake can't progress now
             await asyncio.sleep(0.05)
-        if self.leases.holding:
-            await self.scheduler.stop()
-            await self.publisher.mailbox.join()  # outputs of finished steps still get published
-            await self.leases.hand_back()
+        # always: entries read but never recorded may be pending even when nothing is held
+        await self.scheduler.stop()
+        await self.publisher.mailbox.join()  # outputs of finished steps still get published
+        await self.leases.hand_back()
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
