@@ -64,9 +64,14 @@ def weight_counts(model: torch.nn.Module) -> dict:
 
 
 def _untied_embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:
+    """Embedding tables only looked up: not shared with another module (our CPU head holds
+    the tied table itself) nor behind a head without parameters of its own (TiedHead)."""
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Embedding)
+              for p in m.parameters(recurse=False)}
+    embeddings = [m for m in embeddings if id(m.weight) not in shared]
     head = getattr(model, "lm_head", None)
-    if embeddings and (head is None or next(head.parameters(), None) is None):  # tied: the largest table
+    if embeddings and head is not None and next(head.parameters(), None) is None:  # tied: the largest table
         embeddings.remove(max(embeddings, key=lambda m: m.weight.numel()))
     return embeddings
 

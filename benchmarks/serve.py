@@ -6,6 +6,8 @@
     python benchmarks/serve.py --spawn --engine-args "--batching dynamic --max-num-seqs 32"
     # sweep: one replica per policy (same build, workload, seed), every rate on each
     python benchmarks/serve.py --rates 1 2 4 8 --policies continuous dynamic --json serve.json --plot serve.png
+    # prefix caching on vs off, summarization jobs sharing a 768-token instruction
+    python benchmarks/serve.py --workload summarization --shared-prefix-tokens 768 --prefix-caching on off
 
 Requests arrive as a Poisson process at ``--request-rate`` per second (gamma-distributed
 gaps with ``--burstiness``: 1 is Poisson, lower is burstier, as vLLM), or all at once
@@ -203,13 +205,13 @@ def _record_json(record: RequestRecord) -> dict:
 
 # ---- replicas and sweeps ---------------------------------------------------------------------
 @contextlib.contextmanager
-def replica_for(args, policy: str | None):
+def replica_for(args, variant_args: str):
     """(redis_url, replica process or None): the running replica at --redis-url, or one
     spawned on --redis-url if given, else on a fresh embedded Valkey."""
     if not args.spawn:
         yield args.redis_url, None
         return
-    engine_args = args.engine_args + (f" --batching {policy}" if policy else "")
+    engine_args = f"{args.engine_args} {variant_args}".strip()
     server = contextlib.nullcontext(args.redis_url) if args.redis_url else embedded_valkey()
     with server as url, spawned_replica(args.model, url, engine_args, args.replica_log) as replica:
         yield url, replica
@@ -217,18 +219,30 @@ def replica_for(args, policy: str | None):
 
 def run_sweep(args, requests: list[Request]) -> list[dict]:
     runs = []
-    for policy in args.policies or [None]:
-        with replica_for(args, policy) as (url, replica):
+    for variant, variant_args in engine_variants(args):
+        with replica_for(args, variant_args) as (url, replica):
             for rate in args.rates:
-                label = f"{policy or 'replica'} rate {rate:g}/s"
-                run = asyncio.run(run_benchmark(url, requests, rate, args, replica, label))
-                runs.append({"policy": policy or "as configured", **run})
+                run = asyncio.run(run_benchmark(url, requests, rate, args, replica, f"{variant} rate {rate:g}/s"))
+                runs.append({"variant": variant, **run})
                 print(describe_run(runs[-1], args), flush=True)
     return runs
 
 
+def engine_variants(args) -> list[tuple[str, str]]:
+    """(label, extra `conveyor serve` flags): one replica per batching policy x prefix-cache
+    setting swept; a single ("as configured", "") when nothing is swept."""
+    variants = []
+    for policy in args.policies or [None]:
+        for caching in args.prefix_caching or [None]:
+            label = ", ".join(part for part in (policy, caching and f"prefix cache {caching}") if part)
+            flags = " ".join(flag for flag in (policy and f"--batching {policy}",
+                                               caching and f"--enable-prefix-caching {caching == 'on'}") if flag)
+            variants.append((label or "as configured", flags))
+    return variants
+
+
 def describe_run(run: dict, args) -> str:
-    lines = [f"== {run['policy']}, request rate {run['request_rate']:g}/s, "
+    lines = [f"== {run['variant']}, request rate {run['request_rate']:g}/s, "
              f"max concurrency {run['max_concurrency'] or '-'} ==",
              f"completed {run['completed']}, failed {run['failed']}, {run['duration_s']:.1f} s",
              f"request throughput {run['request_throughput']:.2f} req/s, output {run['output_tokens_per_s']:.1f} "
@@ -250,7 +264,7 @@ def describe_slo(args) -> str:
 
 
 def sweep_table(runs: list[dict]) -> str:
-    rows = [{"policy": r["policy"], "rate": r["request_rate"], "req/s": r["request_throughput"],
+    rows = [{"variant": r["variant"], "rate": r["request_rate"], "req/s": r["request_throughput"],
              "out tok/s": r["output_tokens_per_s"], "goodput": r["goodput"],
              **{f"{name} {stat} ms": _ms(r[name][stat]) for name in ("ttft", "tpot", "e2e")
                 for stat in ("p50", "p99")}, "failed": r["failed"]} for r in runs]
@@ -262,20 +276,20 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def plot_sweep(runs: list[dict], path: str) -> None:
-    """TTFT and e2e (median solid, P99 dashed) and output tokens/s vs request rate, a line per policy."""
+    """TTFT and e2e (median solid, P99 dashed) and output tokens/s vs request rate, a line per variant."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
     finite = [r for r in runs if math.isfinite(r["request_rate"])]
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for color, policy in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], _unique(r["policy"] for r in finite)):
-        mine = [r for r in finite if r["policy"] == policy]
+    for color, variant in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], _unique(r["variant"] for r in finite)):
+        mine = [r for r in finite if r["variant"] == variant]
         rates = [r["request_rate"] for r in mine]
         for axis, metric in zip(axes, ("ttft", "e2e")):
-            axis.plot(rates, [_ms(r[metric]["p50"]) for r in mine], "o-", color=color, label=f"{policy} median")
-            axis.plot(rates, [_ms(r[metric]["p99"]) for r in mine], "s--", color=color, label=f"{policy} P99")
-        axes[2].plot(rates, [r["output_tokens_per_s"] for r in mine], "o-", color=color, label=policy)
+            axis.plot(rates, [_ms(r[metric]["p50"]) for r in mine], "o-", color=color, label=f"{variant} median")
+            axis.plot(rates, [_ms(r[metric]["p99"]) for r in mine], "s--", color=color, label=f"{variant} P99")
+        axes[2].plot(rates, [r["output_tokens_per_s"] for r in mine], "o-", color=color, label=variant)
     for axis, title in zip(axes, ("TTFT (ms)", "end-to-end latency (ms)", "output tokens/s")):
         axis.set(xlabel="request rate (req/s)", title=title)
         axis.set_xscale("log", base=2)
@@ -298,7 +312,7 @@ def parse_args(argv=None):
     target.add_argument("--redis-url", help="the Redis of a running replica; with --spawn, where to spawn one")
     target.add_argument("--namespace", default=None)
     target.add_argument("--spawn", action="store_true",
-                        help="start a replica per policy, on an embedded Valkey unless --redis-url "
+                        help="start a replica per swept variant, on an embedded Valkey unless --redis-url "
                              "(the default when no --redis-url is given)")
     target.add_argument("--model", default="smollm2")
     target.add_argument("--engine-args", default="",
@@ -308,6 +322,8 @@ def parse_args(argv=None):
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
     load.add_argument("--rates", type=float, nargs="+", help="sweep these request rates")
     load.add_argument("--policies", nargs="+", choices=["continuous", "dynamic"], help="sweep these (implies --spawn)")
+    load.add_argument("--prefix-caching", nargs="+", choices=["on", "off"],
+                      help="sweep prefix caching on/off (implies --spawn)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--priority-class", default="interactive", choices=["interactive", "batch"])
@@ -326,7 +342,7 @@ def parse_args(argv=None):
     report.add_argument("--json", metavar="PATH")
     report.add_argument("--plot", metavar="PATH", help="PNG of latency and throughput vs rate (sweeps)")
     args = parser.parse_args(argv)
-    args.spawn = args.spawn or bool(args.policies) or not args.redis_url
+    args.spawn = args.spawn or bool(args.policies) or bool(args.prefix_caching) or not args.redis_url
     args.rates = args.rates or [args.request_rate]
     return args
 

@@ -16,8 +16,13 @@ import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "bindings.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp",
+           CSRC / "layer_ops_cpu.cpp"]
+# -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they
+# are compiled with OpenMP; at run time they share the libgomp torch has already loaded.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 @functools.cache
@@ -30,13 +35,14 @@ def load():
     try:
         return _import(name, built) if built.exists() else _build(name, build_dir)
     except Exception as exc:  # no compiler, missing headers...: keep serving on the reference path
-        log.warning("CPU attention kernel unavailable (%s); using the torch reference path", exc)
+        log.warning("CPU kernels unavailable (%s); using the torch reference path", exc)
         return None
 
 
 def _build_location() -> tuple[str, Path]:
     from torch.utils.cpp_extension import _get_build_directory
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:10]
+    code = b"".join(path.read_bytes() for path in [*SOURCES, CSRC / "cpu_kernels.h"])
+    digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:10]
     name = f"conveyor_cpu_kernels_{digest}"
     return name, Path(_get_build_directory(name, verbose=False))
 
@@ -45,9 +51,9 @@ def _build(name: str, build_dir: Path):
     from torch.utils.cpp_extension import load as load_extension
     if shutil.which("ninja") is None:  # the `ninja` wheel installs next to this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    log.info("building the CPU attention kernel (once)")
-    return load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                          build_directory=str(build_dir), verbose=False)
+    log.info("building the CPU kernels (once)")
+    return load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS,
+                          extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
 
 
 def _import(name: str, path: Path):

@@ -1,4 +1,5 @@
 """Paged attention and sampling kernels against plain dense references."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +57,21 @@ def test_decode_attention_matches_dense_on_both_paths():
 
 def test_cpu_kernel_builds_here():
     assert cpu_extension.load() is not None, "g++ and torch headers are on this machine: the kernel must build"
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 70), (7, 16)])
+def test_few_rows_linear_matches_f_linear(rows, out_features, in_features):
+    """Weight row counts that leave a remainder after the row groups, and input widths that
+    are not a multiple of the vector width (masked loads), with and without bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    kernels = cpu_extension.load()
+    torch.testing.assert_close(kernels.few_rows_linear(x, weight, bias), F.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(kernels.few_rows_linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-5)
 
 
 def test_prefill_attention_over_cached_prefix():

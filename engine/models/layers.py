@@ -4,7 +4,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from kernels import cpu_extension
 from kernels.attention import paged_decode_attention, prefill_attention, write_kv_cache
+from kernels.layer_ops import add_rms_norm, rms_norm, rotary_and_cache
 
 
 class RMSNorm(nn.Module):
@@ -13,12 +15,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # same op order as transformers so float32 results match bit for bit
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(residual + x), residual + x)`` (the inputs'
+        storage may be reused)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,17 +40,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    """``q``/``k`` ``[T, heads, D]``."""
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class PagedAttention(nn.Module):
     """Writes this step's keys/values into the layer's cache, then attends over it.
     The runner binds ``k_cache``/``v_cache`` after allocating the pool."""
@@ -59,9 +50,13 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """With ``cos_sin``, ``q`` and ``k`` get the rotary embedding first."""
+        if cos_sin is None:
+            write_kv_cache(k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            q, k = rotary_and_cache(q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
             return self._decode(q, meta)
@@ -79,31 +74,34 @@ class PagedAttention(nn.Module):
                                       meta.decode_context_lens, self.scale)
 
 
-class TransposedLinear(nn.Module):
-    """``x @ W^T + b`` with ``W^T`` stored contiguous. On CPU, MKL runs the few-row products
-    of decode steps (a matrix-vector product at batch 1) up to twice as fast in this layout."""
+class CpuLinear(nn.Module):
+    """``x @ W^T + b`` on CPU: decode steps with at most ``FEW_ROWS`` rows go to the compiled
+    kernel, which reads the weights about twice as fast as MKL's sgemm does for so few rows;
+    bigger batches are compute-bound and stay with MKL. Shares the weight it wraps."""
+
+    FEW_ROWS = 16  # measured crossover on a 2-core AVX-512 machine (benchmarks/cpu_speed.py)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.weight, self.bias = weight, bias
+        self.kernels = cpu_extension.load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        if (self.kernels is not None and x.dim() == 2 and x.shape[0] <= self.FEW_ROWS
+                and x.dtype == torch.float32 and self.weight.dtype == torch.float32):
+            return self.kernels.few_rows_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
-def transpose_linears(model: nn.Module) -> None:
-    """Swap every nn.Linear (and tied head) for a TransposedLinear (CPU inference layout), in
-    place. A tied head gets its own transposed copy of the embedding matrix."""
+def use_cpu_linears(model: nn.Module) -> None:
+    """Swap every nn.Linear (and tied head) for a CpuLinear, in place."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, TransposedLinear(child.weight, child.bias))
+            setattr(model, name, CpuLinear(child.weight, child.bias))
         elif isinstance(child, TiedHead):
-            setattr(model, name, TransposedLinear(child.embedding[0].weight, None))
+            setattr(model, name, CpuLinear(child.embedding[0].weight, None))
         else:
-            transpose_linears(child)
+            use_cpu_linears(child)
 
 
 class TiedHead(nn.Module):

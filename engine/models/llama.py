@@ -3,13 +3,13 @@ Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm)."""
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead, apply_rotary
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
 from engine.models.weights import WeightLoader
+from kernels.layer_ops import silu_and_mul
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FAMILIES = {  # architecture -> (qkv bias rule, per-head q/k norm)
@@ -110,8 +110,7 @@ class LlamaAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
-        out = self.attn(q, k.contiguous(), v.contiguous(), meta)
+        out = self.attn(q, k, v, meta, cos_sin)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -122,8 +121,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,9 +132,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, cos_sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, meta):
+        """``x`` is the previous layer's output, ``residual`` the stream before it (None at
+        the first layer); the adds are folded into the norms."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -157,11 +162,11 @@ class LlamaForCausalLM(nn.Module):
             nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
         for layer in self.model.layers:
-            x = layer(x, cos_sin, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

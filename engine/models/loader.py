@@ -10,7 +10,8 @@ from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
 from engine.models.gguf_import import converted_dir, smollm2_gguf
 from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.layers import transpose_linears
+from engine.models.cpu_memory import move_weights_to_huge_pages
+from engine.models.layers import use_cpu_linears
 from engine.models.llama import LlamaForCausalLM, max_context
 from engine.models.weights import iter_checkpoint
 
@@ -70,8 +71,11 @@ def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
         model = cls(spec.hf_config, architecture, max_model_len)
     model.load_weights(iter_checkpoint(spec.model_dir))
     if device.type == "cpu":
-        transpose_linears(model)
-    return model.to(device=device, dtype=dtype).eval()
+        use_cpu_linears(model)
+    model = model.to(device=device, dtype=dtype).eval()
+    if device.type == "cpu":
+        move_weights_to_huge_pages(model)
+    return model
 
 
 def _eos_ids(model_dir: Path, hf_config) -> set[int]:

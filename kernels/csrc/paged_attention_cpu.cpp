@@ -1,6 +1,6 @@
 // Fused paged decode attention for CPU, float32: reads each sequence's K/V blocks in place
 // (no gathered copy), one (sequence, kv head) pair per task on torch's thread pool.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -68,8 +68,4 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32)");
 }

@@ -1,0 +1,41 @@
+"""Weights in transparent huge pages on CPU.
+
+A decode step streams every weight from memory once; with 2 MiB pages instead of 4 KiB
+ones the page walks all but vanish and the matrix-vector kernels read 5-10% faster
+(measured with benchmarks/cpu_speed.py). Linux only; elsewhere the weights stay put.
+"""
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+ALIGN_BYTES = 64  # a cache line: every weight starts on one
+
+
+def move_weights_to_huge_pages(model: nn.Module) -> None:
+    """Copy every parameter into one huge-page-backed arena, in place (``param.data``)."""
+    params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
+    if not params or not hasattr(mmap, "MADV_HUGEPAGE") or any(p.device.type != "cpu" for p in params):
+        return
+    offsets, total = _layout(params)
+    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as exc:  # THP disabled in this kernel: plain pages still work
+        log.info("huge pages unavailable for the weights (%s)", exc)
+    raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the arena alive
+    for param, offset in zip(params, offsets):
+        nbytes = param.numel() * param.element_size()
+        slot = raw[offset:offset + nbytes].view(param.dtype).view(param.shape)
+        slot.copy_(param.data)
+        param.data = slot
+
+
+def _layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for param in params:
+        offsets.append(total)
+        total += -(-param.numel() * param.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, max(total, 1)

@@ -1,0 +1,10 @@
+#include "cpu_kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU, fp32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32)");
+  m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32)");
+  m.def("few_rows_linear", &few_rows_linear, "x @ weight^T + bias for a few rows of x (CPU, fp32)");
+}

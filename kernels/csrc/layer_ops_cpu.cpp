@@ -1,0 +1,110 @@
+// The small per-token operations between a decoder layer's matmuls, fused for CPU float32:
+// at decode batch sizes each torch op costs more in dispatch than in arithmetic, and a
+// layer has about forty of them. Same arithmetic order as the torch reference path
+// (kernels/layer_ops.py) except for the order of the sum of squares.
+#include "cpu_kernels.h"
+#include <ATen/Parallel.h>
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kTokensPerTask = 4;  // short rows: one thread handles a few tokens
+
+inline void normalize_row(const float* in, const float* weight, float* out, int64_t n, float eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < n; ++i) squares += in[i] * in[i];
+  const float scale = 1.f / std::sqrt(squares / n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (in[i] * scale);
+}
+
+// x1 * cos - x2 * sin | x2 * cos + x1 * sin, the halves of one head (rotate_half convention)
+inline void rotate_row(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i + half] + x1 * sin[i + half];
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, name, ": float32 only");
+  TORCH_CHECK(t.stride(-1) == 1, name, ": the last dimension must be contiguous");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "rms_norm: x [T, H] contiguous");
+  check_rows(x, "rms_norm");
+  auto out = torch::empty_like(x);
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) normalize_row(xp + t * n, wp, op + t * n, n, (float)eps);
+  });
+  return out;
+}
+
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
+              "add_rms_norm_: x and residual [T, H] contiguous");
+  check_rows(x, "add_rms_norm_");
+  check_rows(residual, "add_rms_norm_");
+  const int64_t n = x.size(1);
+  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float *xr = xp + t * n, *rr = rp + t * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] = xr[i] + rr[i];
+      normalize_row(rr, wp, xr, n, (float)eps);
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "silu_and_mul: gate_up [T, 2 I] contiguous");
+  check_rows(gate_up, "silu_and_mul");
+  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({tokens, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *gate = gp + t * 2 * inter, *up = gate + inter;
+      float* o = op + t * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
+}
+
+void rotary_and_cache_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                       torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor slot_mapping) {
+  for (auto* t : {&q, &k, &v}) check_rows(*t, "rotary_and_cache_");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rotary_and_cache_: cos/sin [T, D] and caches contiguous");
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t tokens = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
+  const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);  // per kv head
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
+  const float *vp = v.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = cp + t * dim, *s = sp + t * dim;
+      for (int64_t h = 0; h < q_heads; ++h) rotate_row(qp + t * q.stride(0) + h * q.stride(1), c, s, dim);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        float* key = kp + t * k.stride(0) + h * k.stride(1);
+        const float* value = vp + t * v.stride(0) + h * v.stride(1);
+        rotate_row(key, c, s, dim);
+        std::copy(key, key + dim, kc + (h * cache_slots + slot[t]) * dim);
+        std::copy(value, value + dim, vc + (h * cache_slots + slot[t]) * dim);
+      }
+    }
+  });
+}

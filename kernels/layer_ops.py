@@ -1,0 +1,81 @@
+"""The per-token operations between a decoder layer's matmuls: RMSNorm (with the residual
+add folded in), SiLU-and-multiply, and rotary embedding fused with the KV-cache write.
+
+Each has a torch reference (any device, any dtype; the op order transformers uses, so
+float32 results match it bit for bit) and, for CPU float32, one compiled call in place of
+the several torch ops whose dispatch dominates a decode step.
+"""
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_extension
+from kernels.attention import write_kv_cache
+
+
+def _compiled(*tensors: torch.Tensor):
+    """The compiled kernels when every tensor is a CPU float32 one, else None."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return cpu_extension.load()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kernels = _compiled(x, weight)
+    if kernels is not None and x.dim() == 2 and x.is_contiguous():
+        return kernels.rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual + x`` (the new residual stream) and its RMSNorm. May reuse the storage of
+    both inputs, which the caller must not read again."""
+    kernels = _compiled(x, residual, weight)
+    if kernels is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
+        kernels.add_rms_norm_(x, residual, weight, eps)
+        return x, residual
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for rows laid out ``[gate | up]``."""
+    kernels = _compiled(gate_up)
+    if kernels is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of ``q``/``k`` ``[T, heads, D]``, then ``k``/``v`` stored at
+    ``slot_mapping``. Returns the rotated ``q`` and ``k`` (rotated in place where compiled)."""
+    cos, sin = cos_sin
+    kernels = _compiled(q, k, v, cos, k_cache)
+    if kernels is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        kernels.rotary_and_cache_(q, k, v, cos.reshape(q.shape[0], -1), sin.reshape(q.shape[0], -1),
+                                  k_cache, v_cache, slot_mapping)
+        return q, k
+    q, k = apply_rotary(q, k, cos_sin)
+    write_kv_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+    """``q``/``k`` ``[T, heads, D]``; ``cos``/``sin`` ``[T, 1, D]``."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
