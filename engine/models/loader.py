@@ -11,7 +11,7 @@ from engine.errors import ModelLoadError
 from engine.models.gguf_import import converted_dir, smollm2_gguf
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.cpu_memory import move_weights_to_huge_pages
-from engine.models.layers import use_cpu_linears
+from engine.models.layers import pack_cpu_linears, use_cpu_linears
 from engine.models.llama import LlamaForCausalLM, max_context
 from engine.models.weights import iter_checkpoint
 
@@ -75,6 +75,7 @@ def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
     model = model.to(device=device, dtype=dtype).eval()
     if device.type == "cpu":
         move_weights_to_huge_pages(model)
+        pack_cpu_linears(model)
     return model
 
 
