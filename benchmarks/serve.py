@@ -69,13 +69,17 @@ class RequestRecord:
 
 
 # ---- workloads -------------------------------------------------------------------------------
-def build_workload(args, vocab: int) -> list[Request]:
-    rng = random.Random(args.seed)
+def build_workload(args, vocab: int, rate_index: int = 0) -> list[Request]:
+    """The requests of the ``rate_index``-th rate of a sweep: the same for every variant, new
+    for every rate, so a rate never finds the previous rate's prompts in the prefix cache
+    (only the ``--shared-prefix-tokens`` are common to all)."""
+    seed = args.seed + 1000 * rate_index
     if args.workload == "mixed":
-        prompts, output_lens = make_workload(args.num_prompts, vocab, args.seed)
+        prompts, output_lens = make_workload(args.num_prompts, vocab, seed)
         return [Request(p, n) for p, n in zip(prompts, output_lens)]
     input_len, output_len = _lengths(args)
-    prefix = random_prompt(rng, args.shared_prefix_tokens, vocab)
+    prefix = random_prompt(random.Random(args.seed), args.shared_prefix_tokens, vocab)
+    rng = random.Random(seed)
     return [Request(prefix + random_prompt(rng, _around(rng, input_len, args.range_ratio), vocab),
                     _around(rng, output_len, args.range_ratio)) for _ in range(args.num_prompts)]
 
@@ -217,11 +221,12 @@ def replica_for(args, variant_args: str):
         yield url, replica
 
 
-def run_sweep(args, requests: list[Request]) -> list[dict]:
+def run_sweep(args, workloads: list[list[Request]]) -> list[dict]:
+    """``workloads[i]``: the requests of rate ``args.rates[i]``."""
     runs = []
     for variant, variant_args in engine_variants(args):
         with replica_for(args, variant_args) as (url, replica):
-            for rate in args.rates:
+            for rate, requests in zip(args.rates, workloads):
                 run = asyncio.run(run_benchmark(url, requests, rate, args, replica, f"{variant} rate {rate:g}/s"))
                 runs.append({"variant": variant, **run})
                 print(describe_run(runs[-1], args), flush=True)
@@ -349,12 +354,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    requests = build_workload(args, vocab_size(args.model))
-    runs = run_sweep(args, requests)
+    workloads = [build_workload(args, vocab_size(args.model), i) for i in range(len(args.rates))]
+    runs = run_sweep(args, workloads)
     if len(runs) > 1:
         print("\n" + sweep_table(runs))
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    write_json(args.json, {"settings": settings, "workload": describe_workload(requests), "runs": runs})
+    write_json(args.json, {"settings": settings, "workload": describe_workload(workloads[0]), "runs": runs})
     if args.plot:
         plot_sweep(runs, args.plot)
 

@@ -93,24 +93,29 @@ class CpuLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.kernels = cpu_extension.load()
         self.packed: torch.Tensor | None = None
+        self.fast_path: tuple | None = None  # (weight, bias, packed) as plain attributes, from pack()
 
     def pack(self) -> None:
         """Make the oneDNN copy; call once the weight has its final dtype and place."""
-        if self.weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        if self.weight.dtype != torch.float32:
             return
-        try:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACK_BATCH_HINT)
-        except (AttributeError, RuntimeError):  # a torch build without the op: MKL it is
-            self.packed = None
+        if torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACK_BATCH_HINT)
+            except (AttributeError, RuntimeError):  # a torch build without the op: MKL it is
+                self.packed = None
+        # nn.Module resolves parameters through __getattr__; a decode step reads them ~600 times
+        self.fast_path = (self.weight, self.bias, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+        if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
             return F.linear(x, self.weight, self.bias)
+        weight, bias, packed = self.fast_path
         if self.kernels is not None and x.shape[0] <= self.FEW_ROWS:
-            return self.kernels.few_rows_linear(x, self.weight, self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return self.kernels.few_rows_linear(x, weight, bias)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
 
 
 def use_cpu_linears(model: nn.Module) -> None:
