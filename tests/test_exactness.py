@@ -57,6 +57,20 @@ def test_ignore_eos_runs_to_max_tokens(tiny_model, workload):
         assert output.finish_reason == "length" and len(output.token_ids) == 30
 
 
+def test_single_stream_decode_matches_transformers(tiny_model, workload):
+    """One request at a time: every decode step is a single token, which on CPU runs the
+    compiled whole-model decoder for the Llama family (except Qwen3's q/k norms)."""
+    prompts, _, _ = workload
+    llm = LLM(tiny_model)
+    for prompt in prompts[:3]:
+        output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
+                              use_tqdm=False)[0]
+        assert output.token_ids == hf_greedy(tiny_model, prompt, 25, ignore_eos=True)
+    model = llm.engine.runner.model
+    if hasattr(model, "decoder") and not getattr(model.arch, "qk_norm", True):
+        assert model.decoder, "the compiled decoder should have served these steps"
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     import transformers
     source = build_tiny_model("llama", tmp_path / "whole")

@@ -6,5 +6,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU, fp32)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32)");
   m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32)");
+  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
+      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, double, int64_t, int64_t,
+                          int64_t, double>())
+      .def("forward", &LlamaDecoder::forward, "final-norm hidden states of a decode step (CPU, fp32)");
   m.def("few_rows_linear", &few_rows_linear, "x @ weight^T + bias for a few rows of x (CPU, fp32)");
 }

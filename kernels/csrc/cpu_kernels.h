@@ -15,3 +15,35 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_and_cache_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                        torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                        torch::Tensor slot_mapping);
+
+// Llama-family decode of at most a few tokens through every layer (decode_cpu.cpp).
+class LlamaDecoder {
+ public:
+  // Per layer: input norm, post-attention norm, qkv weight, qkv bias, o weight, o bias,
+  // gate_up weight, gate_up bias, down weight, down bias, k cache, v cache; an empty
+  // tensor for an absent bias.
+  LlamaDecoder(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm, double eps,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+  // The final-norm hidden states [T, H]; `embedded` [T, H] is overwritten.
+  torch::Tensor forward(torch::Tensor embedded, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor slot_mapping, torch::Tensor block_tables,
+                        torch::Tensor context_lens) const;
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, post_norm, qkv;
+    c10::optional<torch::Tensor> qkv_bias;
+    torch::Tensor o;
+    c10::optional<torch::Tensor> o_bias;
+    torch::Tensor gate_up;
+    c10::optional<torch::Tensor> gate_up_bias;
+    torch::Tensor down;
+    c10::optional<torch::Tensor> down_bias;
+    torch::Tensor k_cache, v_cache;
+  };
+  std::vector<Layer> layers_;
+  torch::Tensor final_norm_;
+  double eps_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+};

@@ -23,28 +23,32 @@ struct Problem {
 #ifdef __AVX512F__
 // R weight rows starting at `row` times MT rows of x starting at `m0`.
 template <int R, int MT>
+inline void dot_step(const float* w, const float* x, int64_t K, int64_t k, __mmask16 mask, __m512 (&acc)[MT][R]) {
+  for (int m = 0; m < MT; ++m) {
+    const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int r = 0; r < R; ++r)
+      acc[m][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, w + r * K + k), xv, acc[m][r]);
+  }
+}
+
+// R weight rows starting at `row` times MT rows of x starting at `m0`.
+template <int R, int MT>
 inline void dot_tile(const Problem& p, int64_t row, int64_t m0) {
   __m512 acc[MT][R];
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const float* w = p.w + row * p.K;
   const float* x = p.x + m0 * p.K;
-  for (int64_t k = 0; k < p.K; k += 16) {
-    const __mmask16 mask = p.K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (p.K - k)) - 1);
-    __m512 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + r * p.K + k);
-    for (int m = 0; m < MT; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * p.K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
-    }
-  }
+  const int64_t K = p.K, full = K / 16 * 16;
+  for (int64_t k = 0; k < full; k += 16) dot_step<R, MT>(w, x, K, k, (__mmask16)0xFFFF, acc);
+  if (full < K) dot_step<R, MT>(w, x, K, full, (__mmask16)((1u << (K - full)) - 1), acc);
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r)
       p.y[(m0 + m) * p.N + row + r] = _mm512_reduce_add_ps(acc[m][r]) + (p.bias ? p.bias[row + r] : 0.f);
 }
 
 // All rows of x for R weight rows: x in tiles of up to 4 rows (R * 4 accumulators fit the
-// 32 vector registers for R <= 4; R = 8 is only used with at most 2 rows of x).
+// 32 vector registers for R <= 4; R = 8 and 16 only serve 2 rows and 1 row of x).
 template <int R>
 inline void dot_rows(const Problem& p, int64_t row) {
   int64_t m = 0;
@@ -58,9 +62,14 @@ inline void dot_rows(const Problem& p, int64_t row) {
 
 template <>
 inline void dot_rows<8>(const Problem& p, int64_t row) {
-  assert(p.M == 1 || p.M == 2);
-  if (p.M == 1) dot_tile<8, 1>(p, row, 0);
-  else dot_tile<8, 2>(p, row, 0);
+  assert(p.M == 2);
+  dot_tile<8, 2>(p, row, 0);
+}
+
+template <>
+inline void dot_rows<16>(const Problem& p, int64_t row) {
+  assert(p.M == 1);
+  dot_tile<16, 1>(p, row, 0);
 }
 #else
 template <int R>
@@ -97,7 +106,10 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight, c10::option
   Problem p{x.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
             y.data_ptr<float>(), x.size(0), x.size(1), weight.size(0)};
   if (p.M == 0) return y;
-  if (p.M <= 2) run<8>(p);  // eight weight rows in flight read fastest; 8 x 2 accumulators fit
+  // More weight rows in flight read faster (16 rows: ~40 GB/s where 8 get ~35 and 4 ~29
+  // on a 2-core Zen 4 VM) as long as their accumulators fit the registers.
+  if (p.M == 1) run<16>(p);
+  else if (p.M == 2) run<8>(p);
   else run<4>(p);
   return y;
 }
