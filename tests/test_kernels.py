@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.models.layers import CpuLinear, row_bucket
 from kernels import cpu_extension
 from kernels.attention import (paged_decode_attention, paged_decode_attention_reference,
                                prefill_attention, write_kv_cache)
@@ -72,6 +73,20 @@ def test_few_rows_linear_matches_f_linear(rows, out_features, in_features):
     torch.testing.assert_close(kernels.few_rows_linear(x, weight, bias), F.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(kernels.few_rows_linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 70, 600])
+def test_cpu_linear_matches_f_linear_on_every_path(rows):
+    """Few rows (compiled kernel), more rows (oneDNN on the packed copy, padded to a row
+    bucket), with bias."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    linear = CpuLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias))
+    linear.pack()
+    x = torch.randn(rows, 40, generator=gen)
+    out = linear(x)
+    assert out.shape == (rows, 48) and row_bucket(rows) >= rows
+    torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_prefill_attention_over_cached_prefix():
