@@ -178,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         """The compiled decoder (kernels/csrc/decode_cpu.cpp) for a CPU float32 step that only
         decodes, at most ``CpuLinear.FEW_ROWS`` tokens: the same kernels as the layers below
         without ~270 Python calls per step. None for any other step."""
-        if (self.decoder is False or meta.num_decode_tokens != x.shape[0] or x.shape[0] > CpuLinear.FEW_ROWS
+        if (self.decoder is False or meta.num_decode_tokens != x.shape[0] or not 0 < x.shape[0] <= CpuLinear.FEW_ROWS
                 or not x.is_cpu or x.dtype is not torch.float32):
             return None
         if self.decoder is None:
@@ -197,9 +197,9 @@ class LlamaForCausalLM(nn.Module):
             return False
         none = torch.empty(0)
         per_layer = []
-        for layer in layers:
+        for index, layer in enumerate(layers):
             tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            for linear in linears[4 * index:4 * index + 4]:  # qkv, o, gate_up, down
                 weight, bias, _ = linear.fast_path
                 tensors += [weight, none if bias is None else bias]
             attention = layer.self_attn.attn
