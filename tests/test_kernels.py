@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import CpuLinear, row_bucket
+from engine.models.layers import CpuLinear, pack_cpu_linears, row_bucket
 from kernels import cpu_extension
 from kernels.attention import (paged_decode_attention, paged_decode_attention_reference,
                                prefill_attention, write_kv_cache)
@@ -87,6 +87,24 @@ def test_cpu_linear_matches_f_linear_on_every_path(rows):
     out = linear(x)
     assert out.shape == (rows, 48) and row_bucket(rows) >= rows
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_few_rows_linear_on_interleaved_rows_matches_f_linear(rows):
+    kernels = cpu_extension.load()
+    if not kernels.interleaved_supported():
+        pytest.skip("the interleaved layout needs AVX-512")
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    interleaved = kernels.interleave_rows(weight)
+    assert interleaved.shape == (6, 4, 16, 16)
+    torch.testing.assert_close(kernels.few_rows_linear(x, interleaved, bias), F.linear(x, weight, bias),
+                               atol=1e-4, rtol=1e-5)
+    module = torch.nn.Sequential(CpuLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias)))
+    pack_cpu_linears(module)
+    assert module[0].fast_path[0].dim() == 4, "a 96 x 64 weight gets the interleaved copy"
+    torch.testing.assert_close(module(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_prefill_attention_over_cached_prefix():

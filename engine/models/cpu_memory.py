@@ -17,25 +17,37 @@ ALIGN_BYTES = 64  # a cache line: every weight starts on one
 def move_weights_to_huge_pages(model: nn.Module) -> None:
     """Copy every parameter into one huge-page-backed arena, in place (``param.data``)."""
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
-    if not params or not hasattr(mmap, "MADV_HUGEPAGE") or any(p.device.type != "cpu" for p in params):
+    if not params or any(p.device.type != "cpu" for p in params):
         return
-    offsets, total = _layout(params)
+    for param, copy in zip(params, huge_page_copies([p.data for p in params])):
+        param.data = copy
+
+
+def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors`` in one huge-page-backed arena, each 64-byte
+    aligned (the arena stays alive as long as any copy does); the tensors themselves where
+    huge pages are unavailable."""
+    if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return tensors
+    offsets, total = _layout(tensors)
     arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         arena.madvise(mmap.MADV_HUGEPAGE)
     except OSError as exc:  # THP disabled in this kernel: plain pages still work
         log.info("huge pages unavailable for the weights (%s)", exc)
     raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the arena alive
-    for param, offset in zip(params, offsets):
-        nbytes = param.numel() * param.element_size()
-        slot = raw[offset:offset + nbytes].view(param.dtype).view(param.shape)
-        slot.copy_(param.data)
-        param.data = slot
+    copies = []
+    for tensor, offset in zip(tensors, offsets):
+        nbytes = tensor.numel() * tensor.element_size()
+        copy = raw[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        copy.copy_(tensor)
+        copies.append(copy)
+    return copies
 
 
-def _layout(params: list[torch.Tensor]) -> tuple[list[int], int]:
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, total = [], 0
-    for param in params:
+    for tensor in tensors:
         offsets.append(total)
-        total += -(-param.numel() * param.element_size() // ALIGN_BYTES) * ALIGN_BYTES
+        total += -(-tensor.numel() * tensor.element_size() // ALIGN_BYTES) * ALIGN_BYTES
     return offsets, max(total, 1)

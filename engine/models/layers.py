@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
+from engine.models.cpu_memory import huge_page_copies
 from kernels import cpu_extension
 from kernels.attention import paged_decode_attention, prefill_attention, write_kv_cache
 from kernels.layer_ops import add_rms_norm, rms_norm, rotary_and_cache
@@ -78,7 +79,9 @@ class CpuLinear(nn.Module):
     """``x @ W^T + b`` on CPU float32, on the fastest path for the number of rows of ``x``:
 
     - at most ``FEW_ROWS`` (single-stream decode): the compiled kernel, which streams the
-      plain weight once at nearly the machine's read bandwidth;
+      weight once at nearly the machine's read bandwidth, from a row-interleaved copy
+      (``interleave_rows``: each group of 16 rows one contiguous stretch) where the
+      shapes allow it (multiples of 16);
     - more: oneDNN on a copy of the weight packed in its blocked layout (``pack()``), 1.3-2.5x
       MKL's sgemm from 4 rows up to prefill chunks. The copy doubles the matmul weights'
       memory; without oneDNN, MKL on the plain weight. oneDNN compiles and caches a kernel
@@ -97,8 +100,9 @@ class CpuLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.fast_path: tuple | None = None  # (weight, bias, packed) as plain attributes, from pack()
 
-    def pack(self) -> None:
-        """Make the oneDNN copy; call once the weight has its final dtype and place."""
+    def pack(self, interleaved: torch.Tensor | None = None) -> None:
+        """Make the oneDNN copy and take the few-row kernel's ``interleaved`` copy (see
+        ``pack_cpu_linears``); call once the weight has its final dtype and place."""
         if self.weight.dtype != torch.float32:
             return
         if torch.backends.mkldnn.is_available():
@@ -107,7 +111,8 @@ class CpuLinear(nn.Module):
             except (AttributeError, RuntimeError):  # a torch build without the op: MKL it is
                 self.packed = None
         # nn.Module resolves parameters through __getattr__; a decode step reads them ~600 times
-        self.fast_path = (self.weight, self.bias, self.packed)
+        few_rows_weight = self.weight if interleaved is None else interleaved
+        self.fast_path = (few_rows_weight, self.bias, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
@@ -144,9 +149,17 @@ def use_cpu_linears(model: nn.Module) -> None:
 
 
 def pack_cpu_linears(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, CpuLinear):
-            module.pack()
+    """Every CpuLinear's oneDNN copy, and its row-interleaved copy for the few-row kernel
+    (all in one huge-page arena) where the kernels support it and the shape allows."""
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    kernels = cpu_extension.load()
+    can_interleave = kernels is not None and kernels.interleaved_supported()
+    interleavable = [m for m in linears if can_interleave and m.weight.dtype == torch.float32
+                     and m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 16 == 0]
+    copies = huge_page_copies([kernels.interleave_rows(m.weight.detach()) for m in interleavable])
+    interleaved = {id(m): copy for m, copy in zip(interleavable, copies)}
+    for module in linears:
+        module.pack(interleaved.get(id(module)))
 
 
 class TiedHead(nn.Module):

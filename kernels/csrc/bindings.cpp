@@ -10,5 +10,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, double, int64_t, int64_t,
                           int64_t, double>())
       .def("forward", &LlamaDecoder::forward, "final-norm hidden states of a decode step (CPU, fp32)");
+  m.def("interleaved_supported", [] {
+#ifdef __AVX512F__
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("interleave_rows", &interleave_rows, "weight [N, K] -> [N/16, K/16, 16, 16] for few_rows_linear");
   m.def("few_rows_linear", &few_rows_linear, "x @ weight^T + bias for a few rows of x (CPU, fp32)");
 }

@@ -6,8 +6,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
 
+// x @ weight^T + bias for a few rows of x; weight [N, K], or interleave_rows(weight) for
+// at most 2 rows of x.
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
                               c10::optional<torch::Tensor> bias);
+torch::Tensor interleaved_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor interleave_rows(torch::Tensor weight);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

@@ -94,9 +94,50 @@ void run(const Problem& p) {
   for (int64_t row = groups * R; row < p.N; ++row) dot_rows<1>(p, row);  // leftover rows
 }
 
+#ifdef __AVX512F__
+// Row-interleaved weight [N/16, K/16, 16 rows, 16 columns]: a group of 16 weight rows is one
+// contiguous stretch read front to back, which the hardware prefetchers follow at nearly
+// the speed of a plain sum (~44 vs ~31 GB/s for 16 separate row streams in this VM's
+// fast-bandwidth minutes). Same per-row summation order as the plain layout.
+template <int MT>
+void interleaved_group(const Problem& p, int64_t group) {
+  __m512 acc[MT][16];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < 16; ++r) acc[m][r] = _mm512_setzero_ps();
+  const float* block = p.w + group * 16 * p.K;
+  for (int64_t k = 0; k < p.K; k += 16, block += 256) {
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_loadu_ps(p.x + m * p.K + k);
+      for (int r = 0; r < 16; ++r) acc[m][r] = _mm512_fmadd_ps(_mm512_load_ps(block + r * 16), xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < 16; ++r) {
+      const int64_t row = group * 16 + r;
+      p.y[m * p.N + row] = _mm512_reduce_add_ps(acc[m][r]) + (p.bias ? p.bias[row] : 0.f);
+    }
+}
+
+void run_interleaved(const Problem& p) {
+  at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      if (p.M == 1) interleaved_group<1>(p, g);
+      else interleaved_group<2>(p, g);
+    }
+  });
+}
+#endif
+
 }  // namespace
 
+torch::Tensor interleave_rows(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 16 == 0 && weight.size(1) % 16 == 0,
+              "interleave_rows: weight [N, K] with N and K multiples of 16");
+  return weight.view({weight.size(0) / 16, 16, weight.size(1) / 16, 16}).permute({0, 2, 1, 3}).contiguous();
+}
+
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  if (weight.dim() == 4) return interleaved_linear(x, weight, bias);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
@@ -111,5 +152,26 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight, c10::option
   if (p.M == 1) run<16>(p);
   else if (p.M == 2) run<8>(p);
   else run<4>(p);
+  return y;
+}
+
+torch::Tensor interleaved_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == 16 && weight.size(3) == 16 && weight.is_contiguous(),
+              "weight: interleave_rows() layout [N/16, K/16, 16, 16]");
+  const int64_t N = weight.size(0) * 16, K = weight.size(1) * 16;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.size(0) <= 2, "x [M <= 2, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(weight.data_ptr<float>()) % 64 == 0, "weight must be 64-byte aligned");
+  x = x.contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  Problem p{x.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+            y.data_ptr<float>(), x.size(0), K, N};
+  if (p.M == 0) return y;
+#ifdef __AVX512F__
+  run_interleaved(p);
+#else
+  TORCH_CHECK(false, "interleaved_linear needs AVX-512; use the plain layout");
+#endif
   return y;
 }
