@@ -68,7 +68,7 @@ def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   k_cache, v_cache, slot_mapping)
         return q, k
     q, k = apply_rotary(q, k, cos_sin)
-    write_kv_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return q, k
 
 

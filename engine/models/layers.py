@@ -55,7 +55,7 @@ class PagedAttention(nn.Module):
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """With ``cos_sin``, ``q`` and ``k`` get the rotary embedding first."""
         if cos_sin is None:
-            write_kv_cache(k.contiguous(), v.contiguous(), self.k_cache, self.v_cache, meta.slot_mapping)
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:
             q, k = rotary_and_cache(q, k, v, cos_sin, self.k_cache, self.v_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
@@ -83,8 +83,8 @@ class CpuLinear(nn.Module):
       (``interleave_rows``: each group of 16 rows one contiguous stretch) where the
       shapes allow it (multiples of 16);
     - more: oneDNN on a copy of the weight packed in its blocked layout (``pack()``), 1.3-2.5x
-      MKL's sgemm from 4 rows up to prefill chunks. The copy doubles the matmul weights'
-      memory; without oneDNN, MKL on the plain weight. oneDNN compiles and caches a kernel
+      MKL's sgemm from 4 rows up to prefill chunks; without oneDNN, MKL on the plain weight.
+      With the interleaved copy the matmul weights are held three times. oneDNN compiles and caches a kernel
       per input shape (~0.5 MB each), so rows are padded up to a few bucket sizes
       (``row_bucket``): a bounded set of shapes instead of one per batch size seen.
 
@@ -97,22 +97,23 @@ class CpuLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.kernels = cpu_extension.load()
-        self.packed: torch.Tensor | None = None
-        self.fast_path: tuple | None = None  # (weight, bias, packed) as plain attributes, from pack()
+        # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
+        self.fast_path: tuple | None = None
 
     def pack(self, interleaved: torch.Tensor | None = None) -> None:
         """Make the oneDNN copy and take the few-row kernel's ``interleaved`` copy (see
         ``pack_cpu_linears``); call once the weight has its final dtype and place."""
         if self.weight.dtype != torch.float32:
             return
+        packed = None
         if torch.backends.mkldnn.is_available():
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACK_BATCH_HINT)
+                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACK_BATCH_HINT)
             except (AttributeError, RuntimeError):  # a torch build without the op: MKL it is
-                self.packed = None
+                packed = None
         # nn.Module resolves parameters through __getattr__; a decode step reads them ~600 times
         few_rows_weight = self.weight if interleaved is None else interleaved
-        self.fast_path = (few_rows_weight, self.bias, self.packed)
+        self.fast_path = (few_rows_weight, self.bias, packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:

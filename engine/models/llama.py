@@ -8,8 +8,8 @@ from torch import nn
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import ModelLoadError
 from engine.models.layers import CpuLinear, PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
-from kernels import cpu_extension
 from engine.models.weights import WeightLoader
+from kernels import cpu_extension
 from kernels.layer_ops import silu_and_mul
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
