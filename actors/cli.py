@@ -67,6 +67,17 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
                         help="the model name jobs use to reach this replica (default: the model's basename)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this port (env CONVEYOR_METRICS_PORT)")
+    parser.add_argument("--metrics-host", default=None,
+                        help="address the metrics endpoint binds (default 127.0.0.1; env CONVEYOR_METRICS_HOST)")
+    parser.add_argument("--max-tokens-cap", type=int, default=None,
+                        help="refuse jobs asking for more output tokens (env CONVEYOR_MAX_TOKENS_CAP)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="refuse prompts longer than this, below max_model_len (env CONVEYOR_MAX_PROMPT_TOKENS)")
+    parser.add_argument("--max-queue-len", type=int, default=None,
+                        help="server-side bound of each request stream: submits past it are refused "
+                             "(env CONVEYOR_MAX_QUEUE_LEN)")
+    parser.add_argument("--max-bytes-in-flight", type=int, default=None,
+                        help="bytes of request entries held at once (default 64 MiB; env CONVEYOR_MAX_BYTES_IN_FLIGHT)")
 
 
 def build_engine(args: argparse.Namespace):
@@ -79,7 +90,9 @@ def build_engine(args: argparse.Namespace):
 def replica_config(args: argparse.Namespace, redis_url: str):
     from actors.config import ReplicaConfig
     config = ReplicaConfig(redis_url=redis_url)
-    for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "served_model_name"):
+    for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "metrics_host",
+                 "served_model_name", "max_tokens_cap", "max_prompt_tokens", "max_queue_len",
+                 "max_bytes_in_flight"):
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     return config

@@ -28,6 +28,14 @@ class ReplicaConfig:
     read_block_ms: int = 1000
     served_model_name: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_SERVED_MODEL_NAME"))
     metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
+    metrics_host: str = field(default_factory=lambda: os.environ.get("CONVEYOR_METRICS_HOST", "127.0.0.1"))
+    # operator limits: producers cannot lift them
+    max_tokens_cap: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_TOKENS_CAP"))
+    max_prompt_tokens: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_PROMPT_TOKENS"))
+    max_queue_len: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_QUEUE_LEN"))
+    # bytes of request entries read but not finished (credits bound their number)
+    max_bytes_in_flight: int = field(default_factory=lambda: int(os.environ.get(
+        "CONVEYOR_MAX_BYTES_IN_FLIGHT", 64 * 1024 * 1024)))
 
     @property
     def renew_interval_s(self) -> float:

@@ -33,8 +33,8 @@ class ReplicaMetrics:
         self.queue = histogram("request_queue_time_seconds", "Enqueue to first scheduled")
         self._last_token_time: dict[str, float] = {}
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
 
     def record_step(self, stats: dict, outputs: list[RequestOutput]) -> None:
         self.running.set(stats["num_running"])

@@ -49,7 +49,7 @@ class Replica:
         """Serve until SIGTERM/SIGINT (or ``request_stop``); 0 on a clean stop, 1 on a crash."""
         await self.streams.resilient(self.streams.ensure_groups, "create consumer groups")
         if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port)
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._install_signal_handlers()
         for actor in self._actors():
             actor.start(self._on_crash)
