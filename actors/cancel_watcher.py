@@ -2,18 +2,29 @@
 
 Requests arrive on the ``<ns>:cancel`` pub/sub channel (immediate, any replica may own the
 job); pub/sub loses messages while disconnected, so the ``cancel`` flags of the jobs this
-replica holds are also polled."""
+replica holds are also polled.
+
+Both are producer input: a message that is not a well-formed job id is logged
+(rate-limited) and dropped, and only ids of jobs this replica holds go further, so a
+flood of cancels costs O(1) each and no memory. (A cancel cannot be missed for a job on
+its way in: the cancel flag is set before the message is published, and starting an
+attempt reads the flag.)"""
 import asyncio
 import logging
+import re
 
 from actors.base import Actor
 from actors.leases import Leases
+from actors.log_limits import RateLimitedLog, shown
 from actors.messages import AbortJob
 from actors.resilience import CONNECTION_ERRORS
 from actors.streams import Streams
+from clients.limits import JOB_ID_PATTERN
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 2.0
+RESUBSCRIBE_S = 0.5
+_JOB_ID = re.compile(JOB_ID_PATTERN.encode())
 
 
 class CancelWatcher(Actor):
@@ -24,6 +35,7 @@ class CancelWatcher(Actor):
         self.streams = streams
         self.leases = leases
         self.scheduler = scheduler
+        self.warnings = RateLimitedLog(log)
 
     async def run(self) -> None:
         await asyncio.gather(self._listen(), self._poll())
@@ -34,25 +46,42 @@ class CancelWatcher(Actor):
                 async with self.streams.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.streams.keys.cancel)
                     async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            await self.scheduler.send(AbortJob(message["data"].decode(), "cancelled"))
+                        await self._on_message(message)
             except CONNECTION_ERRORS as exc:
                 log.warning("cancel channel lost (%s); resubscribing", exc)
-            await asyncio.sleep(0.5)
+            except Exception as exc:  # noqa: BLE001 - no input may stop the replica
+                self.warnings.warning("listen", "cancel channel failed (%s); resubscribing", shown(exc, 200))
+            await asyncio.sleep(RESUBSCRIBE_S)
+
+    async def _on_message(self, message) -> None:
+        if not isinstance(message, dict) or message.get("type") != "message":
+            return
+        job_id = job_id_of(message.get("data"))
+        if job_id is None:
+            self.warnings.warning("bad-cancel", "dropped a cancel message that is not a job id: %s",
+                                  shown(message.get("data")))
+        elif self.leases.holds(job_id):
+            await self.scheduler.send(AbortJob(job_id, "cancelled"))
 
     async def _poll(self) -> None:
         while not self.stopped:
             await asyncio.sleep(POLL_INTERVAL_S)
             job_ids = list(self.leases.held)
-            if not job_ids:
-                continue
+            if job_ids:
+                await self._poll_flags(job_ids)
 
-            async def read_flags():
-                async with self.streams.redis.pipeline(transaction=False) as pipe:
-                    for job_id in job_ids:
-                        pipe.hget(self.streams.keys.job(job_id), "cancel")
-                    return await pipe.execute()
-            flags = await self.streams.resilient(read_flags, "poll cancel flags")
-            for job_id, flag in zip(job_ids, flags):
-                if flag == b"1":
-                    await self.scheduler.send(AbortJob(job_id, "cancelled"))
+    async def _poll_flags(self, job_ids: list[str]) -> None:
+        async def queue(pipe):
+            for job_id in job_ids:
+                pipe.hget(self.streams.keys.job(job_id), "cancel")
+        flags = await self.streams.write(queue, "poll cancel flags")  # a clobbered hash: an error, not a flag
+        for job_id, flag in zip(job_ids, flags):
+            if flag == b"1" and self.leases.holds(job_id):
+                await self.scheduler.send(AbortJob(job_id, "cancelled"))
+
+
+def job_id_of(data) -> str | None:
+    """The job id a cancel message carries, or None when it is not a well-formed one."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > 128 or not _JOB_ID.fullmatch(data):
+        return None
+    return bytes(data).decode("ascii")

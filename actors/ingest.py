@@ -1,103 +1,168 @@
-"""IngestActor: pulls only as many jobs as the replica has credits for (a flood waits in
-Redis, not in memory), decodes and validates them, and hands them to the scheduler."""
+"""IngestActor: pulls only as many jobs as the replica has credits and bytes for (a flood
+waits in Redis, not in memory), decodes and validates them, and hands them to the scheduler.
+
+Entries are untrusted: an entry that cannot be read owns no job and is refused without
+touching any job's record; only an entry whose attempt was started speaks for its job."""
 import asyncio
 import logging
 import time
 
+from redis.exceptions import ResponseError
+
 from actors.base import Actor
+from actors.config import ReplicaConfig
 from actors.leases import Leases
-from actors.messages import Delivery, JobEnded, NewJob
-from actors.streams import CONFLICT, DUPLICATE, Streams
+from actors.log_limits import RateLimitedLog, shown
+from actors.messages import Delivery, EntryRefused, JobEnded, NewJob
+from actors.streams import CONFLICT, DUPLICATE, ReadEntry, Streams
 from clients.errors import ProtocolError
 from clients.keys import GROUP
 from clients.protocol import JobRequest, decode_job, payload_digest
 from engine import InvalidRequest, LLMEngine, SamplingParams
 
 log = logging.getLogger(__name__)
+FIRST_IDLE_POLL_S = 0.001  # empty streams: poll again after this, doubling up to the cap
+UNREADABLE_STREAM_BACKOFF_S = 1.0
 
 
 class IngestActor(Actor):
     name = "ingest"
 
     def __init__(self, streams: Streams, engine: LLMEngine, leases: Leases, scheduler: Actor,
-                 publisher: Actor, max_deliveries: int, read_block_ms: int):
+                 publisher: Actor, config: ReplicaConfig):
         super().__init__()
         self.streams = streams
         self.engine = engine  # used only for make_sequence (stateless tokenize + validate)
         self.leases = leases
         self.scheduler = scheduler
         self.publisher = publisher
-        self.max_deliveries = max_deliveries
-        self.read_block_ms = read_block_ms
+        self.config = config
+        self.warnings = RateLimitedLog(log)
 
     async def run(self) -> None:
+        idle_s = FIRST_IDLE_POLL_S
         while not self.stopped:
-            credits = self.leases.free_credits()
-            if credits <= 0:
+            credits, budget = self.leases.free_credits(), self.leases.free_bytes()
+            if credits <= 0 or budget <= 0:
                 self.leases.credit_freed.clear()
                 await self.leases.credit_freed.wait()
                 continue
-            entries = await self.streams.read_new(credits, self.read_block_ms)
+            entries = await self._read(credits, budget)
+            if not entries:
+                # no blocking read: a blocking XREADGROUP would bring an entry in whatever its size
+                await asyncio.sleep(idle_s)
+                idle_s = min(2 * idle_s, self.config.read_block_ms / 1000, self.config.idle_poll_max_s)
+                continue
+            idle_s = FIRST_IDLE_POLL_S
             # leased from the moment they are read: renewed, never reclaimed from under us
-            self.leases.intake.update((stream, entry_id) for stream, entry_id, _ in entries)
-            for stream, entry_id, fields in entries:
-                await self.accept(stream, entry_id, fields)
-                self.leases.intake.discard((stream, entry_id))
+            self.leases.intake.update((entry.stream, entry.entry_id) for entry in entries)
+            for entry in entries:
+                await self.accept(entry)
+                self.leases.intake.discard((entry.stream, entry.entry_id))
 
-    async def accept(self, stream: str, entry_id: str, fields: dict) -> None:
+    async def _read(self, credits: int, budget: int) -> list[ReadEntry]:
+        try:
+            return await self.streams.read_new(credits, budget)
+        except ResponseError as exc:  # e.g. a producer replaced a request stream by another type
+            self.warnings.warning("read", "cannot read the request streams: %s", shown(str(exc), 200))
+            await asyncio.sleep(UNREADABLE_STREAM_BACKOFF_S)
+            return []
+
+    async def accept(self, entry: ReadEntry) -> None:
         """One delivered entry (new, or reclaimed from a dead replica)."""
         try:
-            job = decode_job(fields, entry_id)
+            job = self._decode(entry)
         except ProtocolError as exc:
-            delivery = Delivery(stream, entry_id, exc.job_id)
-            await self.publisher.send(JobEnded(delivery, "error", exc.code or "invalid_job", exc.message,
-                                               dead_letter_reason=f"{exc.code}: {exc.message}", raw_fields=fields))
+            await self._refuse(entry, exc.job_id, exc.code or "invalid_job", exc.message)
             return
         if self.leases.holds(job.job_id):  # our own entry, reclaimed after renewals failed: keep running it
             return
-        attempt, cancelled = await self.streams.start_attempt(job.job_id, entry_id, job.result_ttl,
-                                                              payload_digest(job))
-        if attempt in (DUPLICATE, CONFLICT):
-            await self._drop_second_submission(stream, entry_id, job, fields, attempt == CONFLICT)
+        try:
+            attempt, cancelled = await self.streams.start_attempt(job.job_id, entry.entry_id, job.result_ttl,
+                                                                  payload_digest(job))
+        except ResponseError as exc:  # the job's own keys are unusable (e.g. its hash is a string)
+            await self._refuse(entry, job.job_id, "bad_job_record", f"the job's record cannot be used: {exc}",
+                               notify=False)
             return
-        delivery = Delivery(stream, entry_id, job.job_id, attempt, job.result_ttl, job.metadata, job.deadline)
+        if attempt in (DUPLICATE, CONFLICT):
+            await self._drop_second_submission(entry, job, attempt == CONFLICT)
+            return
+        delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
+                            job.deadline, entry.size)
         self.leases.track(delivery)
         ended = self._reject_reason(job, attempt, cancelled)
         if ended is not None:
-            await self.publisher.send(JobEnded(delivery, *ended[:3], dead_letter_reason=ended[3], raw_fields=fields))
+            await self.publisher.send(JobEnded(delivery, *ended[:3], dead_letter_reason=ended[3],
+                                               raw_fields=entry.fields if ended[1] == "max_deliveries" else None))
             return
         try:
-            seq = await asyncio.to_thread(self._make_sequence, job, entry_id)
+            seq = await asyncio.to_thread(self._make_sequence, job, entry.entry_id)
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
             return
         await self.scheduler.send(NewJob(delivery, job, seq))
 
-    async def _drop_second_submission(self, stream, entry_id, job, fields, conflict: bool) -> None:
-        """Another entry for a job that already has one: the job's own stream is left alone."""
+    def _decode(self, entry: ReadEntry) -> JobRequest:
+        if not entry.truncated:
+            return decode_job(entry.fields, entry.entry_id)
+        message = f"entry is {entry.size} bytes, limit {self.streams.max_entry_bytes}"
+        raise ProtocolError(message, code="too_large", job_id=_salvaged_job_id(entry.fields))
+
+    async def _refuse(self, entry: ReadEntry, job_id: str | None, code: str, message: str,
+                      notify: bool = True) -> None:
+        self.warnings.warning("refused", "refused entry %s of %s: %s: %s", entry.entry_id, entry.stream, code,
+                              shown(message, 200))
+        await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job_id, code, message, entry.fields,
+                                               entry.size, entry.truncated, notify))
+
+    async def _drop_second_submission(self, entry: ReadEntry, job: JobRequest, conflict: bool) -> None:
+        """Another entry for a job that already has one: the job's own record is left alone."""
         if conflict:
-            reason = f"job_id {job.job_id!r} reused with a different payload"
-            await self.publisher.send(JobEnded(Delivery(stream, entry_id, None), "error",
-                                               dead_letter_reason=f"conflict: {reason}", raw_fields=fields))
+            message = f"job_id {job.job_id!r} reused with a different payload"
+            await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job.job_id, "conflict", message,
+                                                   entry.fields, entry.size, notify=False))
         else:
-            await self.streams.resilient(lambda: self.streams.redis.xack(stream, GROUP, entry_id), "ack duplicate")
-            await self.streams.resilient(lambda: self.streams.redis.xdel(stream, entry_id), "delete duplicate")
+            await self.streams.write(lambda pipe: _ack_and_delete(pipe, entry.stream, entry.entry_id),
+                                     "drop duplicate")
 
     def _reject_reason(self, job: JobRequest, attempt: int, cancelled: bool):
         """(event type, code, message, dead-letter reason) for a job that must not run."""
-        if attempt > self.max_deliveries:
-            reason = f"delivered {attempt} times (max_deliveries={self.max_deliveries})"
+        if attempt > self.config.max_deliveries:
+            reason = f"delivered {attempt} times (max_deliveries={self.config.max_deliveries})"
             return ("error", "max_deliveries", reason, reason)
         if cancelled:
             return ("cancelled", "", "", None)
         if job.deadline is not None and job.deadline <= time.time():
             return ("error", "deadline_exceeded", "the job's deadline passed before it started", None)
+        cap = self.config.max_tokens_cap
+        if cap is not None and job.max_tokens > cap:
+            return ("error", "invalid_request", f"max_tokens: {job.max_tokens} is over this replica's limit "
+                                                f"of {cap} (max_tokens_cap)", None)
         return None
 
     def _make_sequence(self, job: JobRequest, entry_id: str):
-        return self.engine.make_sequence(job.job_id, job.prompt or job.prompt_token_ids,
-                                         SamplingParams(**job.sampling_params()), job.priority_class,
-                                         job.priority, _enqueue_time(entry_id), job.chat_messages())
+        seq = self.engine.make_sequence(job.job_id, job.prompt or job.prompt_token_ids,
+                                        SamplingParams(**job.sampling_params()), job.priority_class,
+                                        job.priority, _enqueue_time(entry_id), job.chat_messages())
+        cap = self.config.max_prompt_tokens
+        if cap is not None and seq.num_prompt_tokens > cap:
+            raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "
+                                           f"{cap} (max_prompt_tokens)")
+        return seq
+
+
+async def _ack_and_delete(pipe, stream: str, entry_id: str) -> None:
+    pipe.xack(stream, GROUP, entry_id)
+    pipe.xdel(stream, entry_id)
+
+
+def _salvaged_job_id(stub_fields: dict) -> str | None:
+    """The job id of an oversized entry, when its kept prefix still shows it."""
+    try:
+        decode_job(stub_fields)
+    except ProtocolError as exc:
+        return exc.job_id
+    return None
 
 
 def _enqueue_time(entry_id: str) -> float:

@@ -9,14 +9,18 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from redis.exceptions import ResponseError
+
 from actors.base import Actor
 from actors.config import ReplicaConfig
+from actors.log_limits import RateLimitedLog, shown
 from actors.messages import Delivery
-from actors.streams import Streams
+from actors.streams import ReadEntry, Streams
 from clients.keys import GROUP
 
 log = logging.getLogger(__name__)
 HAND_BACK_IDLE_MS = 10 * 365 * 86_400_000  # "idle forever": the next XAUTOCLAIM takes it
+RECLAIM_BATCH = 64  # entries taken over per stream per reclaim round
 
 
 class Leases(Actor):
@@ -28,14 +32,19 @@ class Leases(Actor):
         self.config = config
         self.capacity = capacity
         self.held: dict[str, Delivery] = {}  # job id -> delivery
+        self.bytes_held = 0  # sum of the held deliveries' entry sizes
         self.intake: set[tuple[str, str]] = set()  # (stream, entry id) read, not yet accepted
         self.credit_freed = asyncio.Event()
-        self.reclaim_handler: Callable[[str, str, dict], Awaitable[None]] | None = None
+        self.reclaim_handler: Callable[[ReadEntry], Awaitable[None]] | None = None
         self.reclaiming = True
+        self.warnings = RateLimitedLog(log)
 
     # ---- bookkeeping (called by ingest and publisher, same event loop) ----------------
     def free_credits(self) -> int:
         return self.capacity - len(self.held) - len(self.intake)
+
+    def free_bytes(self) -> int:
+        return self.config.max_bytes_in_flight - self.bytes_held
 
     def holds(self, job_id: str) -> bool:
         return job_id in self.held
@@ -43,10 +52,12 @@ class Leases(Actor):
     def track(self, delivery: Delivery) -> None:
         assert delivery.job_id not in self.held, delivery.job_id
         self.held[delivery.job_id] = delivery
+        self.bytes_held += delivery.size
 
     def release(self, delivery: Delivery) -> None:
         if self.held.get(delivery.job_id) is delivery:
             del self.held[delivery.job_id]
+            self.bytes_held -= delivery.size
             self.credit_freed.set()
 
     # ---- the actor loop ----------------------------------------------------------------
@@ -54,10 +65,13 @@ class Leases(Actor):
         loop = asyncio.get_running_loop()
         next_reclaim = loop.time()
         while not self.stopped:
-            await self.renew()
-            if self.reclaiming and loop.time() >= next_reclaim:
-                await self.reclaim()
-                next_reclaim = loop.time() + self.config.reclaim_interval_s
+            try:
+                await self.renew()
+                if self.reclaiming and loop.time() >= next_reclaim:
+                    await self.reclaim()
+                    next_reclaim = loop.time() + self.config.reclaim_interval_s
+            except ResponseError as exc:  # e.g. a producer replaced a request stream by another type
+                self.warnings.warning("leases", "renew/reclaim failed: %s", shown(str(exc), 200))
             await asyncio.sleep(self.config.renew_interval_s)
 
     async def renew(self) -> None:
@@ -69,19 +83,18 @@ class Leases(Actor):
         """Take over entries idle longer than the lease (their owner died) and rerun them."""
         min_idle_ms = int(self.config.lease_s * 1000)
         for stream in self.streams.request_streams:
-            count = self.free_credits()
-            if count <= 0 or self.reclaim_handler is None:
+            count = min(self.free_credits(), RECLAIM_BATCH)
+            if count <= 0 or self.free_bytes() <= 0 or self.reclaim_handler is None:
                 return
-            reply = await self.streams.resilient(lambda: self.streams.redis.xautoclaim(
-                stream, GROUP, self.streams.consumer, min_idle_ms, start_id="0-0", count=count), "reclaim")
-            for entry_id in reply[2] if len(reply) > 2 else []:  # deleted while pending
-                await self.streams.resilient(lambda: self.streams.redis.xack(stream, GROUP, entry_id), "ack")
-            for entry_id, fields in reply[1]:
-                entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                if fields is None:
-                    continue
-                log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry_id)
-                await self.reclaim_handler(stream, entry_id, fields)
+            # ids only: the entries themselves come through the size-bounded read. (Entries
+            # deleted while pending leave the pending list with this call: Redis >= 7.)
+            claimed = await self.streams.resilient(lambda: self.streams.redis.xautoclaim(
+                stream, GROUP, self.streams.consumer, min_idle_ms, start_id="0-0", count=count, justid=True),
+                "reclaim")
+            entry_ids = [entry_id.decode() if isinstance(entry_id, bytes) else entry_id for entry_id in claimed]
+            for entry in await self.streams.read_ids(stream, entry_ids):
+                log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry.entry_id)
+                await self.reclaim_handler(entry)
 
     async def hand_back(self) -> None:
         """Shutdown: make every entry still pending under this consumer immediately claimable
@@ -99,6 +112,7 @@ class Leases(Actor):
         log.info("handed back %d unfinished jobs and %d entries not yet taken in", len(held), len(self.intake))
         self.intake.clear()
         self.held.clear()
+        self.bytes_held = 0
 
     async def _pending_ids_by_stream(self) -> dict[str, list[str]]:
         by_stream = self._ids_by_stream()

@@ -1,28 +1,45 @@
 """ModelAnnouncer: publishes what light clients need about the served model (name, context,
-EOS, chat template, tokenizer) under ``<ns>:model:<name>``, at start and periodically (the
-hash has a TTL, so a model nobody serves any more disappears)."""
+EOS, chat template, tokenizer) under ``<ns>:model:<name>``, and the operator's queue bound
+under ``<ns>:limits`` (the submit script enforces it), at start and periodically (both have
+a TTL, so what nobody serves any more disappears)."""
 import asyncio
+import logging
+
+from redis.exceptions import ResponseError
 
 from actors.base import Actor
+from actors.log_limits import RateLimitedLog, shown
 from actors.streams import Streams
 from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo, publish_model_info_async
 from engine import LLMEngine
 
 MODEL_INFO_TTL_S = 3600
+log = logging.getLogger(__name__)
 
 
 class ModelAnnouncer(Actor):
     name = "model-announcer"
 
-    def __init__(self, streams: Streams, engine: LLMEngine, model_name: str):
+    def __init__(self, streams: Streams, engine: LLMEngine, model_name: str, max_queue_len: int | None = None):
         super().__init__()
         self.streams = streams
+        self.max_queue_len = max_queue_len
         self.info = ModelInfo.from_hf_tokenizer(
             name=model_name, max_model_len=min(engine.max_model_len, engine.inputs.max_pool_tokens),
             eos_token_ids=engine.spec.eos_token_ids, tokenizer=engine.tokenizer)
 
     async def run(self) -> None:
+        warnings = RateLimitedLog(log)
         while not self.stopped:
-            await self.streams.resilient(lambda: publish_model_info_async(
-                self.streams.redis, self.streams.keys, self.info, ttl_s=MODEL_INFO_TTL_S), "publish model info")
+            try:
+                await self.streams.resilient(lambda: publish_model_info_async(
+                    self.streams.redis, self.streams.keys, self.info, ttl_s=MODEL_INFO_TTL_S), "publish model info")
+            except ResponseError as exc:  # e.g. a producer replaced <ns>:models by another type
+                warnings.warning("publish", "cannot publish the model info: %s", shown(str(exc), 200))
+            if self.max_queue_len:
+                await self.streams.write(self._queue_limits, "publish limits")
             await asyncio.sleep(MODEL_INFO_REPUBLISH_S)
+
+    async def _queue_limits(self, pipe) -> None:
+        pipe.hset(self.streams.keys.limits, "max_queue_len", self.max_queue_len)
+        pipe.expire(self.streams.keys.limits, MODEL_INFO_TTL_S)

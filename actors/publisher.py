@@ -2,9 +2,12 @@
 finished job's terminal event and status are stored before its request entry is acked."""
 import logging
 
+from redis.exceptions import ResponseError
+
 from actors.base import Actor
 from actors.leases import Leases
-from actors.messages import Delivery, JobEnded, StepOutputs
+from actors.log_limits import RateLimitedLog, shown
+from actors.messages import Delivery, EntryRefused, JobEnded, StepOutputs
 from actors.streams import Streams
 from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, Timings, TokenEvent, Usage,
                             encode_event)
@@ -23,12 +26,15 @@ class PublisherActor(Actor):
         self.streams = streams
         self.leases = leases
         self.next_seq: dict[str, int] = {}  # job id -> seq of its next token event
+        self.warnings = RateLimitedLog(log)
 
     async def run(self) -> None:
         while not self.stopped:
             message = await self.mailbox.get()
             if isinstance(message, StepOutputs):
                 await self._publish_step(message)
+            elif isinstance(message, EntryRefused):
+                await self._publish_refused(message)
             else:
                 await self._publish_ended(message)
             self.mailbox.task_done()
@@ -43,27 +49,71 @@ class PublisherActor(Actor):
                 status, event = self._terminal(delivery, output)
                 finishes.append((delivery, status, encode_event(event)))
 
+        finish_at: list[int] = []  # pipeline index of each finish
+
         async def queue(pipe):
+            finish_at.clear()
             for delivery, event in tokens:
                 pipe.xadd(self.streams.keys.out(delivery.job_id), event)
                 pipe.expire(self.streams.keys.out(delivery.job_id), delivery.result_ttl)
             for delivery, status, event in finishes:
+                finish_at.append(len(pipe.command_stack))
                 await self.streams.queue_finish(pipe, delivery, status, event)
-        await self.streams.write(queue, "publish step")
+        replies = await self.streams.write(queue, "publish step")
+        unstored = [(delivery, replies[index]) for (delivery, _, _), index in zip(finishes, finish_at)
+                    if isinstance(replies[index], ResponseError)]
+        if len(unstored) < sum(isinstance(reply, ResponseError) for reply in replies):
+            self.warnings.warning("token-events", "some token events could not be written: %s",
+                                  shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
+        await self._park_unstored(unstored)
         self._release([delivery for delivery, _, _ in finishes])
+
+    async def _park_unstored(self, unstored: list[tuple[Delivery, ResponseError]]) -> None:
+        """A result that could not be stored (its job's keys were clobbered by a producer):
+        the entry is dead-lettered with the reason instead of running again and again."""
+        if not unstored:
+            return
+        self.warnings.warning("result", "could not store the result of %d job(s), e.g. %s: %s", len(unstored),
+                              unstored[0][0].job_id, shown(str(unstored[0][1]), 200))
+
+        async def queue(pipe):
+            for delivery, error in unstored:
+                self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id,
+                                               f"result could not be stored: {error}"[:4096], None,
+                                               job_id=delivery.job_id, size=delivery.size)
+        await self.streams.write(queue, "park unstored results")
 
     async def _publish_ended(self, message: JobEnded) -> None:
         delivery = message.delivery
-        event = encode_event(self._ended_event(message)) if delivery.job_id else None
+        event = encode_event(self._ended_event(message))
+        finish_at: list[int] = []
 
         async def queue(pipe):
             if message.dead_letter_reason is not None:
-                self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id,
-                                               message.dead_letter_reason, message.raw_fields)
-            if event is not None:
-                await self.streams.queue_finish(pipe, delivery, message.event_type, event)
-        await self.streams.write(queue, "publish ended job")
+                self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id, message.dead_letter_reason,
+                                               message.raw_fields, keep_payload=message.raw_fields is not None,
+                                               job_id=delivery.job_id, size=delivery.size)
+            finish_at[:] = [len(pipe.command_stack)]
+            await self.streams.queue_finish(pipe, delivery, message.event_type, event)
+        replies = await self.streams.write(queue, "publish ended job")
+        if isinstance(replies[finish_at[0]], ResponseError):
+            await self._park_unstored([(delivery, replies[finish_at[0]])])
         self._release([delivery])
+
+    async def _publish_refused(self, message: EntryRefused) -> None:
+        """Dead letter + ack; an error event for the producer only where no record of the id exists."""
+        event = ErrorEvent(attempt=1, code=message.code, message=message.message, rejected_entry=message.entry_id)
+
+        async def queue(pipe):
+            self.streams.queue_dead_letter(pipe, message.stream, message.entry_id, f"{message.code}: {message.message}",
+                                           message.fields, job_id=message.job_id, size=message.size,
+                                           stub=message.stub)
+            if message.job_id and message.notify:
+                await self.streams.queue_reject(pipe, message.job_id, message.entry_id, encode_event(event)["data"])
+        replies = await self.streams.write(queue, "refuse entry")
+        if any(isinstance(reply, ResponseError) for reply in replies):
+            self.warnings.warning("refusal", "refusing entry %s: %s", message.entry_id,
+                                  shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
 
     def _token(self, delivery: Delivery, output: RequestOutput) -> TokenEvent:
         seq = self.next_seq.get(delivery.job_id, 0)

@@ -3,6 +3,7 @@ and aborts; each iteration sends the step plan to the GPU actor, waits for the s
 tokens, and hands the step's outputs to the publisher."""
 import asyncio
 import time
+from collections import OrderedDict
 
 from actors import faults
 from actors.base import Actor, drain
@@ -13,6 +14,7 @@ from engine import LLMEngine
 
 IDLE_POLL_S = 1.0
 EARLY_CANCEL_MEMORY_S = 60.0  # a cancel can overtake its job on the way in: remember it this long
+EARLY_CANCEL_MAX = 4096  # ... and at most this many of them (oldest forgotten first)
 
 
 class SchedulerActor(Actor):
@@ -26,7 +28,7 @@ class SchedulerActor(Actor):
         self.gpu = gpu
         self.publisher = publisher
         self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
-        self.early_cancels: dict[str, float] = {}  # job id -> when a cancel for an unknown job came
+        self.early_cancels: OrderedDict[str, float] = OrderedDict()  # job id -> when its cancel came, oldest first
         self.steps = 0
 
     @property
@@ -85,9 +87,13 @@ class SchedulerActor(Actor):
             self.engine.abort_request(job_id)
 
     def _remember_early_cancel(self, job_id: str) -> None:
+        """O(1) amortized: expired or surplus entries leave from the old end."""
         now = time.time()
-        self.early_cancels = {k: t for k, t in self.early_cancels.items() if now - t < EARLY_CANCEL_MEMORY_S}
+        self.early_cancels.pop(job_id, None)
         self.early_cancels[job_id] = now
+        while self.early_cancels and (len(self.early_cancels) > EARLY_CANCEL_MAX
+                                      or now - next(iter(self.early_cancels.values())) >= EARLY_CANCEL_MEMORY_S):
+            self.early_cancels.popitem(last=False)
 
     def _expire_deadlines(self) -> None:
         now = time.time()

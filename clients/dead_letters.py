@@ -1,17 +1,23 @@
 """The dead-letter stream ``<ns>:dead``: list what was parked and why, and requeue it.
 
-A dead-letter entry keeps the original request fields as ``field:<name>`` next to
-``stream``, ``entry_id``, ``reason`` and ``at``. Requeueing puts the original fields back
-on their stream as a new entry and gives the job a fresh delivery budget."""
+A dead letter has ``stream``, ``entry_id``, ``reason``, ``at`` and, when the replica could
+read it, ``job_id``. A valid job that may succeed when requeued (e.g. one that exhausted
+its deliveries) keeps its original request fields as ``field:<name>``; any other entry
+(unreadable, invalid, oversized, a conflicting resubmission) keeps only ``truncated``,
+``size``, a digest (``sha256``, or ``sha1`` for oversized entries) and the first bytes of
+each field as ``prefix:<name>`` — requeueing those could only fail again.
+
+Everything is read in pages, so a long dead-letter stream costs bounded memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
-from clients.errors import ProtocolError
 from clients.keys import Keys
-from clients.safe_payload import read_payload, readable_job_id
+from clients.safe_payload import readable_job_id
 
 FIELD_PREFIX = "field:"
+PAGE = 100
 
 
 @dataclass
@@ -21,45 +27,85 @@ class DeadLetter:
     entry_id: str
     reason: str
     at: float
-    fields: dict[str, bytes]
-
-    @property
-    def job_id(self) -> str | None:
-        try:
-            return readable_job_id(read_payload(self.fields))
-        except ProtocolError:  # an undecodable payload is exactly what dead letters hold
-            return None
+    fields: dict[str, bytes]  # the original request fields (empty when not kept)
+    job_id: str | None = None
+    truncated: bool = False  # only a digest and a prefix were kept: it cannot be requeued
+    size: int | None = None
 
 
-def list_dead(redis, keys: Keys, count: int = 100) -> list[DeadLetter]:
-    """The oldest ``count`` dead letters."""
-    return [_parse(dead_id, fields) for dead_id, fields in redis.xrange(keys.dead, count=count)]
+def iter_dead(redis, keys: Keys, page: int = PAGE, start: str = "-") -> Iterator[DeadLetter]:
+    """Every dead letter from ``start`` on, oldest first, fetched ``page`` at a time."""
+    while True:
+        rows = redis.xrange(keys.dead, min=start, count=page)
+        for dead_id, fields in rows:
+            yield _parse(dead_id, fields)
+        if len(rows) < page:
+            return
+        start = "(" + _text(rows[-1][0])
 
 
-def requeue(redis, keys: Keys, dead_ids: list[str] | None = None) -> list[str]:
-    """Requeue the given dead letters (all when None); returns the new request entry ids."""
-    letters = [d for d in list_dead(redis, keys, count=100_000) if dead_ids is None or d.dead_id in dead_ids]
-    new_ids = []
-    for letter in letters:
-        # a fresh delivery budget; "entry" will name the entry it now runs from. An existing
-        # hash keeps its TTL; none is created here (the replica creates it, with a TTL).
-        reset = letter.job_id is not None and redis.exists(keys.job(letter.job_id))
-        with redis.pipeline(transaction=True) as pipe:
-            if reset:
-                pipe.hdel(keys.job(letter.job_id), "entry", "finished_attempt")
-                pipe.hset(keys.job(letter.job_id), mapping={"attempt": 0, "status": "queued"})
-            pipe.xadd(letter.stream, letter.fields)
-            pipe.xdel(keys.dead, letter.dead_id)
-            results = pipe.execute()
-        new_ids.append(_text(results[-2]))
-    return new_ids
+def list_dead(redis, keys: Keys, count: int = PAGE, start: str = "-") -> list[DeadLetter]:
+    """The oldest ``count`` dead letters from ``start`` on."""
+    return [_parse(dead_id, fields) for dead_id, fields in redis.xrange(keys.dead, min=start, count=count)]
+
+
+def requeue(redis, keys: Keys, dead_ids: list[str] | None = None) -> tuple[list[str], list[DeadLetter]]:
+    """Requeue the given dead letters (all when None), page by page. Returns the new request
+    entry ids and the letters skipped because their payload was not kept."""
+    new_ids, skipped = [], []
+    for letter in _selected(redis, keys, dead_ids):
+        if letter.truncated or not letter.fields or not letter.stream:
+            skipped.append(letter)
+            continue
+        new_ids.append(_requeue_one(redis, keys, letter))
+    return new_ids, skipped
+
+
+def _selected(redis, keys: Keys, dead_ids: list[str] | None) -> Iterator[DeadLetter]:
+    if dead_ids is None:
+        yield from iter_dead(redis, keys)
+        return
+    for dead_id in dead_ids:
+        for row_id, fields in redis.xrange(keys.dead, min=dead_id, max=dead_id):
+            yield _parse(row_id, fields)
+
+
+def _requeue_one(redis, keys: Keys, letter: DeadLetter) -> str:
+    # a fresh delivery budget; "entry" will name the entry it now runs from. An existing
+    # hash keeps its TTL; none is created here (the replica creates it, with a TTL).
+    reset = letter.job_id is not None and redis.exists(keys.job(letter.job_id))
+    with redis.pipeline(transaction=True) as pipe:
+        if reset:
+            pipe.hdel(keys.job(letter.job_id), "entry", "finished_attempt")
+            pipe.hset(keys.job(letter.job_id), mapping={"attempt": 0, "status": "queued"})
+        pipe.xadd(letter.stream, letter.fields)
+        pipe.xdel(keys.dead, letter.dead_id)
+        results = pipe.execute()
+    return _text(results[-2])
 
 
 def _parse(dead_id, fields: dict) -> DeadLetter:
     text = {_text(k): v for k, v in fields.items()}
     originals = {k[len(FIELD_PREFIX):]: v for k, v in text.items() if k.startswith(FIELD_PREFIX)}
     return DeadLetter(_text(dead_id), _text(text.get("stream", b"")), _text(text.get("entry_id", b"")),
-                      _text(text.get("reason", b"")), float(_text(text.get("at", b"0")) or 0), originals)
+                      _text(text.get("reason", b"")), _float(text.get("at")), originals,
+                      job_id=readable_job_id({"job_id": _text(text.get("job_id", b""))}),
+                      truncated=text.get("truncated") == b"1", size=_int(text.get("size")))
+
+
+def _float(value) -> float:
+    try:
+        number = float(_text(value or b"0"))
+    except ValueError:
+        return 0.0
+    return number if 0 <= number < 1e11 else 0.0  # a timestamp, or nothing
+
+
+def _int(value) -> int | None:
+    try:
+        return int(_text(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _text(value) -> str:

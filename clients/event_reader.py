@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -56,11 +57,14 @@ class EventReader:
 
     Fences stale owners (events of an older attempt than one already seen are dropped),
     drops duplicate token events (same attempt, seq already seen) and marks the first
-    token of a retry with `reset=True`.
+    token of a retry with `reset=True`. Given the request `entry_id` the job was written
+    as, it also drops refusals of other entries under the same job id (a raw producer's
+    XADD may race a refusal left by an earlier, unreadable entry).
     """
 
-    def __init__(self, from_id: str = "0-0") -> None:
+    def __init__(self, from_id: str = "0-0", entry_id: str | None = None) -> None:
         self.last_id = from_id
+        self.entry_id = entry_id
         self.attempt = 0
         self.next_seq = 0
 
@@ -78,6 +82,9 @@ class EventReader:
     def _accept(self, event: Event) -> Event | None:
         if event.attempt < self.attempt:
             return None  # a stale owner's event after a retry started
+        if isinstance(event, ErrorEvent) and event.rejected_entry and self.entry_id \
+                and event.rejected_entry != self.entry_id:
+            return None  # another entry was refused, not ours
         if isinstance(event, TokenEvent):
             return self._accept_token(event)
         return event
@@ -113,14 +120,22 @@ def terminal_from_hash(fields: dict) -> TerminalEvent | None:
 def status_from_hash(job_id: str, fields: dict) -> JobStatus:
     if not fields:
         return JobStatus(job_id=job_id, status="unknown")
-    updated = fields.get(b"updated")
     return JobStatus(
         job_id=job_id,
         status=_text(fields.get(b"status")) or "unknown",
-        attempt=int(fields.get(b"attempt") or 0),
-        updated=float(updated) if updated else None,
+        attempt=int(_number(fields.get(b"attempt")) or 0),
+        updated=_number(fields.get(b"updated")),
         cancel_requested=fields.get(b"cancel") == b"1",
     )
+
+
+def _number(value) -> float | None:
+    """A number the hash should hold (any producer can write the hash: junk reads as None)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) and abs(number) < 2**53 else None
 
 
 def outcome(job_id: str, event: TerminalEvent) -> JobResult:

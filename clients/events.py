@@ -76,6 +76,10 @@ class ErrorEvent(_Event):
     code: str
     message: str
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # Set on a refusal of an entry that could not be decoded or validated: the id of that
+    # request-stream entry. Such a refusal is written only where no record of the job id
+    # existed, and a later valid submission of the id replaces it.
+    rejected_entry: str | None = None
 
 
 class CancelledEvent(_Event):

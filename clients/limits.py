@@ -1,11 +1,17 @@
-"""Limits of the wire protocol: every size and range a job or payload may reach."""
+"""Limits of the wire protocol: every size and range a job or payload may reach.
+
+The one source of these numbers: the protocol (clients/protocol.py) and the engine's own
+SamplingParams validation both read them, so a job the protocol accepts is one the engine
+runs. Plain constants only: importing this module imports nothing else."""
 
 SCHEMA_VERSION = 1
 JOB_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 MAX_PROMPT_CHARS = 1_000_000
 MAX_PROMPT_TOKENS = 262_144
 MAX_MESSAGES = 4_096
-MAX_STOP_STRINGS = 64
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOTAL_CHARS = 4096  # all stop strings of a job together
 MAX_STOP_TOKEN_IDS = 1_024
 MAX_METADATA_BYTES = 64 * 1024
 MAX_RESULT_TTL = 30 * 86_400
@@ -16,3 +22,11 @@ MAX_JSON_BYTES = 4 * 1024 * 1024
 MAX_DECODED_ELEMENTS = MAX_PROMPT_TOKENS + 65_536
 INT32_MAX = 2**31 - 1
 EARLIEST_DEADLINE = 1_000_000_000.0  # 2001-09-09: anything smaller is a relative time
+
+# Sampling ranges (inclusive). The sampler computes in float32: logits / temperature and the
+# penalties must stay finite there (temperature 1e308 overflowed to inf and made NaN logits).
+SEED_MIN, SEED_MAX = 0, 2**63 - 1
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MIN_PENALTY, MAX_PENALTY = -2.0, 2.0  # presence_penalty, frequency_penalty
+MAX_LOGPROBS = 20

@@ -5,6 +5,8 @@ multi-byte characters are only emitted once complete). A suffix that could be th
 a stop string is held back until it is either completed (and cut) or ruled out.
 """
 
+from engine.stop_strings import StopMatcher
+
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for correct leading spaces
 
 
@@ -14,6 +16,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.stop_matcher = StopMatcher(stop)
         self.window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.window)
@@ -50,23 +53,15 @@ class IncrementalDetokenizer:
         return delta
 
     def _append(self, new_text: str) -> None:
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        hit = self.stop_matcher.feed(new_text, len(self.text)) if self.stop else None
         self.text += new_text
-        hits = [(self.text.find(s, search_from), s) for s in self.stop]
-        hits = [(index, s) for index, s in hits if index >= 0]
-        if hits:
-            index, self.stop_string = min(hits)
+        if hit:
+            index, self.stop_string = hit
             self.text = self.text[:index]
 
     def _held_back(self) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+        return min(self.stop_matcher.held_back(), len(self.text))
 
     def _trimmed(self):
         """Drop window tokens before ``prefix_offset``; they are never decoded again."""

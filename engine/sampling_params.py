@@ -2,9 +2,10 @@
 import math
 from dataclasses import dataclass, field
 
+from clients import limits  # plain constants: the one source of every range (the wire's too)
 from engine.errors import InvalidRequest
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = limits.MAX_LOGPROBS
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM): no logits / ~0 overflow
 
 
@@ -49,15 +50,16 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def validate(self, vocab_size: int) -> None:
-        _number("temperature", self.temperature, low=0.0)
+        _number("temperature", self.temperature, low=0.0, high=limits.MAX_TEMPERATURE)
         _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _integer("top_k", self.top_k, low=0)
         _number("min_p", self.min_p, low=0.0, high=1.0)
-        _number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
-        _number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _number("repetition_penalty", self.repetition_penalty, low=limits.MIN_REPETITION_PENALTY,
+                high=limits.MAX_REPETITION_PENALTY)
+        _number("presence_penalty", self.presence_penalty, low=limits.MIN_PENALTY, high=limits.MAX_PENALTY)
+        _number("frequency_penalty", self.frequency_penalty, low=limits.MIN_PENALTY, high=limits.MAX_PENALTY)
         if self.seed is not None:
-            _integer("seed", self.seed, low=0, high=2**63 - 1)
+            _integer("seed", self.seed, low=limits.SEED_MIN, high=limits.SEED_MAX)
         if self.max_tokens is not None:
             _integer("max_tokens", self.max_tokens, low=1)
         _integer("min_tokens", self.min_tokens, low=0)
@@ -65,11 +67,24 @@ class SamplingParams:
             raise InvalidRequest("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
-        for stop in self.stop:
-            if not isinstance(stop, str) or not stop:
-                raise InvalidRequest("stop", f"must be non-empty strings, got {stop!r}")
+        _stop_strings(self.stop)
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+
+
+def _stop_strings(stops: list) -> None:
+    if len(stops) > limits.MAX_STOP_STRINGS:
+        raise InvalidRequest("stop", f"at most {limits.MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    for stop in stops:
+        if not isinstance(stop, str) or not stop:
+            raise InvalidRequest("stop", f"must be non-empty strings, got {stop!r}")
+        if len(stop) > limits.MAX_STOP_STRING_CHARS:
+            raise InvalidRequest("stop", f"each stop string at most {limits.MAX_STOP_STRING_CHARS} characters, "
+                                         f"got {len(stop)}")
+    total = sum(len(stop) for stop in stops)
+    if total > limits.MAX_STOP_TOTAL_CHARS:
+        raise InvalidRequest("stop", f"stop strings at most {limits.MAX_STOP_TOTAL_CHARS} characters in all, "
+                                     f"got {total}")
 
 
 def _number(name, value, low=None, high=None, low_open=False):

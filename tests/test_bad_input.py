@@ -58,13 +58,17 @@ BAD = [
     (ids(5, 9), SamplingParams(top_p=1.5), ["top_p", "<= 1", "1.5"]),
     (ids(5, 10), SamplingParams(top_k=-2), ["top_k", ">= 0", "-2"]),
     (ids(5, 11), SamplingParams(min_p=1.5), ["min_p", "<= 1"]),
-    (ids(5, 12), SamplingParams(repetition_penalty=0.0), ["repetition_penalty", "> 0"]),
+    (ids(5, 12), SamplingParams(repetition_penalty=0.0), ["repetition_penalty", ">= 0.01"]),
     (ids(5, 13), SamplingParams(presence_penalty=2.5), ["presence_penalty", "<= 2"]),
     (ids(5, 14), SamplingParams(frequency_penalty=-3.0), ["frequency_penalty", ">= -2"]),
     (ids(5, 15), SamplingParams(seed=-1), ["seed", ">= 0"]),
     (ids(5, 16), SamplingParams(logprobs=21), ["logprobs", "<= 20"]),
     (ids(5, 17), SamplingParams(max_tokens=3, min_tokens=5), ["min_tokens", "max_tokens", "3"]),
     (ids(5, 18), SamplingParams(stop=[""]), ["stop", "non-empty"]),
+    (ids(5, 23), SamplingParams(temperature=1e308, min_tokens=2), ["temperature", "<= 100.0"]),  # no fp32 overflow
+    (ids(5, 24), SamplingParams(stop=["x" * 1000] * 5), ["stop", "4096", "5000"]),
+    (ids(5, 25), SamplingParams(stop=[f"s{i}" for i in range(33)]), ["stop", "32", "33"]),
+    (ids(5, 26), SamplingParams(stop=["y" * 1025]), ["stop", "1024", "1025"]),
     (ids(5, 19), SamplingParams(stop_token_ids=[VOCAB_SIZE]), ["stop_token_ids", str(VOCAB_SIZE - 1)]),
     (ids(70, 20), greedy(), ["prompt", "max_model_len", "70", str(MAX_MODEL_LEN)]),  # prompt alone too long
     (ids(50, 21), greedy(max_tokens=20), ["prompt", "max_model_len", "50", "20", str(MAX_MODEL_LEN)]),

@@ -36,7 +36,7 @@ def test_job_parked_after_max_deliveries_can_be_requeued(tmp_path, redis_url, na
         [letter] = list_dead(raw, keys)
         assert letter.job_id == "unlucky" and letter.stream == keys.batch
         assert "delivered 4 times" in letter.reason
-        assert len(requeue(raw, keys)) == 1 and list_dead(raw, keys) == []
+        assert len(requeue(raw, keys)[0]) == 1 and list_dead(raw, keys) == []
         assert wait_for_status(raw, keys.job("unlucky"), b"done") == b"done"
         assert Client(redis_url, namespace=namespace).job("unlucky").result(timeout=5).token_ids
     assert raw.hget(keys.job("unlucky"), "attempt") == b"1"
@@ -47,7 +47,7 @@ def test_dead_cli_lists_and_requeues(redis_url, namespace, capsys):
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     raw.xadd(keys.dead, {"stream": keys.interactive, "entry_id": "1-0", "reason": "invalid_job: prompt: missing",
-                         "at": "1700000000", "field:json": '{"job_id": "j-dead"}'})
+                         "at": "1700000000", "job_id": "j-dead", "field:json": '{"job_id": "j-dead"}'})
     assert main(["dead", "list", "--redis-url", redis_url, "--namespace", namespace]) == 0
     listed = capsys.readouterr().out
     assert "job=j-dead" in listed and "invalid_job: prompt: missing" in listed

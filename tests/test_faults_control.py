@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from actors.streams import ReadEntry
 from clients import Client
 from clients.errors import ConveyorError, JobCancelled, JobFailed
 from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
@@ -246,10 +247,11 @@ def test_reclaim_racing_the_previous_owners_finish_does_not_run_the_job_again(re
     client.redis.xgroup_create(stream, "engines", id="0")
     [(entry_id, fields)] = client.redis.xreadgroup("engines", "previous-owner", {stream: ">"}, count=1)[0][1]
     handler = replica.replica.leases.reclaim_handler
-    replica.call(handler(stream, entry_id.decode(), fields))  # the previous owner's run: attempt 1
+    entry = ReadEntry(stream, entry_id.decode(), sum(len(k) + len(v) for k, v in fields.items()), False, fields)
+    replica.call(handler(entry))  # the previous owner's run: attempt 1
     first = job.result(timeout=30)
     assert_idle(replica)  # the previous owner is done with it
-    replica.call(handler(stream, entry_id.decode(), fields))  # the racing reclaimer's copy of the entry
+    replica.call(handler(entry))  # the racing reclaimer's copy of the entry
     time.sleep(1.5)
     assert_idle(replica)
     rec = ledger.record(job.job_id)
