@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from clients import cli as client_cli
+from clients import connection
 
 log = logging.getLogger("conveyor")
 
@@ -58,8 +59,10 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                         help="default: $REDIS_URL; without one, an embedded Valkey is started")
     parser.add_argument("--namespace", default=None, help="key prefix (default: conveyor)")
-    parser.add_argument("--data-dir", default=os.environ.get("CONVEYOR_DATA_DIR", "conveyor-data"),
-                        help="embedded Valkey's AOF directory")
+    parser.add_argument("--data-dir", default=connection.default_data_dir(),
+                        help="embedded Valkey's directory: AOF, password (0600), url "
+                             f"(env CONVEYOR_DATA_DIR, default {connection.DEFAULT_DATA_DIR})")
+    connection.add_connection_arguments(parser, data_dir=False)
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--grace-s", type=float, default=None)
     parser.add_argument("--max-deliveries", type=int, default=None)
@@ -87,9 +90,9 @@ def build_engine(args: argparse.Namespace):
     return LLMEngine(EngineConfig(**options))
 
 
-def replica_config(args: argparse.Namespace, redis_url: str):
+def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSettings):
     from actors.config import ReplicaConfig
-    config = ReplicaConfig(redis_url=redis_url)
+    config = ReplicaConfig(redis=redis_settings)
     for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "metrics_host",
                  "served_model_name", "max_tokens_cap", "max_prompt_tokens", "max_queue_len",
                  "max_bytes_in_flight"):
@@ -99,20 +102,41 @@ def replica_config(args: argparse.Namespace, redis_url: str):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from actors.embedded_valkey import EmbeddedValkey
-    engine = build_engine(args)
-    server = None
-    redis_url = args.redis_url
-    if not redis_url:
-        server = EmbeddedValkey(Path(args.data_dir)).start()
-        redis_url = server.url
-        print(f"embedded Valkey (AOF in {args.data_dir}) at {redis_url}", flush=True)
-    print(f"REDIS_URL={redis_url}", flush=True)
+    if not args.redis_url:
+        return _serve_embedded(args)
     try:
-        return _run_loop(_serve(engine, replica_config(args, redis_url)))
+        settings = connection.settings_from_args(args)
+    except (OSError, ValueError) as exc:  # unreadable password file, TLS flags without rediss://
+        return _usage_error(str(exc))
+    refused = connection.check_credentials(settings)  # fail fast, before loading a model
+    if refused:
+        return _usage_error(refused)
+    print(f"REDIS_URL={connection.redact(settings.url)}", flush=True)
+    return _run_loop(_serve(build_engine(args), replica_config(args, settings)))
+
+
+def _serve_embedded(args: argparse.Namespace) -> int:
+    """No --redis-url: an embedded Valkey in --data-dir, with its own password (or
+    --redis-password-file / $REDIS_PASSWORD when given)."""
+    from actors.embedded_valkey import GENERATE, EmbeddedValkey
+    try:
+        explicit = connection.resolve_settings(password_file=args.redis_password_file, ca_cert=args.redis_ca_cert,
+                                               cert=args.redis_cert, key=args.redis_key)  # TLS flags: an error
+    except (OSError, ValueError) as exc:
+        return _usage_error(str(exc))
+    server = EmbeddedValkey(Path(args.data_dir), password=explicit.password or GENERATE).start()
+    try:
+        print(f"embedded Valkey (AOF in {args.data_dir}) at {server.url}, password in {server.password_path}",
+              flush=True)
+        print(f"REDIS_URL={server.url}", flush=True)
+        return _run_loop(_serve(build_engine(args), replica_config(args, server.settings)))
     finally:
-        if server:
-            server.stop()
+        server.stop()
+
+
+def _usage_error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 async def _serve(engine, config) -> int:
@@ -125,9 +149,9 @@ def run_demo(args: argparse.Namespace) -> int:
     from actors.embedded_valkey import EmbeddedValkey
     engine = build_engine(args)
     with tempfile.TemporaryDirectory(prefix="conveyor-demo-") as data_dir:
-        with EmbeddedValkey(data_dir) as server:
-            print(f"embedded Valkey at {server.url}", flush=True)
-            return _run_loop(run_demo_async(engine, replica_config(args, server.url)))
+        with EmbeddedValkey(data_dir) as server:  # a random password, given to the demo's client
+            print(f"embedded Valkey at {server.url} (password in {server.password_path})", flush=True)
+            return _run_loop(run_demo_async(engine, replica_config(args, server.settings)))
 
 
 def _run_loop(coroutine) -> int:

@@ -3,6 +3,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from clients.connection import RedisSettings, resolve_settings
 from clients.keys import default_namespace
 
 
@@ -17,7 +18,12 @@ def _env_float(name: str, default: float) -> float:
 
 @dataclass
 class ReplicaConfig:
+    """`redis` (URL, credentials, TLS) is what the replica connects with; when only
+    `redis_url` is given it is resolved with the environment (REDIS_PASSWORD, ...), and
+    `redis_url` is then always the URL without credentials."""
+
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL"))
+    redis: RedisSettings | None = None
     namespace: str = field(default_factory=default_namespace)
     consumer: str = field(default_factory=lambda: os.environ.get(
         "CONVEYOR_CONSUMER", f"{socket.gethostname()}-{os.getpid()}"))
@@ -25,7 +31,8 @@ class ReplicaConfig:
     max_deliveries: int = field(default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_DELIVERIES", 3)))
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
     max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
-    read_block_ms: int = 1000
+    read_block_ms: int = 1000  # upper bound of the idle poll interval
+    idle_poll_max_s: float = 0.02  # empty streams are polled at most this far apart
     served_model_name: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_SERVED_MODEL_NAME"))
     metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
     metrics_host: str = field(default_factory=lambda: os.environ.get("CONVEYOR_METRICS_HOST", "127.0.0.1"))
@@ -36,6 +43,12 @@ class ReplicaConfig:
     # bytes of request entries read but not finished (credits bound their number)
     max_bytes_in_flight: int = field(default_factory=lambda: int(os.environ.get(
         "CONVEYOR_MAX_BYTES_IN_FLIGHT", 64 * 1024 * 1024)))
+
+    def __post_init__(self) -> None:
+        if self.redis is None and self.redis_url:
+            self.redis = resolve_settings(self.redis_url)
+        if self.redis is not None:
+            self.redis_url = self.redis.url  # no password in a config someone may print
 
     @property
     def renew_interval_s(self) -> float:

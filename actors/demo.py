@@ -20,7 +20,7 @@ PROMPTS = [
 async def run(engine, config: ReplicaConfig) -> int:
     replica = Replica(engine, config)
     serving = asyncio.create_task(replica.run())
-    client = AsyncClient(config.redis_url, namespace=config.namespace)
+    client = AsyncClient(namespace=config.namespace, connection=config.redis)
     try:
         jobs = [await client.submit(temperature=0, **job) for job in PROMPTS]
         for job, spec in zip(jobs, PROMPTS):

@@ -5,8 +5,6 @@ import logging
 import signal
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from actors.config import ReplicaConfig
 from actors.gpu import GPUActor
 from actors.ingest import IngestActor
@@ -18,9 +16,12 @@ from actors.publisher import PublisherActor
 from actors.scheduler_actor import SchedulerActor
 from actors.streams import Streams
 from clients.keys import Keys
+from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
 from engine import LLMEngine
 
 log = logging.getLogger(__name__)
+# an entry larger than any valid payload is refused from a stub; it never leaves the server
+MAX_ENTRY_BYTES = max(MAX_MSGPACK_BYTES, MAX_JSON_BYTES) + 4096
 
 
 class Replica:
@@ -28,19 +29,19 @@ class Replica:
         assert config.redis_url, "a replica needs a Redis URL"
         self.engine = engine
         self.config = config
-        self.redis = aioredis.Redis.from_url(config.redis_url)
+        self.redis = config.redis.async_client()  # credentials and TLS: clients/connection.py
         self.model_name = config.served_model_name or Path(engine.spec.name).name
-        self.streams = Streams(self.redis, Keys(config.namespace), config.consumer, self.model_name)
+        self.streams = Streams(self.redis, Keys(config.namespace), config.consumer, self.model_name,
+                               max_entry_bytes=MAX_ENTRY_BYTES)
         capacity = config.max_in_flight or 2 * engine.config.max_num_seqs
         self.leases = Leases(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.leases)
         self.gpu = GPUActor(engine.runner)
         self.metrics = ReplicaMetrics()
         self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics)
-        self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher,
-                                  config.max_deliveries, config.read_block_ms)
+        self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher, config)
         self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
-        self.announcer = ModelAnnouncer(self.streams, engine, self.model_name)
+        self.announcer = ModelAnnouncer(self.streams, engine, self.model_name, config.max_queue_len)
         self.leases.reclaim_handler = self.ingest.accept
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
@@ -53,8 +54,8 @@ class Replica:
         self._install_signal_handlers()
         for actor in self._actors():
             actor.start(self._on_crash)
-        log.info("replica %s serving model %r in namespace %r", self.config.consumer, self.model_name,
-                 self.config.namespace)
+        log.info("replica %s serving model %r in namespace %r on %s", self.config.consumer, self.model_name,
+                 self.config.namespace, self.config.redis.describe())
         await self.stop_requested.wait()
         if self.crash is None:
             await self._drain()

@@ -84,7 +84,7 @@ def embedded_valkey() -> Iterator[str]:
     """A throwaway Valkey server (no AOF); yields its URL."""
     from actors.embedded_valkey import EmbeddedValkey
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as data_dir:
-        with EmbeddedValkey(data_dir, appendonly=False) as server:
+        with EmbeddedValkey(data_dir, appendonly=False, password=None) as server:
             yield server.url
 
 

@@ -24,7 +24,7 @@ def run_queue(model: str, prompts, output_lens, options: dict) -> dict:
     from clients import Client
     from tqdm import tqdm
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
-    with tempfile.TemporaryDirectory() as data_dir, EmbeddedValkey(data_dir) as server:
+    with tempfile.TemporaryDirectory() as data_dir, EmbeddedValkey(data_dir, password=None) as server:
         conveyor = Path(sys.executable).with_name("conveyor")
         replica = subprocess.Popen([str(conveyor), "serve", "--model", model, "--redis-url", server.url, *flags],
                                    env={**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING"})

@@ -19,7 +19,8 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent, TokenEvent
-from clients.keys import PRIORITY_CLASSES, Keys, default_namespace, default_redis_url
+from clients.connection import RedisSettings, client_settings
+from clients.keys import PRIORITY_CLASSES, Keys, default_namespace
 from clients.queue_status import model_names, queue_status_commands, queue_status_from
 from clients.submission import (
     CANCEL_LUA,
@@ -36,17 +37,19 @@ from clients.submission import (
 
 
 class AsyncClient:
-    """Async producer/consumer handle on one namespace; `redis_client` needs decode_responses=False."""
+    """Async producer/consumer handle on one namespace; connects like clients.client.Client
+    (`redis_url`, or `connection=RedisSettings(...)`); `redis_client` needs decode_responses=False."""
 
     def __init__(
         self,
         redis_url: str | None = None,
         namespace: str | None = None,
         *,
+        connection: RedisSettings | None = None,
         redis_client: aioredis.Redis | None = None,
     ) -> None:
         self._owns_redis = redis_client is None
-        self.redis = redis_client or aioredis.Redis.from_url(redis_url or default_redis_url())
+        self.redis = redis_client or client_settings(redis_url, connection).async_client()
         self.keys = Keys(namespace or default_namespace())
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self._cancel_script = self.redis.register_script(CANCEL_LUA)
@@ -83,8 +86,8 @@ class AsyncClient:
                     if code >= 0)  # fmt: skip
         check_chunk(codes, chunk, self.keys, max_queue_len, jobs)
 
-    def job(self, job_id: str) -> AsyncJob:
-        return AsyncJob(self, job_id)
+    def job(self, job_id: str, entry_id: str | None = None) -> AsyncJob:
+        return AsyncJob(self, job_id, entry_id=entry_id)
 
     async def queue_status(self) -> dict[str, Any]:
         streams = [k for c in PRIORITY_CLASSES async for k in self.redis.scan_iter(
@@ -108,10 +111,11 @@ class AsyncClient:
 class AsyncJob:
     """Async handle on one submitted job; same semantics as clients.client.Job."""
 
-    def __init__(self, client: AsyncClient, job_id: str, enqueued: bool | None = None) -> None:
+    def __init__(self, client: AsyncClient, job_id: str, enqueued: bool | None = None, entry_id: str | None = None) -> None:
         self.client = client
         self.job_id = job_id
         self.enqueued = enqueued
+        self.entry_id = entry_id  # the request entry (raw XADD reply): refusals of others are skipped
         self._terminal: TerminalEvent | None = None
 
     def __repr__(self) -> str:
@@ -128,7 +132,7 @@ class AsyncJob:
     async def events(
         self, from_id: str = "0-0", timeout: float | None = None, *, idle: bool = True
     ) -> AsyncIterator[Event]:
-        reader, deadline = EventReader(from_id), Deadline(timeout)
+        reader, deadline = EventReader(from_id, self.entry_id), Deadline(timeout)
         out_key = self.client.keys.out(self.job_id)
         while True:
             reply = await self.client.redis.xread(

@@ -9,6 +9,7 @@ its top-level parser as well (argparse would let the subcommand defaults win).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -17,11 +18,13 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
+from clients.async_client import AsyncClient
 from clients.cli_dead import register_dead
 from clients.client import Client, Job
+from clients.connection import add_connection_arguments, settings_from_args
 from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
 from clients.keys import PRIORITY_CLASSES
-from clients.summarize import summarize_documents
+from clients.summarize import summarize_documents_async
 from clients.summary_prompts import SummarizeOptions
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -81,10 +84,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _connection_options() -> argparse.ArgumentParser:
+    """--redis-url, --namespace, and the credential/TLS flags of clients/connection.py."""
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379")
     parent.add_argument("--namespace", default=None, help="key prefix; default: $CONVEYOR_NAMESPACE or conveyor")
+    add_connection_arguments(parent)
     return parent
+
+
+def client_from_args(args: argparse.Namespace) -> Client:
+    """The Client of a subcommand: URL, credentials, TLS and namespace from its flags."""
+    return Client(namespace=args.namespace, connection=settings_from_args(args))
 
 
 def _add_submit(parser: argparse.ArgumentParser) -> None:
@@ -111,9 +121,29 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run_status)
 
 
+# What `summarize --help` says about paths: which files are read, how outputs are named.
+SUMMARIZE_DESCRIPTION = (
+    "Summarize text files through the queue (map-reduce over token-budgeted chunks); a rerun "
+    "reuses finished jobs. Folders are read recursively; hidden files and folders (names "
+    "starting with '.') are skipped. Symbolic links inside a folder, to files or to folders, "
+    "are never followed: each one is reported as an error line (as is anything that is not a "
+    "regular file) and the other documents are still summarized. A PATH you name may itself "
+    "be a symbolic link, to a file or a folder: it is followed. Each document writes "
+    "NAME.summary.txt and NAME.summary.json under --out, NAME being its path inside its folder "
+    "(a/b.txt) or its file name; unsafe names are sanitized, not refused: empty and '.' parts "
+    "are dropped, control characters and leading dots become '_' (so '..' becomes '__' and "
+    "'.notes' becomes '_notes'). Outputs are written to a temporary file and renamed, so a "
+    "symbolic link already at an output path is replaced, never written through; a symbolic "
+    "link to a folder inside --out makes that document an error."
+)
+SUMMARIZE_PATHS_HELP = "text files, or folders of them (recursively; symlinks inside folders are skipped)"
+SUMMARIZE_OUT_HELP = "output folder, created if missing; it may itself be a symlink (default: ./summaries)"
+
+
 def _add_summarize(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="text files, or folders of them (recursively)")
-    parser.add_argument("--out", default="summaries", help="output folder (default: ./summaries)")
+    parser.description = SUMMARIZE_DESCRIPTION
+    parser.add_argument("paths", nargs="+", metavar="PATH", help=SUMMARIZE_PATHS_HELP)
+    parser.add_argument("--out", default="summaries", help=SUMMARIZE_OUT_HELP)
     for flag, field, kind in SUMMARIZE_OPTIONS:
         info = SummarizeOptions.model_fields[field]
         help_text = f"{info.description}; default: {info.default}" if info.description else f"default: {info.default}"
@@ -131,7 +161,7 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    with Client(args.redis_url, args.namespace) as client:
+    with client_from_args(args) as client:
         if args.file:
             return _submit_file(client, args)
         return _submit_prompt(client, args)
@@ -143,6 +173,9 @@ def _reporting_errors(command: Any, args: argparse.Namespace) -> int:
         return command(args)
     except InvalidJob as exc:
         return _fail(exc.message, EXIT_USAGE)
+    except redis.AuthenticationError as exc:
+        return _fail(f"Redis refused the credentials ({exc}); give them with --redis-password-file, "
+                     f"$REDIS_PASSWORD or --redis-username", EXIT_JOB_FAILED)
     except (ConveyorError, redis.RedisError) as exc:  # Timeout is also an OSError: catch first
         return _fail(getattr(exc, "message", None) or str(exc), EXIT_JOB_FAILED)
     except OSError as exc:  # unreadable --file
@@ -245,7 +278,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with Client(args.redis_url, args.namespace) as client:
+    with client_from_args(args) as client:
         status = client.queue_status()
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return EXIT_OK
@@ -294,14 +327,20 @@ def _summarize(args: argparse.Namespace) -> int:
     names = [field for _, field, _ in SUMMARIZE_OPTIONS] + ["priority_class"]
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:
-        results = summarize_documents(args.paths, args.out, redis_url=args.redis_url, namespace=args.namespace,
-                                      progress=not args.quiet, **options)  # fmt: skip
+        results = asyncio.run(_summarize_on_client(args, options))
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         return _fail(f"invalid option {'.'.join(map(str, error['loc']))}: {error['msg']}", EXIT_USAGE)
     for result in results:
         print(_summary_line(result.record), file=sys.stdout if result.ok else sys.stderr)
     return EXIT_OK if all(r.ok for r in results) else EXIT_JOB_FAILED
+
+
+async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]) -> list:
+    """summarize_documents on a client with this command's URL, credentials and TLS."""
+    async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
+        return await summarize_documents_async(args.paths, args.out, client=client, progress=not args.quiet,
+                                               **options)  # fmt: skip
 
 
 def _summary_line(record: dict[str, Any]) -> str:

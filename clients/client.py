@@ -19,7 +19,8 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent, TokenEvent
-from clients.keys import PRIORITY_CLASSES, Keys, default_namespace, default_redis_url
+from clients.connection import RedisSettings, client_settings
+from clients.keys import PRIORITY_CLASSES, Keys, default_namespace
 from clients.queue_status import model_names, queue_status_commands, queue_status_from
 from clients.submission import (
     CANCEL_LUA,
@@ -38,7 +39,9 @@ from clients.submission import (
 class Client:
     """Producer/consumer handle on one Conveyor namespace.
 
-    `redis_client`, when given, must use `decode_responses=False`.
+    Connects to `redis_url` (credentials and TLS from the environment, see
+    clients/connection.py), or with `connection` (RedisSettings: password, ACL user, TLS
+    files), or through `redis_client`, which must use `decode_responses=False`.
     """
 
     def __init__(
@@ -46,10 +49,11 @@ class Client:
         redis_url: str | None = None,
         namespace: str | None = None,
         *,
+        connection: RedisSettings | None = None,
         redis_client: redis.Redis | None = None,
     ) -> None:
         self._owns_redis = redis_client is None
-        self.redis = redis_client or redis.Redis.from_url(redis_url or default_redis_url())
+        self.redis = redis_client or client_settings(redis_url, connection).client()
         self.keys = Keys(namespace or default_namespace())
         self._submit_script = self.redis.register_script(SUBMIT_LUA)
         self._cancel_script = self.redis.register_script(CANCEL_LUA)
@@ -88,9 +92,9 @@ class Client:
                     if code >= 0)  # fmt: skip
         check_chunk(codes, chunk, self.keys, max_queue_len, jobs)
 
-    def job(self, job_id: str) -> Job:
+    def job(self, job_id: str, entry_id: str | None = None) -> Job:
         """Handle on an existing job (e.g. to resume its stream from another process)."""
-        return Job(self, job_id)
+        return Job(self, job_id, entry_id=entry_id)
 
     def queue_status(self) -> dict[str, Any]:
         """Lengths, pending counts and consumers of the default and per-model request
@@ -121,10 +125,11 @@ class Job:
     this id already existed (idempotent submit), None for handles from `client.job(id)`.
     """
 
-    def __init__(self, client: Client, job_id: str, enqueued: bool | None = None) -> None:
+    def __init__(self, client: Client, job_id: str, enqueued: bool | None = None, entry_id: str | None = None) -> None:
         self.client = client
         self.job_id = job_id
         self.enqueued = enqueued
+        self.entry_id = entry_id  # the request entry (raw XADD reply): refusals of others are skipped
         self._terminal: TerminalEvent | None = None
 
     def __repr__(self) -> str:
@@ -148,7 +153,7 @@ class Job:
 
         `timeout` bounds the wait for each next event (idle=True) or the whole call.
         """
-        reader, deadline = EventReader(from_id), Deadline(timeout)
+        reader, deadline = EventReader(from_id, self.entry_id), Deadline(timeout)
         out_key = self.client.keys.out(self.job_id)
         while True:
             reply = self.client.redis.xread({out_key: reader.last_id}, count=READ_COUNT, block=deadline.block_ms())

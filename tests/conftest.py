@@ -25,7 +25,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
         return
     from actors.embedded_valkey import EmbeddedValkey
 
-    server = EmbeddedValkey(tmp_path_factory.mktemp("valkey")).start()
+    server = EmbeddedValkey(tmp_path_factory.mktemp("valkey"), password=None).start()  # loopback, temp dir
     try:
         yield server.url
     finally:

@@ -221,7 +221,7 @@ def pending_details(client: redis.Redis, stream: str) -> list[dict]:
 def private_server(data_dir: Path):
     """A private embedded Valkey with AOF, for tests that stop or restart the server."""
     from actors.embedded_valkey import EmbeddedValkey
-    return EmbeddedValkey(data_dir, port=0, appendonly=True).start()
+    return EmbeddedValkey(data_dir, port=0, appendonly=True, password=None).start()  # loopback, temp dir
 
 
 # --------------------------------------------------------------------------- outcomes

@@ -401,12 +401,12 @@ def test_embedded_valkey_restart_keeps_data_and_port(tmp_path):
 
     with EmbeddedValkey(tmp_path / "data") as server:
         url = server.url
-        conn = redis.Redis.from_url(url)
+        conn = server.settings.client()
         conn.xadd("s", {"a": "1"})
         conn.close()
         server.restart()
         assert server.url == url
-        conn = redis.Redis.from_url(url)
+        conn = server.settings.client()
         assert conn.xlen("s") == 1
         conn.close()
     assert not server.is_running()

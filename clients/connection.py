@@ -1,0 +1,285 @@
+"""How Conveyor connects to Redis: credentials, TLS, and the one place redis-py clients are built.
+
+Options (a flag of `conveyor serve|submit|status|dead|summarize`, its environment variable):
+
+    --redis-url URL            $REDIS_URL, else redis://127.0.0.1:6379. `rediss://` is TLS.
+                               May carry `user:password@` (prefer the options below: a URL
+                               on a command line is visible in `ps`).
+    --redis-username NAME      $REDIS_USERNAME (an ACL user; default: the URL's, else `default`)
+    --redis-password-file PATH $REDIS_PASSWORD_FILE; the file's content, trailing newline stripped
+    (no flag)                  $REDIS_PASSWORD (no password flag: argv is visible in `ps`)
+    --redis-ca-cert PATH       $REDIS_CA_CERT: verify the server's certificate against this CA
+                               (without it, the system's CAs); needs a rediss:// URL
+    --redis-cert / --redis-key $REDIS_CERT / $REDIS_KEY: client certificate for mutual TLS
+    --data-dir DIR             $CONVEYOR_DATA_DIR, else ./conveyor-data: see below
+
+Precedence, highest first: an explicit value (a flag, or a keyword of `resolve_settings`),
+then the password file, then the environment, then the URL's own `user:password@`. Only
+when none of them gives a password: the embedded Valkey's password file in the data
+directory (`<data_dir>/password`), used when `<data_dir>/url` names the same host and
+port as the URL -- so `conveyor submit` on the machine of a `conveyor serve` that runs the
+embedded server finds its password (the files are 0600: only that user can read them).
+
+`redact(url)` is what every log line and print of a URL goes through: secrets never reach
+a log or stdout. This module never imports torch, engine/ or actors/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import redis
+import redis.asyncio as aioredis
+
+from clients.keys import DEFAULT_REDIS_URL
+
+DEFAULT_DATA_DIR = "conveyor-data"
+# Files the embedded Valkey (actors/embedded_valkey.py) keeps in its data directory.
+PASSWORD_FILE = "password"
+URL_FILE = "url"
+MASK = "***"
+SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where and how to connect. `url` never carries credentials (they live in the fields),
+    and neither repr nor str shows the password."""
+
+    url: str = DEFAULT_REDIS_URL
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        bare_url, user, password = split_credentials(self.url)
+        if bare_url != self.url:  # RedisSettings(url="redis://user:pw@...") directly: move them out
+            object.__setattr__(self, "url", bare_url)
+            object.__setattr__(self, "username", self.username or user)
+            object.__setattr__(self, "password", self.password or password)
+        _check_tls(self)
+
+    @property
+    def tls(self) -> bool:
+        return self.url.startswith("rediss://")
+
+    def client(self, **options: Any) -> redis.Redis:
+        """A synchronous redis-py client (bytes responses unless `options` say otherwise)."""
+        return redis.Redis.from_url(self.url, **self._connection_kwargs(), **options)
+
+    def async_client(self, **options: Any) -> aioredis.Redis:
+        return aioredis.Redis.from_url(self.url, **self._connection_kwargs(), **options)
+
+    def describe(self) -> str:
+        """One line for logs: the URL, the user, TLS; never the password."""
+        who = f" as {self.username}" if self.username else ""
+        auth = ", password set" if self.password else ""
+        tls = f", TLS (CA {self.ca_cert or 'system'}{', client cert' if self.cert else ''})" if self.tls else ""
+        return f"{redact(self.url)}{who}{auth}{tls}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def _connection_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.username is not None:
+            kwargs["username"] = self.username
+        if self.password is not None:
+            kwargs["password"] = self.password
+        if self.tls:
+            kwargs.update(ssl_cert_reqs="required", ssl_ca_certs=self.ca_cert, ssl_certfile=self.cert,
+                          ssl_keyfile=self.key)
+        return kwargs
+
+
+def _check_tls(settings: RedisSettings) -> None:
+    if (settings.ca_cert or settings.cert or settings.key) and not settings.tls:
+        raise ValueError(f"--redis-ca-cert/--redis-cert/--redis-key need a rediss:// URL "
+                         f"(TLS), got {redact(settings.url)}")
+    if bool(settings.cert) != bool(settings.key):
+        raise ValueError("--redis-cert and --redis-key go together (client certificate and its key)")
+
+
+def resolve_settings(url: str | None = None, *, username: str | None = None, password: str | None = None,
+                     password_file: str | Path | None = None, ca_cert: str | None = None,
+                     cert: str | None = None, key: str | None = None, data_dir: str | Path | None = None,
+                     env: Mapping[str, str] | None = None) -> RedisSettings:
+    """Apply the precedence of the module docstring: explicit > file > environment > URL,
+    then the embedded server's password file in `data_dir` (only when given)."""
+    env = os.environ if env is None else env
+    bare_url, url_user, url_password = split_credentials(url or env.get("REDIS_URL") or DEFAULT_REDIS_URL)
+    password_file = password_file or env.get("REDIS_PASSWORD_FILE")
+    chosen_password = _first(password, read_password_file(password_file) if password_file else None,
+                             env.get("REDIS_PASSWORD"), url_password)
+    if chosen_password is None and data_dir is not None:
+        chosen_password = embedded_password(data_dir, bare_url)
+    return RedisSettings(
+        url=bare_url,
+        username=_first(username, env.get("REDIS_USERNAME"), url_user),
+        password=chosen_password,
+        ca_cert=_first(ca_cert, env.get("REDIS_CA_CERT")),
+        cert=_first(cert, env.get("REDIS_CERT")),
+        key=_first(key, env.get("REDIS_KEY")),
+    )
+
+
+def client_settings(redis_url: str | None, connection: RedisSettings | None) -> RedisSettings:
+    """What Client(redis_url, connection=...) connects with: the settings, else the URL
+    resolved with the environment (REDIS_PASSWORD, ...)."""
+    if connection is None:
+        return resolve_settings(redis_url)
+    if redis_url is not None:
+        raise ValueError("give redis_url or connection (which has its own url), not both")
+    return connection
+
+
+def _first(*values: str | None) -> str | None:
+    return next((v for v in values if v), None)
+
+
+def read_password_file(path: str | Path) -> str:
+    """The password in `path`: its content without the trailing newline (as `echo` leaves it)."""
+    text = Path(path).read_text(encoding="utf-8")
+    password = text.rstrip("\r\n")
+    if not password:
+        raise ValueError(f"password file {path} is empty")
+    return password
+
+
+# ---------------------------------------------------------------- URLs
+
+
+def split_credentials(url: str) -> tuple[str, str | None, str | None]:
+    """(url without `user:password@`, username, password), percent-decoded."""
+    parts = _split(url)
+    if "@" not in parts.netloc:
+        return url, None, None
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    bare = urlunsplit(parts._replace(netloc=hostport))
+    return bare, unquote(user) or None, unquote(password) if password else None
+
+
+def redact(url: str) -> str:
+    """`url` with any password (userinfo or `?password=`) replaced by ***; safe to log."""
+    try:
+        parts = urlsplit(str(url))
+    except ValueError:
+        return re.sub(r"//[^/@]*@", f"//{MASK}@", str(url))
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        userinfo, _, hostport = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:{MASK}@{hostport}"
+    if "password" in query:
+        query = urlencode([(k, MASK if k == "password" else v) for k, v in parse_qsl(query)], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _split(url: str):
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {redact(url)!r}")
+    return parts
+
+
+def same_server(url_a: str, url_b: str) -> bool:
+    """Same scheme, host and port (localhost and 127.0.0.1 count as one)."""
+    def where(url: str):
+        parts = _split(split_credentials(url)[0])
+        host = "127.0.0.1" if parts.hostname in ("localhost", "::1") else parts.hostname
+        return parts.scheme, host, parts.port or 6379
+    try:
+        return where(url_a) == where(url_b)
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- the embedded server's files
+
+
+def embedded_password(data_dir: str | Path, url: str) -> str | None:
+    """The embedded Valkey's password when `data_dir` holds one for the server at `url`."""
+    directory = Path(data_dir)
+    try:
+        recorded_url = (directory / URL_FILE).read_text(encoding="utf-8").strip()
+        if not same_server(recorded_url, url):
+            return None
+        return read_password_file(directory / PASSWORD_FILE)
+    except (OSError, ValueError):  # no embedded server there, or not ours to read
+        return None
+
+
+# ---------------------------------------------------------------- command-line options
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser, *, data_dir: bool = True) -> None:
+    """The credential and TLS flags (not --redis-url, whose default differs per command).
+    Their defaults are None: resolve_settings applies the environment, in order."""
+    parser.add_argument("--redis-username", default=None, help="ACL user (env REDIS_USERNAME)")
+    parser.add_argument("--redis-password-file", default=None, metavar="PATH",
+                        help="file holding the password (env REDIS_PASSWORD_FILE; or env REDIS_PASSWORD)")
+    parser.add_argument("--redis-ca-cert", default=None, metavar="PATH",
+                        help="CA that signed the server's TLS certificate; needs rediss:// (env REDIS_CA_CERT)")
+    parser.add_argument("--redis-cert", default=None, metavar="PATH",
+                        help="client certificate for mutual TLS (env REDIS_CERT)")
+    parser.add_argument("--redis-key", default=None, metavar="PATH",
+                        help="client certificate's private key (env REDIS_KEY)")
+    if data_dir:
+        parser.add_argument("--data-dir", default=None,
+                            help="embedded Valkey's directory, whose password is used for its URL "
+                                 f"(env CONVEYOR_DATA_DIR, default {DEFAULT_DATA_DIR})")
+
+
+def default_data_dir() -> str:
+    return os.environ.get("CONVEYOR_DATA_DIR") or DEFAULT_DATA_DIR
+
+
+def settings_from_args(args: argparse.Namespace, url: str | None = None) -> RedisSettings:
+    """RedisSettings from the flags of add_connection_arguments (+ --redis-url, --data-dir)."""
+    return resolve_settings(
+        url or getattr(args, "redis_url", None),
+        username=args.redis_username,
+        password_file=args.redis_password_file,
+        ca_cert=args.redis_ca_cert,
+        cert=args.redis_cert,
+        key=args.redis_key,
+        data_dir=getattr(args, "data_dir", None) or default_data_dir(),
+    )
+
+
+def check_credentials(settings: RedisSettings) -> str | None:
+    """One PING: a message when the server refuses the credentials or its certificate
+    fails verification, else None.
+
+    Only those are judged here: they will not mend by waiting, while an unreachable
+    server may come up later (the replica retries), and an ACL user without PING is fine."""
+    client = settings.client(socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        hint = "" if settings.password else " (no password given: --redis-password-file or $REDIS_PASSWORD)"
+        return f"Redis at {settings.describe()} refused the credentials{hint}: {exc}"
+    except redis.ConnectionError as exc:
+        if isinstance(_root_cause(exc), ssl.SSLCertVerificationError):
+            return f"TLS certificate of Redis at {settings.describe()} failed verification: {_root_cause(exc)}"
+        return None
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return None
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ or exc.__context__:
+        exc = exc.__cause__ or exc.__context__
+    return exc
