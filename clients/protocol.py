@@ -6,7 +6,10 @@ A request-stream entry carries the job in one field: `data` (msgpack map) or `js
 
 from __future__ import annotations
 
+import decimal
 import hashlib
+import json
+import math
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -42,9 +45,19 @@ from clients.limits import (  # noqa: F401  (re-exported)
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_RESULT_TTL,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOTAL_CHARS,
+    MAX_TEMPERATURE,
+    MIN_PENALTY,
+    MIN_REPETITION_PENALTY,
     SCHEMA_VERSION,
+    SEED_MAX,
+    SEED_MIN,
 )
 from clients.safe_payload import read_payload, readable_job_id  # noqa: F401
 
@@ -79,21 +92,21 @@ class JobRequest(BaseModel):
     prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
 
     max_tokens: int = Field(default=16, ge=1, le=INT32_MAX)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1, le=INT32_MAX)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    stop: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    presence_penalty: float = Field(default=0.0, ge=MIN_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=MIN_PENALTY, le=MAX_PENALTY)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS
     )
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     priority_class: Literal["interactive", "batch"] = "interactive"
     priority: Int32 = 0
@@ -108,6 +121,14 @@ class JobRequest(BaseModel):
         if value is None:
             return []
         return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_total(cls, value: list[str]) -> list[str]:
+        total = sum(len(stop) for stop in value)
+        if total > MAX_STOP_TOTAL_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_TOTAL_CHARS} characters in all, got {total}")
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -256,8 +277,62 @@ def _check_version(payload: dict) -> None:
         )
 
 
+# ---------------------------------------------------------------- payload digest
+#
+# Language-neutral: SHA-256 (lowercase hex, 64 characters) of the canonical JSON of the
+# fields that decide a job's output, defaults filled in. docs/protocol.md ("Payload
+# digest") defines it, with a JavaScript reference and test vectors.
+
+DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
+
+
 def payload_digest(job: JobRequest) -> str:
     """What the job asks for, hashed: the same job_id with another digest is a conflict.
-    Delivery bookkeeping (result_ttl, deadline) and metadata are not part of it."""
-    content = job.model_dump(exclude={"job_id", "result_ttl", "deadline", "metadata"})
-    return hashlib.sha256(msgpack.packb(content, use_bin_type=True)).hexdigest()[:32]
+    Scheduling and delivery (priority_class, priority, deadline, result_ttl), job_id,
+    metadata and `v` are not part of it."""
+    return hashlib.sha256(digest_input(job).encode("ascii")).hexdigest()
+
+
+def digest_input(job: JobRequest) -> str:
+    """The canonical JSON text that payload_digest hashes (pure ASCII)."""
+    content = {name: getattr(job, name) for name in DIGEST_FIELDS}
+    content["messages"] = job.chat_messages()
+    return canonical_json(content)
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys, no whitespace, every non-ASCII character \\u-escaped and
+    numbers written as JavaScript's String(number) writes them (1.0 -> 1, 1e-05 -> 0.00001)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _js_number(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=True)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(canonical_json(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{canonical_json(k)}:{canonical_json(value[k])}" for k in sorted(value)) + "}"
+    raise TypeError(f"no canonical JSON for {type(value).__name__}")
+
+
+def _js_number(value: float) -> str:
+    """ECMAScript Number::toString of a finite float (the shortest round-trip digits,
+    which Python's repr also finds, laid out by the ECMAScript rules)."""
+    if not math.isfinite(value):
+        raise ValueError(f"no JSON number for {value}")
+    if value == 0:
+        return "0"  # -0 too
+    sign, digits, exponent = decimal.Decimal(repr(value)).as_tuple()
+    s = "".join(map(str, digits)).rstrip("0")
+    k = len(s)
+    n = exponent + len(digits)  # value = 0.s x 10^n
+    text = (
+        s + "0" * (n - k) if k <= n <= 21
+        else s[:n] + "." + s[n:] if 0 < n <= 21
+        else "0." + "0" * -n + s if -6 < n <= 0
+        else s[0] + ("." + s[1:] if k > 1 else "") + "e" + ("+" if n > 0 else "-") + str(abs(n - 1))
+    )
+    return ("-" if sign else "") + text

@@ -10,22 +10,39 @@ from clients.errors import InvalidJob, JobConflict, QueueFull
 from clients.keys import Keys
 from clients.protocol import JobRequest, encode_job, payload_digest, validate_job
 
-# Enqueue once per job_id (idempotent submit) and only below the queue bound. The hash keeps
-# the payload digest (the same id with another payload is a conflict) and the entry id
-# (replicas run a job from that entry only; another entry for it is a duplicate).
-# KEYS: job hash, request stream. ARGV: data, ttl, now, max_queue_len (0 = unbounded), digest.
-# Returns 1 enqueued, 0 already known (not enqueued again), -1 queue full, -2 conflict.
+# The atomic submit, for every producer (docs/protocol.md prints this text; a test keeps the
+# two equal). Enqueue once per job_id (idempotent submit) and only below the queue bound.
+# The hash keeps the payload digest (the same id with another payload is a conflict) and
+# the entry id (replicas run a job from that entry only; another entry for it is a
+# duplicate). A hash with status 'rejected' (a replica's refusal of an unreadable entry)
+# is no claim on the id: it and the job's out stream are deleted and the job is enqueued.
+# The bound is the smaller of the caller's max_queue_len and the operator's, which replicas
+# publish in the limits hash (field max_queue_len); 0, absent or unreadable: no bound.
+# KEYS: job hash, request stream, out stream, limits hash.
+# ARGV: payload, ttl, now, max_queue_len (0 = none), digest ('' = not computed: not stored,
+#       never a conflict), entry field ('data' msgpack, the default, or 'json').
+# Returns 1 enqueued, 0 already known (not enqueued again), -2 conflict, -1 queue full at
+# the caller's bound, -3 queue full at the operator's bound.
 SUBMIT_LUA = """
+local field = ARGV[6] or 'data'
+if field ~= 'data' and field ~= 'json' then return redis.error_reply('ERR entry field must be data or json') end
+local rejected = false
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local digest = redis.call('HGET', KEYS[1], 'digest')
-  if digest and digest ~= ARGV[5] then return -2 end
-  return 0
+  if redis.call('HGET', KEYS[1], 'status') ~= 'rejected' then
+    local digest = redis.call('HGET', KEYS[1], 'digest')
+    if digest and ARGV[5] ~= '' and digest ~= ARGV[5] then return -2 end
+    return 0
+  end
+  rejected = true
 end
-local limit = tonumber(ARGV[4])
-if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then return -1 end
-local entry = redis.call('XADD', KEYS[2], '*', 'data', ARGV[1])
-redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3], 'digest', ARGV[5],
-           'entry', entry)
+local limit, full = tonumber(ARGV[4]) or 0, -1
+local operator = tonumber(redis.pcall('HGET', KEYS[4], 'max_queue_len')) or 0
+if operator > 0 and (limit <= 0 or operator < limit) then limit, full = operator, -3 end
+if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then return full end
+if rejected then redis.call('DEL', KEYS[1], KEYS[3]) end
+local entry = redis.call('XADD', KEYS[2], '*', field, ARGV[1])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3], 'entry', entry)
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'digest', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
@@ -34,7 +51,9 @@ return 1
 # KEYS: job hash. ARGV: cancel channel, job id. Returns 1 when requested, else 0.
 CANCEL_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'done' or status == 'error' or status == 'cancelled' then return 0 end
+if not status or status == 'done' or status == 'error' or status == 'cancelled' or status == 'rejected' then
+  return 0
+end
 redis.call('HSET', KEYS[1], 'cancel', '1')
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 return 1
@@ -73,16 +92,18 @@ def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple
     """KEYS and ARGV of SUBMIT_LUA for `job` (a job naming a model goes to that model's stream)."""
     data = encode_job(job)["data"]
     args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0, payload_digest(job)]
-    return [keys.job(job.job_id), keys.request_stream(job.priority_class, job.model)], args
+    stream = keys.request_stream(job.priority_class, job.model)
+    return [keys.job(job.job_id), stream, keys.out(job.job_id), keys.limits], args
 
 
-CONFLICT, QUEUE_FULL, ENQUEUED = -2, -1, 1  # SUBMIT_LUA replies (0: job id already known, not enqueued)
+# SUBMIT_LUA replies (0: job id already known, not enqueued)
+OPERATOR_QUEUE_FULL, CONFLICT, QUEUE_FULL, ENQUEUED = -3, -2, -1, 1
 
 
 def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int | None,
                     submitted: list | None = None) -> None:
-    if code == QUEUE_FULL:
-        raise queue_full(job, keys, max_queue_len, submitted or [])
+    if code in (QUEUE_FULL, OPERATOR_QUEUE_FULL):
+        raise queue_full(job, keys, max_queue_len, submitted or [], operator=code == OPERATOR_QUEUE_FULL)
     if code == CONFLICT:
         raise JobConflict(f"job_id {job.job_id!r} was already submitted with a different payload",
                           job_id=job.job_id)
@@ -95,9 +116,15 @@ def check_chunk(codes: list[int], chunk: list[JobRequest], keys: Keys, max_queue
         check_submitted(code, job, keys, max_queue_len, submitted)
 
 
-def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list) -> QueueFull:
+def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list,
+               operator: bool = False) -> QueueFull:
+    """QueueFull naming the bound that was hit: the caller's max_queue_len or the operator's."""
     stream = keys.request_stream(job.priority_class, job.model)
-    message = f"{stream} holds {max_queue_len} or more entries (max_queue_len={max_queue_len})"
+    if operator:
+        message = (f"{stream} is full at the server's queue bound (max_queue_len in {keys.limits}, "
+                   f"set by the replicas' operator); try again later")
+    else:
+        message = f"{stream} holds {max_queue_len} or more entries (the caller's max_queue_len={max_queue_len})"
     return QueueFull(message, submitted=submitted)
 
 

@@ -112,7 +112,7 @@ def test_missing_job_id_falls_back_to_entry_id():
         ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
         ({"top_k": -2}, "top_k", "greater than or equal to -1"),
         ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
-        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than or equal to 0.01"),
         ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
         ({"frequency_penalty": math.nan}, "frequency_penalty", "finite"),
         ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
