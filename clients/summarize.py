@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from clients.async_client import AsyncClient, AsyncJob
 from clients.chunking import Chunk
-from clients.documents import Document, load_documents, summary_path, write_outputs
+from clients.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
 from clients.errors import JobFailed, Timeout
 from clients.event_reader import JobResult
 from clients.model_info import ModelInfo, fetch_model_info_async
@@ -36,7 +36,8 @@ RETRIED_STATUSES = ("error", "cancelled")
 
 @dataclass
 class DocumentSummary:
-    """Outcome for one document: `summary` or `error`, and the run record (also in JSON)."""
+    """Outcome for one document: `summary` or `error`, and the run record (also in JSON).
+    When the summary was made but its files could not be written, both are set."""
 
     name: str
     source: str | None
@@ -55,7 +56,11 @@ def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str |
     """Summarize files, folders and Documents; `options` are SummarizeOptions fields.
 
     Writes `<name>.summary.txt` and `<name>.summary.json` per document into `out_dir`
-    when given. Raises ModelNotPublished when no model info can be found.
+    when given. Names are made safe (see documents.safe_name), symlinks inside input
+    folders are skipped as errors and outputs never go through a symlink (see
+    documents.load_documents and documents.write_outputs); a document whose outputs cannot
+    be written gets that error, the others are still summarized. Raises ModelNotPublished
+    when no model info can be found.
     """
     return asyncio.run(summarize_documents_async(
         sources, out_dir, redis_url=redis_url, namespace=namespace, progress=progress, **options))  # fmt: skip
@@ -106,9 +111,23 @@ class _Run:
         written = self.out_dir and summary is not None
         record.finish(summary, error, str(summary_path(self.out_dir, doc)) if written else None)
         if self.out_dir:
-            write_outputs(self.out_dir, doc, summary, record.data)
+            error = self._write(doc, summary, record) or error
         self.documents_bar.update()
         return DocumentSummary(doc.name, doc.source, summary, error, record.data)
+
+    def _write(self, doc: Document, summary: str | None, record: _Record) -> str | None:
+        """Write one document's outputs; a failure is that document's error, not the run's."""
+        try:
+            write_outputs(self.out_dir, doc, summary, record.data)
+        except (OSError, UnsafeOutputPath) as exc:
+            earlier = record.data["error"]  # e.g. a skipped symlink: keep it first
+            if earlier:
+                error = f"{earlier}; its outputs cannot be written either: {exc}"
+            else:
+                error = f"{doc.name}: cannot write its outputs: {exc}"
+            record.fail(error)
+            return error
+        return None
 
     async def _summarize(self, doc: Document, record: _Record) -> str:
         problem = doc.problem()
@@ -209,3 +228,7 @@ class _Record:
             wall_s=round(time.monotonic() - self.started, 3),
             summary=summary,
         )
+
+    def fail(self, error: str) -> None:
+        """The outputs could not be written: the record says so (in the returned result)."""
+        self.data.update(status="error", error=error, summary_file=None)
