@@ -1,11 +1,17 @@
 """The compose deployment, checked without a Docker engine: parse the files and run the
-engine service's own command locally against a local server."""
+services' own commands (the redis start script, both healthchecks, the engine command)
+locally, with stand-ins for what only exists inside the containers."""
 import os
 import re
+import secrets
 import signal
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -13,6 +19,9 @@ import yaml
 from clients import Client
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+SECRET_PATH = "/run/secrets/redis_password"
+LOOPBACK = ("127.0.0.1", "[::1]", "::1", "localhost")
+ROOT_USERS = ("root", "0")
 
 
 @pytest.fixture(scope="module")
@@ -20,40 +29,306 @@ def compose():
     return yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
 
 
+def container_text(value: str) -> str:
+    """What a compose string is inside the container: `$$` is a literal `$`. A lone `$`
+    would be interpolated from the host's environment, which these files never rely on."""
+    held = value.replace("$$", "\0")
+    assert "$" not in held, f"unescaped $ (host interpolation) in {value!r}"
+    return held.replace("\0", "$")
+
+
+def shell_script(command) -> str:
+    """The script of a ``["sh", "-c", SCRIPT]`` command."""
+    assert isinstance(command, list) and command[:2] == ["sh", "-c"], command
+    return container_text(command[2])
+
+
+def healthcheck_command(test) -> list[str]:
+    """A compose healthcheck `test` as an argv that runs here."""
+    if isinstance(test, str):
+        return ["sh", "-c", container_text(test)]
+    kind, *rest = test
+    if kind == "CMD-SHELL":
+        return ["sh", "-c", container_text(rest[0])]
+    assert kind == "CMD", test
+    return [container_text(arg) for arg in rest]
+
+
+def seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", str(duration))
+    assert parts and "".join(n + u for n, u in parts) == str(duration), duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def published_host_ips(service: dict) -> list[str]:
+    """The host address of every port a service publishes ('' means all interfaces)."""
+    addresses = []
+    for port in service.get("ports", []) or []:
+        if isinstance(port, dict):  # long syntax
+            addresses.append(str(port.get("host_ip", "")))
+            continue
+        spec = str(port).split("/")[0]
+        if spec.startswith("["):  # "[::1]:6379:6379"
+            addresses.append(spec[: spec.index("]") + 1])
+        else:
+            fields = spec.split(":")
+            addresses.append(fields[0] if len(fields) == 3 else "")
+    return addresses
+
+
+def flag_value(command: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(command):
+        if arg == flag:
+            return command[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def fake_bin(directory: Path, name: str, script: str) -> None:
+    path = directory / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(0o755)
+
+
+def dockerfile_user() -> str | None:
+    """The user of the image's last stage: its last USER instruction."""
+    user = None
+    for line in (COMPOSE / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words and words[0].upper() == "FROM":
+            user = None  # a new stage starts as root again
+        elif words and words[0].upper() == "USER":
+            user = words[1]
+    return user
+
+
+# --- Redis ---------------------------------------------------------------------------------
+
+
 def test_redis_service_persists_and_reports_health(compose):
     redis_service = compose["services"]["redis"]
-    assert "--appendonly" in redis_service["command"] and "yes" in redis_service["command"]
-    assert redis_service["healthcheck"]["test"][-1] == "ping"
+    script = shell_script(redis_service["command"])
+    assert re.search(r"redis-server .*--appendonly yes", script)
+    assert "redis-cli ping" in " ".join(healthcheck_command(redis_service["healthcheck"]["test"]))
+
+
+def test_no_service_publishes_a_port_beyond_loopback(compose):
+    for name, service in compose["services"].items():
+        for address in published_host_ips(service):
+            assert address in LOOPBACK, f"{name} publishes a port on {address or 'all interfaces'}"
+    assert not compose["services"]["redis"].get("ports"), "redis is not published by default"
+    text = (COMPOSE / "docker-compose.yml").read_text()
+    assert re.search(r'^\s*#\s*ports: \["127\.0\.0\.1:6379:6379"\]', text, re.M), \
+        "the commented way to open redis on loopback only"
+
+
+def test_redis_requires_a_password_read_from_a_secret(compose):
+    redis_service = compose["services"]["redis"]
+    script = shell_script(redis_service["command"])
+    value = re.search(r"--requirepass\s+(\S+)", script)
+    assert value, "redis-server is started with --requirepass"
+    assert value.group(1).lstrip('"').startswith("$"), \
+        f"the password is a shell value read at start, not a literal: {value.group(1)}"
+    assert SECRET_PATH in script
+    assert "redis_password" in redis_service["secrets"]
+    secret = compose["secrets"]["redis_password"]
+    assert secret.get("file") or secret.get("environment")
+    text = (COMPOSE / "docker-compose.yml").read_text()
+    for literal in re.findall(r"requirepass[\s=]+(\S+)", text):
+        assert literal.lstrip("\"'").startswith("$"), f"a literal password in the YAML: {literal}"
+    if secret.get("file"):
+        assert (COMPOSE / (Path(secret["file"]).name + ".example")).is_file(), \
+            "an example next to the secret file, saying how to make one"
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    path = tmp_path / "redis_password"
+    path.write_text(secrets.token_hex(32) + "\n")  # as `openssl rand -hex 32 >` writes it
+    return path
+
+
+def run_redis_start_script(compose, tmp_path, secret_file):
+    """The redis service's start script, with docker-entrypoint.sh replaced by one that
+    records its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    record = tmp_path / "entrypoint-args"
+    fake_bin(bin_dir, "docker-entrypoint.sh", f'printf "%s\\n" "$@" > {record}\n')
+    script = shell_script(compose["services"]["redis"]["command"]).replace(SECRET_PATH, str(secret_file))
+    done = subprocess.run(["sh", "-c", script], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+                          capture_output=True, text=True, timeout=30)
+    return done, (record.read_text().splitlines() if record.exists() else None)
+
+
+def test_redis_start_script_passes_the_secret_and_refuses_an_empty_one(compose, tmp_path, secret_file):
+    done, args = run_redis_start_script(compose, tmp_path, secret_file)
+    assert done.returncode == 0, done.stderr
+    assert args[0] == "redis-server", "through the image's entrypoint: it drops root for `redis`"
+    assert args[args.index("--requirepass") + 1] == secret_file.read_text().strip()
+    assert args[args.index("--appendonly") + 1] == "yes"
+    for content in ("", "\n", (COMPOSE / "redis_password.txt.example").read_text()):
+        secret_file.write_text(content)
+        (tmp_path / "entrypoint-args").unlink(missing_ok=True)
+        done, args = run_redis_start_script(compose, tmp_path, secret_file)
+        assert done.returncode != 0 and args is None, f"started with the secret {content!r}"
+        assert "openssl rand -hex 32" in done.stderr
+    secret_file.unlink()
+    done, args = run_redis_start_script(compose, tmp_path, secret_file)
+    assert done.returncode != 0 and args is None, "started without a secret file"
+
+
+def test_redis_healthcheck_authenticates_without_the_password_in_its_args(compose, tmp_path, secret_file):
+    test = compose["services"]["redis"]["healthcheck"]["test"]
+    password = secret_file.read_text().strip()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "redis-cli-args"
+    fake_bin(bin_dir, "redis-cli",
+             f'printf "%s\\n" "$@" > {record}\n'
+             f'if [ "$REDISCLI_AUTH" = "{password}" ]; then echo PONG; '
+             'else echo "NOAUTH Authentication required."; fi\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("REDISCLI_AUTH", None)
+    argv = [arg.replace(SECRET_PATH, str(secret_file)) for arg in healthcheck_command(test)]
+    assert password not in " ".join(map(str, test))
+    assert subprocess.run(argv, env=env, timeout=30).returncode == 0
+    assert password not in record.read_text() and "-a" not in record.read_text().split()
+    secret_file.write_text("not-the-password\n")
+    assert subprocess.run(argv, env=env, timeout=30).returncode != 0, "healthy without authenticating"
+
+
+# --- Engine --------------------------------------------------------------------------------
 
 
 def test_engine_waits_for_healthy_redis_and_drains_on_sigterm(compose):
     engine = compose["services"]["engine"]
     assert engine["depends_on"]["redis"]["condition"] == "service_healthy"
     grace = float(engine["environment"]["CONVEYOR_GRACE_S"])
-    assert float(engine["stop_grace_period"].rstrip("s")) > grace
+    assert seconds(engine["stop_grace_period"]) > grace
     dockerfile = (COMPOSE / "Dockerfile").read_text()
     assert re.search(r'^ENTRYPOINT \["conveyor"\]', dockerfile, re.M)  # exec form: gets SIGTERM
     assert "model-cache:/cache" in engine["volumes"]
 
 
-@pytest.mark.slow
-def test_engine_command_serves_jobs_and_exits_cleanly_on_sigterm(compose, redis_url, namespace):
+def test_engine_does_not_run_as_root(compose):
+    user = dockerfile_user()
+    assert user is not None, "the Dockerfile sets a USER (else the engine runs as root)"
+    assert user.split(":")[0] not in ROOT_USERS, f"USER {user}"
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    owner = rf"(?:{re.escape(user.split(':')[0])}|conveyor)"
+    assert re.search(rf"chown (?:-R )?{owner}\S* /cache", dockerfile), "the cache volume is the user's"
+    if "user" in compose["services"]["engine"]:
+        assert str(compose["services"]["engine"]["user"]).split(":")[0] not in ROOT_USERS
+
+
+def test_engine_reads_the_redis_password_from_the_secret_never_from_a_url(compose):
     engine = compose["services"]["engine"]
-    command = [arg.replace("redis://redis:6379", redis_url) for arg in engine["command"]]
+    command = engine["command"]
+    for arg in [*command, *map(str, engine.get("environment", {}).values())]:
+        if "://" in arg:
+            parts = urlsplit(arg)
+            assert parts.password is None and "@" not in parts.netloc, f"credentials in {arg}"
+    assert flag_value(command, "--redis-url") == "redis://redis:6379"
+    assert flag_value(command, "--redis-password-file") == SECRET_PATH
+    assert "redis_password" in engine["secrets"]
+    assert "REDIS_PASSWORD" not in engine.get("environment", {}), "no password literal in the YAML"
+
+
+def test_engine_metrics_bind_inside_the_container_only(compose):
+    engine = compose["services"]["engine"]
+    command = engine["command"]
+    host = flag_value(command, "--metrics-host") or engine.get("environment", {}).get("CONVEYOR_METRICS_HOST")
+    assert host == "0.0.0.0", "reachable from the healthcheck and the compose network"
+    assert flag_value(command, "--metrics-port") == "9400"
+    assert all(address in LOOPBACK for address in published_host_ips(engine))
+    text = (COMPOSE / "docker-compose.yml").read_text()
+    assert re.search(r'^\s*#\s*ports: \["127\.0\.0\.1:9400:9400"\]', text, re.M), \
+        "the commented way to publish metrics on loopback only"
+
+
+def test_engine_has_a_healthcheck_on_its_metrics_port(compose):
+    engine = compose["services"]["engine"]
+    check = engine["healthcheck"]
+    argv = healthcheck_command(check["test"])
+    assert f"127.0.0.1:{flag_value(engine['command'], '--metrics-port')}/metrics" in " ".join(argv)
+    assert seconds(check["start_period"]) >= 300, "long enough to convert and load the model"
+    assert seconds(check["timeout"]) < seconds(check["interval"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_help() -> str:
+    conveyor = Path(sys.executable).with_name("conveyor")
+    return subprocess.run([str(conveyor), "serve", "--help"], capture_output=True, text=True, timeout=120).stdout
+
+
+@pytest.fixture
+def password_flag():
+    if "--redis-password-file" not in serve_help():
+        pytest.skip("`conveyor serve --help` does not list --redis-password-file yet (being added)")
+
+
+@pytest.fixture
+def password_server(tmp_path, secret_file, password_flag):
+    """A Valkey of its own that requires the secret's password, as the redis service does."""
+    import redis
+    from actors.embedded_valkey import EmbeddedValkey
+
+    password = secret_file.read_text().strip()
+    server = EmbeddedValkey(tmp_path / "valkey", password=password).start()
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url).ping()
+        yield server.url, password
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_engine_command_serves_jobs_and_exits_cleanly_on_sigterm(compose, password_server, secret_file):
+    url, password = password_server
+    engine = compose["services"]["engine"]
+    metrics_port = str(free_port())
+    local = {"redis://redis:6379": url, SECRET_PATH: str(secret_file),
+             "0.0.0.0": "127.0.0.1"}  # here: loopback, not every interface of a shared box
+    command = [local.get(arg, arg) for arg in engine["command"]]
+    command[command.index("--metrics-port") + 1] = metrics_port
+    assert password not in " ".join(command)
+    namespace = f"compose-{uuid.uuid4().hex[:12]}"
     conveyor = Path(sys.executable).with_name("conveyor")
     env = {**os.environ, **{k: str(v) for k, v in engine["environment"].items()},
            "CONVEYOR_NAMESPACE": namespace, "CONVEYOR_MAX_NUM_SEQS": "8"}
+    for name in ("REDIS_URL", "REDIS_PASSWORD", "REDIS_PASSWORD_FILE", "REDIS_USERNAME",
+                 "CONVEYOR_METRICS_HOST", "CONVEYOR_METRICS_PORT"):
+        env.pop(name, None)
+    health = [sys.executable if arg == "python" else arg.replace(":9400/", f":{metrics_port}/")
+              for arg in healthcheck_command(engine["healthcheck"]["test"])]
     process = subprocess.Popen([str(conveyor), *command], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
-        client = Client(redis_url, namespace=namespace)
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+        client = Client(f"redis://:{password}@{host}:{port}", namespace=namespace)
         job = client.submit(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
         result = job.result(timeout=120)
         assert result.text and result.finish_reason in ("stop", "length")
+        deadline = time.monotonic() + 30
+        while subprocess.run(health, capture_output=True, timeout=30).returncode != 0:
+            assert time.monotonic() < deadline, "the engine healthcheck never passed"
+            time.sleep(0.5)
+        client.close()
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
+            process.communicate()
     assert process.returncode == 0, output[-2000:]
     assert "serving model" in output
+    assert password not in output, "the password is never logged"
