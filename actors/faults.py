@@ -13,8 +13,14 @@ def enabled() -> bool:
     return os.environ.get("CONVEYOR_FAULT_INJECTION") == "1"
 
 
+def job_hooks() -> tuple:
+    """What the scheduler runs on each new job's metadata: nothing unless injection is on,
+    so production never pays for (or trips on) the seam."""
+    return (crash_if_poisoned,) if enabled() else ()
+
+
 def crash_if_poisoned(metadata: dict) -> None:
-    if enabled() and metadata.get("conveyor_fault") == "crash":
+    if metadata.get("conveyor_fault") == "crash":
         log.critical("fault injection: crashing on a poison job")
         logging.shutdown()
         os._exit(CRASH_EXIT_CODE)

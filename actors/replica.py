@@ -5,6 +5,7 @@ import logging
 import signal
 from pathlib import Path
 
+from actors import faults
 from actors.config import ReplicaConfig
 from actors.gpu import GPUActor
 from actors.ingest import IngestActor
@@ -38,7 +39,7 @@ class Replica:
         self.publisher = PublisherActor(self.streams, self.leases)
         self.gpu = GPUActor(engine.runner)
         self.metrics = ReplicaMetrics()
-        self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics)
+        self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics, faults.job_hooks())
         self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher, config)
         self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
         self.announcer = ModelAnnouncer(self.streams, engine, self.model_name, config.max_queue_len)

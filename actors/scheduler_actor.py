@@ -5,7 +5,6 @@ import asyncio
 import time
 from collections import OrderedDict
 
-from actors import faults
 from actors.base import Actor, drain
 from actors.gpu import GPUActor
 from actors.messages import AbortJob, Delivery, NewJob, StepOutputs
@@ -21,8 +20,10 @@ class SchedulerActor(Actor):
     name = "scheduler"
     mailbox_size = 1024
 
-    def __init__(self, engine: LLMEngine, gpu: GPUActor, publisher: Actor, metrics: ReplicaMetrics):
+    def __init__(self, engine: LLMEngine, gpu: GPUActor, publisher: Actor, metrics: ReplicaMetrics,
+                 job_hooks: tuple = ()):
         super().__init__()
+        self.job_hooks = job_hooks  # test-only seam (actors/faults.py): called with each new job's metadata
         self.engine = engine
         self.metrics = metrics
         self.gpu = gpu
@@ -69,7 +70,8 @@ class SchedulerActor(Actor):
 
     def _apply(self, message) -> None:
         if isinstance(message, NewJob):
-            faults.crash_if_poisoned(message.delivery.metadata)
+            for hook in self.job_hooks:
+                hook(message.delivery.metadata)
             self.deliveries[message.delivery.job_id] = message.delivery
             self.engine.add_sequence(message.seq)
             if self.early_cancels.pop(message.delivery.job_id, None) is not None:
