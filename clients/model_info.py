@@ -8,8 +8,11 @@ torch. `<ns>:models` is the set of published names. Both have a TTL: replicas re
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -20,12 +23,19 @@ from clients.keys import Keys
 MODEL_INFO_VERSION = 1
 MODEL_INFO_TTL_S = 3600  # replicas republish well within it (MODEL_INFO_REPUBLISH_S)
 MODEL_INFO_REPUBLISH_S = 600
+DEFAULT_MODEL_WAIT_S = 300.0  # pipelines started with their replicas wait this long for a model
+WAIT_POLL_S = 0.5
+WAIT_PROGRESS_S = 5.0
 
 
 class ModelNotPublished(ConveyorError):
     """No (or no single) model info to use: no replica published one, or several did."""
 
     code = "model_not_published"
+
+
+class SeveralModelsPublished(ModelNotPublished):
+    """No model named and several are published: waiting would not help."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +177,7 @@ def only_model(keys: Keys, members: list[bytes], exists: list[int]) -> str:
             "start a replica (it publishes its model) or check --namespace"
         )
     if len(live) > 1:
-        raise ModelNotPublished(f"several models are published ({', '.join(live)}): name one with model=...")
+        raise SeveralModelsPublished(f"several models are published ({', '.join(live)}): name one with model=...")
     return live[0]
 
 
@@ -175,3 +185,70 @@ def model_info_from(keys: Keys, name: str, fields: Mapping[bytes, bytes]) -> Mod
     if not fields:
         raise ModelNotPublished(f"no model info for {name!r} at {keys.model_info(name)}: no replica serves it")
     return ModelInfo.from_fields(fields)
+
+
+# ---------------------------------------------------------------- wait
+
+
+def wait_for_model_info(redis: Any, keys: Keys, model: str | None, wait_s: float,
+                        progress: bool = True) -> ModelInfo:  # fmt: skip
+    """fetch_model_info, polled until a replica publishes the model or `wait_s` runs out.
+
+    For pipelines started together with their replicas (a compose deployment): a replica
+    publishes its model info once the model is loaded. `model` None waits for any one
+    model. Prints a progress line to stderr every WAIT_PROGRESS_S unless `progress` is
+    False. Raises ModelNotPublished naming the limit after `wait_s` (0: one look, the
+    fetch's own error), and at once when several models are published and none is named.
+    """
+    wait = _Wait(keys, model, wait_s, progress)
+    while True:
+        try:
+            return fetch_model_info(redis, keys, model)
+        except ModelNotPublished as exc:
+            time.sleep(wait.pause_after(exc))
+
+
+async def wait_for_model_info_async(redis: Any, keys: Keys, model: str | None, wait_s: float,
+                                    progress: bool = True) -> ModelInfo:  # fmt: skip
+    """wait_for_model_info on a redis.asyncio client."""
+    wait = _Wait(keys, model, wait_s, progress)
+    while True:
+        try:
+            return await fetch_model_info_async(redis, keys, model)
+        except ModelNotPublished as exc:
+            await asyncio.sleep(wait.pause_after(exc))
+
+
+class _Wait:
+    """The clock of one wait for model info: when to poll again, report, give up."""
+
+    def __init__(self, keys: Keys, model: str | None, wait_s: float, progress: bool) -> None:
+        if math.isnan(wait_s) or wait_s < 0:
+            raise ValueError(f"wait_s must be >= 0 seconds, got {wait_s!r}")
+        self.keys, self.model, self.wait_s, self.progress = keys, model, float(wait_s), progress
+        self.started = time.monotonic()
+        self.next_report = self.started
+
+    def pause_after(self, miss: ModelNotPublished) -> float:
+        """Seconds until the next poll after `miss`; raises when waiting is over."""
+        if isinstance(miss, SeveralModelsPublished) or self.wait_s == 0:
+            raise miss
+        now = time.monotonic()
+        waited = now - self.started
+        if waited >= self.wait_s:
+            raise ModelNotPublished(
+                f"no replica published {self._what()} within the wait limit of {self.wait_s:g} s "
+                f"(wait_s, --wait-s): {miss.message}"
+            ) from None
+        if self.progress and now >= self.next_report:
+            print(f"waiting for {self._who()} ({waited:.0f} s of {self.wait_s:g} s)", file=sys.stderr, flush=True)
+            self.next_report = now + WAIT_PROGRESS_S
+        return min(WAIT_POLL_S, self.wait_s - waited)
+
+    def _what(self) -> str:
+        return f"model {self.model!r}" if self.model else f"any model info in namespace {self.keys.ns!r}"
+
+    def _who(self) -> str:
+        if self.model:
+            return f"a replica serving model {self.model!r} in namespace {self.keys.ns!r}"
+        return f"a replica to publish its model in namespace {self.keys.ns!r}"

@@ -25,7 +25,7 @@ from clients.chunking import Chunk
 from clients.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
 from clients.errors import JobFailed, Timeout
 from clients.event_reader import JobResult
-from clients.model_info import ModelInfo, fetch_model_info_async
+from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_for_model_info_async
 from clients.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
 
 __all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents",
@@ -52,23 +52,28 @@ class DocumentSummary:
 
 def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str | Path | None = None, *,
                         redis_url: str | None = None, namespace: str | None = None, progress: bool = False,
-                        **options: Any) -> list[DocumentSummary]:  # fmt: skip
+                        wait_s: float = DEFAULT_MODEL_WAIT_S, **options: Any) -> list[DocumentSummary]:  # fmt: skip
     """Summarize files, folders and Documents; `options` are SummarizeOptions fields.
 
     Writes `<name>.summary.txt` and `<name>.summary.json` per document into `out_dir`
     when given. Names are made safe (see documents.safe_name), symlinks inside input
     folders are skipped as errors and outputs never go through a symlink (see
     documents.load_documents and documents.write_outputs); a document whose outputs cannot
-    be written gets that error, the others are still summarized. Raises ModelNotPublished
-    when no model info can be found.
+    be written gets that error, the others are still summarized.
+
+    Waits up to `wait_s` seconds (0: not at all) for a replica to publish its model info,
+    so a pipeline may start before its replicas have loaded their model (a line on stderr
+    every few seconds when `progress`); then raises ModelNotPublished naming the limit.
     """
     return asyncio.run(summarize_documents_async(
-        sources, out_dir, redis_url=redis_url, namespace=namespace, progress=progress, **options))  # fmt: skip
+        sources, out_dir, redis_url=redis_url, namespace=namespace, progress=progress, wait_s=wait_s,
+        **options))  # fmt: skip
 
 
 async def summarize_documents_async(sources: Iterable[str | Path | Document], out_dir: str | Path | None = None,
                                     *, client: AsyncClient | None = None, redis_url: str | None = None,
                                     namespace: str | None = None, progress: bool = False,
+                                    wait_s: float = DEFAULT_MODEL_WAIT_S,
                                     **options: Any) -> list[DocumentSummary]:  # fmt: skip
     """summarize_documents as a coroutine, optionally on an existing AsyncClient."""
     settings = SummarizeOptions(**options)
@@ -76,7 +81,7 @@ async def summarize_documents_async(sources: Iterable[str | Path | Document], ou
     owned = client is None
     client = client or AsyncClient(redis_url, namespace)
     try:
-        info = await fetch_model_info_async(client.redis, client.keys, settings.model)
+        info = await wait_for_model_info_async(client.redis, client.keys, settings.model, wait_s, progress)
         run = _Run(client, info, settings, Path(out_dir) if out_dir else None, progress, len(documents))
         try:
             return list(await asyncio.gather(*(run.summarize(doc) for doc in documents)))

@@ -4,8 +4,12 @@ transformers on SmolLM2's tokenizer, routing of jobs that name a model, and stat
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from contextlib import contextmanager
 
 import pytest
+import redis
 
 from clients import AsyncClient, Client, ProtocolError
 from clients import cli
@@ -16,7 +20,10 @@ from clients.model_info import (
     fetch_model_info_async,
     publish_model_info,
     publish_model_info_async,
+    wait_for_model_info,
+    wait_for_model_info_async,
 )
+from clients.keys import Keys
 from clients.token_counter import TokenCounter
 
 CONVERSATIONS = [
@@ -163,3 +170,85 @@ def test_async_status_matches_sync(redis_url, redis_client, namespace):
 
     assert asyncio.run(main())["models"]["ghost"]["unserved"] is True
 
+
+
+# ---------------------------------------------------------------- waiting for a replica
+
+
+@contextmanager
+def published_later(redis_url: str, keys: Keys, info: ModelInfo, after_s: float = 1.0):
+    """Publish `info` from a thread after `after_s`, as a replica does once its model is loaded."""
+    def publish():
+        time.sleep(after_s)
+        conn = redis.Redis.from_url(redis_url)
+        publish_model_info(conn, keys, info, ttl_s=120)
+        conn.close()
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join(10)
+
+
+TINY = ModelInfo("tiny", 256, (0,))
+
+
+@pytest.mark.parametrize("model", ["tiny", None])
+def test_wait_returns_the_model_info_once_a_replica_publishes_it(redis_url, redis_client, namespace, capsys, model):
+    keys = Keys(namespace)
+    started = time.monotonic()
+    with published_later(redis_url, keys, TINY):
+        info = wait_for_model_info(redis_client, keys, model, wait_s=30)
+    waited = time.monotonic() - started
+    assert (info.name, info.max_model_len, info.eos_token_ids) == ("tiny", 256, (0,))
+    assert 0.9 <= waited < 10
+    err = capsys.readouterr().err
+    expected = "a replica serving model 'tiny'" if model else "a replica to publish its model"
+    assert f"waiting for {expected} in namespace {namespace!r} (0 s of 30 s)" in err
+    assert wait_for_model_info(redis_client, keys, model, wait_s=30).name == "tiny"  # published: no wait
+    assert capsys.readouterr().err == ""
+
+
+def test_async_wait_returns_the_model_info_once_a_replica_publishes_it(redis_url, namespace, capsys):
+    async def main():
+        async with AsyncClient(redis_url, namespace) as client:
+            with published_later(redis_url, client.keys, TINY):
+                return await wait_for_model_info_async(client.redis, client.keys, "tiny", 30)
+
+    assert asyncio.run(main()).name == "tiny"
+    assert "waiting for a replica serving model 'tiny'" in capsys.readouterr().err
+
+
+def test_wait_gives_up_after_its_limit_and_says_so(redis_url, redis_client, namespace, capsys):
+    keys = Keys(namespace)
+    started = time.monotonic()
+    with pytest.raises(ModelNotPublished, match=r"within the wait limit of 1\.2 s \(wait_s, --wait-s\)") as caught:
+        wait_for_model_info(redis_client, keys, "tiny", wait_s=1.2, progress=False)
+    assert 1.2 <= time.monotonic() - started < 5
+    assert "no replica published model 'tiny'" in caught.value.message and "no replica serves it" in caught.value.message
+    assert capsys.readouterr().err == "", "progress=False prints nothing"
+
+    async def main():
+        async with AsyncClient(redis_url, namespace) as client:
+            await wait_for_model_info_async(client.redis, client.keys, None, 0.6)
+
+    with pytest.raises(ModelNotPublished, match=r"any model info in namespace .* within the wait limit of 0\.6 s"):
+        asyncio.run(main())
+    assert "(0 s of 0.6 s)" in capsys.readouterr().err
+
+
+def test_wait_zero_looks_once_and_ambiguity_is_not_waited_on(redis_client, namespace):
+    keys = Keys(namespace)
+    started = time.monotonic()
+    with pytest.raises(ModelNotPublished, match="no model info published") as caught:
+        wait_for_model_info(redis_client, keys, None, wait_s=0)
+    assert "wait limit" not in caught.value.message  # the fetch's own error, at once
+    with pytest.raises(ValueError, match="wait_s"):
+        wait_for_model_info(redis_client, keys, None, wait_s=-1)
+    publish_model_info(redis_client, keys, TINY)
+    publish_model_info(redis_client, keys, ModelInfo("other", 128, (0,)))
+    with pytest.raises(ModelNotPublished, match="several models"):
+        wait_for_model_info(redis_client, keys, None, wait_s=30)  # waiting would not help
+    assert time.monotonic() - started < 5

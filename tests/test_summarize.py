@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -141,10 +142,37 @@ def test_documents_from_files_and_folders(tmp_path):
 
 def test_cli_reports_a_missing_model_and_bad_options(redis_url, namespace, tmp_path, capsys):
     base = ["summarize", str(LICENCE), "--out", str(tmp_path), "--redis-url", redis_url, "--namespace", namespace]
-    assert cli.main([*base, "--quiet"]) == cli.EXIT_JOB_FAILED
+    assert cli.main([*base, "--quiet", "--wait-s", "0"]) == cli.EXIT_JOB_FAILED
     assert "no model info published" in capsys.readouterr().err
-    assert cli.main([*base, "--max-in-flight", "0"]) == cli.EXIT_USAGE
+    assert cli.main([*base, "--quiet", "--wait-s", "0.6"]) == cli.EXIT_JOB_FAILED
+    err = capsys.readouterr().err
+    assert "within the wait limit of 0.6 s (wait_s, --wait-s)" in err and "waiting for" not in err  # --quiet
+    assert cli.main([*base, "--max-in-flight", "0"]) == cli.EXIT_USAGE  # checked before any wait
     assert "invalid option" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([*base, "--wait-s", "-1"])
+    assert "--wait-s: must be >= 0 seconds" in capsys.readouterr().err
+
+
+def test_pipeline_waits_for_a_replica_to_publish_its_model(redis_url, namespace, tmp_path, capsys):
+    """Started before any replica (as in compose): the run waits, then goes on with the model
+    info published ~1 s later. That info has no tokenizer, so the run stops right after."""
+    def publish_later():
+        time.sleep(1.0)
+        conn = redis.Redis.from_url(redis_url)
+        publish_model_info(conn, Keys(namespace), ModelInfo("tiny", 256, (0,)), ttl_s=120)
+        conn.close()
+
+    publisher = threading.Thread(target=publish_later, daemon=True)
+    publisher.start()
+    started = time.monotonic()
+    code = cli.main(["summarize", str(LICENCE), "--out", str(tmp_path), "--redis-url", redis_url,
+                     "--namespace", namespace, "--model", "tiny", "--wait-s", "30"])  # fmt: skip
+    publisher.join(10)
+    assert code == cli.EXIT_JOB_FAILED and 0.9 <= time.monotonic() - started < 20
+    err = capsys.readouterr().err
+    assert f"waiting for a replica serving model 'tiny' in namespace {namespace!r} (0 s of 30 s)" in err
+    assert "model 'tiny': its model info carries no tokenizer.json" in err  # got past the wait
 
 
 # ---------------------------------------------------------------- through a real replica
