@@ -44,6 +44,63 @@ def test_block_manager_allocates_and_frees_in_constant_steps():
     assert all(count == 0 for count in manager.ref_counts)
 
 
+def seq_of(seq_id, token_ids):
+    return Sequence(seq_id, list(token_ids), SamplingParams(temperature=0, max_tokens=4), 4, "interactive", 0,
+                    arrival_time=time.time())
+
+
+def computed(manager, seq):
+    """As the engine does after a prefill: blocks allocated, tokens computed, full blocks published."""
+    manager.grow(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.register_full_blocks(seq)
+
+
+def test_prefix_cache_shares_full_blocks_by_reference_and_counts_hits():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    first = seq_of("first", range(100, 110))  # 10 tokens: 2 full blocks + 2 tokens
+    assert manager.reuse_cached_prefix(first) == 0
+    computed(manager, first)
+    assert len(manager.cached) == 2 and manager.num_free_blocks == 5
+
+    second = seq_of("second", [*range(100, 108), 7, 7, 7])  # the same 2 full blocks, then its own
+    assert manager.reuse_cached_prefix(second) == 8
+    assert second.block_table == first.block_table[:2]
+    assert [manager.ref_counts[b] for b in second.block_table] == [2, 2]  # shared, not copied
+    assert manager.prefix_queries == 10 + 11 and manager.prefix_hits == 8
+
+    manager.free(first)
+    assert [manager.ref_counts[b] for b in second.block_table] == [1, 1]
+    assert manager.num_free_blocks == 6  # first's own tail block only
+    manager.free(second)
+    assert manager.num_free_blocks == 8 and all(count == 0 for count in manager.ref_counts)
+
+
+def test_freed_cached_blocks_are_hits_until_evicted_least_recently_freed_first():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    prompt = list(range(200, 209))  # 2 full blocks + 1 token
+    seq = seq_of("a", prompt)
+    computed(manager, seq)
+    manager.free(seq)
+    assert manager.num_free_blocks == 4 and len(manager.cached) == 2  # free, content kept
+
+    again = seq_of("b", prompt)
+    assert manager.reuse_cached_prefix(again) == 8  # taken back from the free list
+    manager.free(again)
+    filler = seq_of("filler", range(900, 916))  # needs all 4 blocks: evicts the cached ones
+    manager.grow(filler, filler.num_tokens)
+    assert manager.cached == {} and manager.num_free_blocks == 0
+    manager.free(filler)
+    assert manager.reuse_cached_prefix(seq_of("c", prompt)) == 0
+
+
+def test_last_token_is_never_served_from_the_cache():
+    """Its logits must be computed: a prompt of exactly two full blocks reuses only one."""
+    manager = BlockManager(num_blocks=8, block_size=4)
+    computed(manager, seq_of("a", range(300, 308)))
+    assert manager.reuse_cached_prefix(seq_of("b", range(300, 308))) == 4
+
+
 def test_token_budget_mixes_decode_and_chunked_prefill():
     scheduler = make_scheduler(max_num_batched_tokens=8)
     scheduler.add(make_seq("short", 3, max_tokens=10))
