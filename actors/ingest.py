@@ -32,7 +32,8 @@ class IngestActor(Actor):
                  publisher: Actor, config: ReplicaConfig):
         super().__init__()
         self.streams = streams
-        self.engine = engine  # used only for make_sequence (stateless tokenize + validate)
+        # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
+        self.inputs = engine.own_input_processor()
         self.leases = leases
         self.scheduler = scheduler
         self.publisher = publisher
@@ -141,9 +142,9 @@ class IngestActor(Actor):
         return None
 
     def _make_sequence(self, job: JobRequest, entry_id: str):
-        seq = self.engine.make_sequence(job.job_id, job.prompt or job.prompt_token_ids,
-                                        SamplingParams(**job.sampling_params()), job.priority_class,
-                                        job.priority, _enqueue_time(entry_id), job.chat_messages())
+        seq = self.inputs.sequence_for(job.job_id, job.prompt or job.prompt_token_ids,
+                                       SamplingParams(**job.sampling_params()), job.priority_class,
+                                       job.priority, _enqueue_time(entry_id), job.chat_messages())
         cap = self.config.max_prompt_tokens
         if cap is not None and seq.num_prompt_tokens > cap:
             raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "

@@ -43,6 +43,19 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenize(text, add_special_tokens=False)  # the template has them
 
+    def sequence_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
+                     priority_class: str = "interactive", priority: int = 0,
+                     arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
+        """Tokenize (or apply the chat template) and validate: a Sequence or InvalidRequest."""
+        params = params or SamplingParams()
+        token_ids = self.apply_chat_template(messages) if messages is not None else self.tokenize(prompt)
+        return self.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)
+
+    def with_tokenizer(self, tokenizer) -> "InputProcessor":
+        """The same limits over another tokenizer instance (one per thread: a fast tokenizer
+        used from two threads at once fails with "Already borrowed")."""
+        return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens)
+
     def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       priority_class: str = "interactive", priority: int = 0,
                       arrival_time: float | None = None) -> Sequence:

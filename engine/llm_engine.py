@@ -47,13 +47,12 @@ class LLMEngine:
     def make_sequence(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                       priority_class: str = "interactive", priority: int = 0,
                       arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
-        """Tokenize and validate without touching engine state (the ingest actor calls this)."""
-        params = params or SamplingParams()
-        if messages is not None:
-            token_ids = self.inputs.apply_chat_template(messages)
-        else:
-            token_ids = self.inputs.tokenize(prompt)
-        return self.inputs.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)
+        """Tokenize and validate without touching engine state."""
+        return self.inputs.sequence_for(request_id, prompt, params, priority_class, priority, arrival_time, messages)
+
+    def own_input_processor(self) -> InputProcessor:
+        """Inputs for another thread (the replica's ingest), with a tokenizer of its own."""
+        return self.inputs.with_tokenizer(AutoTokenizer.from_pretrained(self.spec.model_dir))
 
     def add_sequence(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
