@@ -32,7 +32,9 @@ class ReplicaConfig:
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
     max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
     read_block_ms: int = 1000  # upper bound of the idle poll interval
-    idle_poll_max_s: float = 0.02  # empty streams are polled at most this far apart
+    # empty streams are polled at most this far apart (no blocking read: it would take in an
+    # entry whatever its size): the first job after a quiet spell waits up to this long
+    idle_poll_max_s: float = field(default_factory=lambda: _env_float("CONVEYOR_IDLE_POLL_MAX_S", 0.02))
     served_model_name: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_SERVED_MODEL_NAME"))
     metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
     metrics_host: str = field(default_factory=lambda: os.environ.get("CONVEYOR_METRICS_HOST", "127.0.0.1"))
