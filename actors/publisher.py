@@ -119,9 +119,9 @@ class PublisherActor(Actor):
         seq = self.next_seq.get(delivery.job_id, 0)
         self.next_seq[delivery.job_id] = seq + 1
         logprobs = None
-        if output.logprobs is not None and output.new_token_ids:
-            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
-                        for lp in output.logprobs[-len(output.new_token_ids):]]
+        if output.new_logprobs is not None and output.new_token_ids:
+            # the step's own copy: by the time this runs, later steps may have grown `logprobs`
+            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in output.new_logprobs]
         return TokenEvent(attempt=delivery.attempt, seq=seq, text=output.new_text,
                           token_ids=output.new_token_ids, logprobs=logprobs)
 

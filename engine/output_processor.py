@@ -48,6 +48,8 @@ class OutputProcessor:
             state.detokenizer.flush()
         new_text = state.detokenizer.take_delta(final=finished)
         new_tokens = seq.output_token_ids[state.num_reported_tokens:]
+        new_logprobs = None if state.logprobs is None else \
+            state.logprobs[state.num_reported_tokens:state.num_reported_tokens + len(new_tokens)]
         state.num_reported_tokens = seq.num_output_tokens
         if finished:
             del self.states[seq]
@@ -56,7 +58,7 @@ class OutputProcessor:
             token_ids=list(seq.output_token_ids), text=state.detokenizer.text[:state.detokenizer.emitted],
             finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=state.logprobs, metrics=metrics_of(seq) if finished else None,
-            new_token_ids=new_tokens, new_text=new_text)
+            new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs)
 
 
 def metrics_of(seq: Sequence) -> RequestMetrics:

@@ -30,3 +30,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     new_token_ids: list[int] = field(default_factory=list)  # this step's delta
     new_text: str = ""  # this step's delta (stop-string prefixes are held back)
+    new_logprobs: list[TokenLogprobs] | None = None  # those of new_token_ids (a copy: `logprobs` grows)
