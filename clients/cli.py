@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -19,11 +20,14 @@ import redis
 from pydantic import ValidationError
 
 from clients.async_client import AsyncClient
+from clients.batch_cli import register_batch
 from clients.cli_dead import register_dead
 from clients.client import Client, Job
 from clients.connection import add_connection_arguments, settings_from_args
 from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
+from clients.gateway.cli import register_gateway
 from clients.keys import PRIORITY_CLASSES
+from clients.model_info import DEFAULT_MODEL_WAIT_S
 from clients.summarize import summarize_documents_async
 from clients.summary_prompts import SummarizeOptions
 
@@ -74,6 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_summarize(subparsers.add_parser("summarize", parents=[connection],
                                          help="summarize documents (map-reduce through the queue, resumable)"))
     register_dead(subparsers, connection)
+    register_gateway(subparsers, connection)
+    register_batch(subparsers, connection)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,8 +155,18 @@ def _add_summarize(parser: argparse.ArgumentParser) -> None:
         help_text = f"{info.description}; default: {info.default}" if info.description else f"default: {info.default}"
         parser.add_argument(flag, dest=field, type=kind, default=None, help=help_text.replace("%", "%%"))
     parser.add_argument("--priority-class", choices=PRIORITY_CLASSES, default=None, help="default: batch")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--wait-s", type=_wait_seconds, default=DEFAULT_MODEL_WAIT_S, metavar="SECONDS",
+                        help="how long to wait for a replica to publish its model info, e.g. while replicas "
+                             f"load their model (0: fail at once); default: {DEFAULT_MODEL_WAIT_S:g}")  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (and no waiting lines)")
     parser.set_defaults(func=run_summarize)
+
+
+def _wait_seconds(text: str) -> float:
+    value = float(text)
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
 
 
 # ---------------------------------------------------------------- submit
@@ -340,7 +356,7 @@ async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]
     """summarize_documents on a client with this command's URL, credentials and TLS."""
     async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
         return await summarize_documents_async(args.paths, args.out, client=client, progress=not args.quiet,
-                                               **options)  # fmt: skip
+                                               wait_s=args.wait_s, **options)  # fmt: skip
 
 
 def _summary_line(record: dict[str, Any]) -> str:

@@ -1,0 +1,66 @@
+"""`conveyor gateway`: the OpenAI-compatible HTTP gateway. Registering the subcommand
+imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from clients.connection import check_credentials, settings_from_args
+from clients.gateway.settings import GatewaySettings
+
+# (flag, GatewaySettings field, type, help)
+OPTIONS = [
+    ("--host", "host", str, "address to bind (env CONVEYOR_GATEWAY_HOST, default 127.0.0.1: loopback only)"),
+    ("--port", "port", int, "port (env CONVEYOR_GATEWAY_PORT, default 8000)"),
+    ("--keys-file", "keys_file", str, "JSON/YAML file of API keys: {key: {namespace, priority_class}} "
+                                      "(env CONVEYOR_GATEWAY_KEYS_FILE; also env CONVEYOR_GATEWAY_API_KEYS="
+                                      "'key=ns[:class],...'); without keys: no auth, one namespace"),
+    ("--timeout-s", "timeout_s", float, "deadline of every job, seconds (env CONVEYOR_GATEWAY_TIMEOUT_S, "
+                                        "default 600); a request may ask for less with X-Conveyor-Timeout-S"),
+    ("--max-queue-len", "max_queue_len", int, "refuse (429) when a request stream holds this many jobs "
+                                              "(env CONVEYOR_GATEWAY_MAX_QUEUE_LEN, default 0 = only the "
+                                              "replicas' bound)"),
+    ("--replica-idle-s", "replica_idle_s", float, "a model is served while a replica of it was seen this "
+                                                  "recently (env CONVEYOR_GATEWAY_REPLICA_IDLE_S, default 60)"),
+    ("--result-ttl", "result_ttl", int, "seconds jobs' results stay in Redis (env CONVEYOR_GATEWAY_RESULT_TTL, "
+                                        "default 3600)"),
+    ("--log-level", "log_level", str, "uvicorn's log level (env CONVEYOR_LOG_LEVEL, default info)"),
+]  # fmt: skip
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def register_gateway(subparsers: argparse._SubParsersAction, connection_parent: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("gateway", parents=[connection_parent],
+                                   help="OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions)")
+    for flag, name, kind, help_text in OPTIONS:
+        parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    parser.set_defaults(func=run_gateway)
+
+
+def settings_from(args: argparse.Namespace) -> GatewaySettings:
+    chosen = {name: getattr(args, name) for _, name, _, _ in OPTIONS if getattr(args, name) is not None}
+    if args.namespace:
+        chosen["namespace"] = args.namespace
+    return GatewaySettings(redis=settings_from_args(args), **chosen)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from(args)
+    except (ValueError, OSError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    problem = check_credentials(settings.redis)
+    if problem:
+        return _fail(problem, EXIT_FAILED)
+    from clients.gateway import batch_routes  # fastapi + uvicorn: only now
+    from clients.gateway.server import serve
+
+    try:
+        return serve(settings, extra_routers=(batch_routes.router,))
+    except (ValueError, OSError) as exc:  # a bad keys file, a port in use
+        return _fail(str(exc), EXIT_USAGE)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,27 @@
+"""Runs the gateway app under uvicorn (`conveyor gateway`, or a test's thread)."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import uvicorn
+from fastapi import APIRouter
+
+from clients.gateway.app import create_app
+from clients.gateway.settings import GatewaySettings
+
+GRACEFUL_SHUTDOWN_S = 10  # open streams get this long after SIGTERM; then their jobs are cancelled
+
+
+def make_server(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = (), **options: Any) -> uvicorn.Server:
+    """A uvicorn Server of the app on settings.host:settings.port (`options` go to uvicorn.Config)."""
+    config = uvicorn.Config(create_app(settings, extra_routers), host=settings.host, port=settings.port,
+                            log_level=settings.log_level, lifespan="on", server_header=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **options)  # fmt: skip
+    return uvicorn.Server(config)
+
+
+def serve(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = ()) -> int:
+    """Serve until SIGINT/SIGTERM; exit code 0, or 1 when the server could not start."""
+    server = make_server(settings, extra_routers)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,57 @@
+"""Options of one gateway. Each has a flag of `conveyor gateway` and an environment variable;
+defaults are safe on a laptop (loopback address, no key means one local namespace)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from clients.connection import RedisSettings, resolve_settings
+from clients.keys import NAMESPACE_PATTERN, NAMESPACE_RULE, default_namespace
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name) or default
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(_env(name, str(default)))
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(_env(name, str(default)))
+
+
+@dataclass
+class GatewaySettings:
+    redis: RedisSettings = field(default_factory=resolve_settings)  # URL, credentials, TLS
+    namespace: str = field(default_factory=default_namespace)  # used when no API key is configured
+    host: str = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_HOST", "127.0.0.1"))
+    port: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_PORT", 8000))
+    # API keys: a JSON/YAML file {key: {namespace, priority_class}} and/or "key=ns[:class],..."
+    keys_file: str | None = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_KEYS_FILE"))
+    api_keys: str | None = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_API_KEYS"), repr=False)
+    # every job gets deadline = now + timeout_s (a request may ask for less: X-Conveyor-Timeout-S)
+    timeout_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_TIMEOUT_S", 600.0))
+    # the gateway's own bound of each request stream (0 = none; the replicas' bound applies anyway)
+    max_queue_len: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_QUEUE_LEN", 0))
+    # a model is live while one of its replicas touched its request streams this recently
+    replica_idle_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_REPLICA_IDLE_S", 60.0))
+    # how long jobs' events and status stay in Redis (the gateway reads them at once)
+    result_ttl: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_RESULT_TTL", 3600))
+    max_body_bytes: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_BODY_BYTES", 16 << 20))
+    # how long one look at the published models and their replicas is reused
+    model_cache_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_MODEL_CACHE_S", 1.0))
+    log_level: str = field(default_factory=lambda: _env("CONVEYOR_LOG_LEVEL", "info").lower())
+
+    def __post_init__(self) -> None:
+        if not NAMESPACE_PATTERN.fullmatch(self.namespace):
+            raise ValueError(f"namespace must be {NAMESPACE_RULE}, got {self.namespace!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.model_cache_s < 0:
+            raise ValueError(f"model_cache_s must be >= 0, got {self.model_cache_s}")
+        for name in ("timeout_s", "replica_idle_s", "result_ttl", "max_body_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queue_len < 0:
+            raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")

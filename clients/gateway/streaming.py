@@ -1,0 +1,193 @@
+"""Server-sent events of one job: its token events as OpenAI chunks, one continuous stream
+even when the job is rerun on another replica, then `data: [DONE]`.
+
+A rerun (attempt + 1, after a replica crash) starts again from the first token. Every
+gateway job has a seed, so the rerun regenerates the same tokens: the Relay checks them
+against what the client already got and passes on only what goes beyond it. If they ever
+differ, the stream ends with an error event rather than with inconsistent text. An error
+after the stream started is sent as vLLM sends it: `data: {"error": {...}}`, then
+`data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from clients.errors import ConveyorError, JobFailed
+from clients.event_reader import outcome
+from clients.events import DoneEvent, Event, TokenEvent
+from clients.gateway.errors import OpenAIError, from_conveyor
+from clients.gateway.translate import (Vocabulary, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs,
+                                       finish_reason, usage_chunk)  # fmt: skip
+
+DONE_LINE = "data: [DONE]\n\n"
+log = logging.getLogger(__name__)
+
+
+class StreamDiverged(Exception):
+    """A rerun produced output that differs from what the client was already sent."""
+
+
+class BadLogprobs(Exception):
+    """A token event whose logprob entries are not those of its own tokens."""
+
+
+def checked_logprobs(event: TokenEvent) -> list[dict]:
+    """The event's logprob entries, one per token id and naming it (else BadLogprobs:
+    never pass on numbers that belong to other tokens)."""
+    entries = event.logprobs or []
+    if entries and [entry.get("token_id") for entry in entries] != event.token_ids:
+        raise BadLogprobs(f"the replica sent logprobs of tokens {[e.get('token_id') for e in entries]} "
+                          f"with tokens {event.token_ids}")
+    return entries
+
+
+def _agree(new: Any, sent: Any) -> bool:
+    common = min(len(new), len(sent))
+    return new[:common] == sent[:common]
+
+
+@dataclass
+class Relay:
+    """What the client was sent (text, token ids) and the current attempt's output."""
+
+    sent_text: str = ""
+    sent_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # one per id of the current attempt
+
+    def feed(self, event: TokenEvent) -> tuple[str, list[dict]]:
+        """The text and logprob entries of `event` the client has not seen yet."""
+        if event.reset:  # a rerun: it starts over from the first token
+            self.text, self.ids, self.logprobs = "", [], []
+        self.text += event.text
+        self.ids += event.token_ids
+        self.logprobs += checked_logprobs(event)
+        return self._advance()
+
+    def finish(self, done: DoneEvent) -> tuple[str, list[dict]]:
+        """What remains of the final attempt's whole output (`done.text`)."""
+        self.text, self.ids = done.text, list(done.token_ids)
+        if len(self.text) < len(self.sent_text) or len(self.ids) < len(self.sent_ids):
+            raise StreamDiverged("the job's final output is shorter than what was already sent")
+        return self._advance()
+
+    def _advance(self) -> tuple[str, list[dict]]:
+        if not (_agree(self.text, self.sent_text) and _agree(self.ids, self.sent_ids)):
+            raise StreamDiverged("the rerun of the job produced different output than what was already sent")
+        new_text = self.text[len(self.sent_text):]
+        new_logprobs = self.logprobs[len(self.sent_ids):len(self.ids)]
+        if len(self.text) > len(self.sent_text):
+            self.sent_text = self.text
+        if len(self.ids) > len(self.sent_ids):
+            self.sent_ids = list(self.ids)
+        return new_text, new_logprobs
+
+
+@dataclass
+class ChunkWriter:
+    """OpenAI chunks of one request: chat (`chat.completion.chunk`) or completions."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+    vocab: Vocabulary | None = None  # set when logprobs were asked for
+    text_offset: int = 0  # completions' logprobs: where the next token starts in the text
+
+    @property
+    def base(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        base = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+        return {**base, "usage": None} if self.include_usage else base
+
+    def opening(self) -> list[dict]:
+        return [chat_chunk(self.base, {"role": "assistant", "content": ""})] if self.chat else []
+
+    def delta(self, text: str, logprobs: list[dict], finish: str | None = None) -> dict | None:
+        if not text and not logprobs and finish is None:
+            return None
+        rendered = self._logprobs(logprobs)
+        if self.chat:
+            return chat_chunk(self.base, {"content": text} if text else {}, logprobs=rendered, finish=finish)
+        return completion_chunk(self.base, text, logprobs=rendered, finish=finish)
+
+    def closing(self, done: DoneEvent, text: str, logprobs: list[dict]) -> list[dict]:
+        chunks = [self.delta(text, logprobs, finish_reason(done.finish_reason))]
+        return chunks + ([usage_chunk(self.base, done.usage)] if self.include_usage else [])
+
+    def _logprobs(self, entries: list[dict]) -> Any:
+        if self.vocab is None or not entries:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.vocab)
+        rendered = completion_logprobs(entries, self.vocab, self.text_offset)
+        self.text_offset += sum(len(token) for token in rendered["tokens"])
+        return rendered
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(first: Event, events: AsyncIterator[Event], writer: ChunkWriter,
+                     finished: Callable[[], Awaitable[None]], abandon: Callable[[], Awaitable[None]]
+                     ) -> AsyncIterator[str]:  # fmt: skip
+    """The response body: chunks of `first` and then of the rest of `events`.
+
+    `finished` runs when the job reached its end; `abandon` when the stream stops before
+    that (the client went away, the deadline passed, the rerun diverged)."""
+    relay, ended = Relay(), False
+    try:
+        for chunk in writer.opening():
+            yield sse(chunk)
+        async for event in _chain(first, events):
+            if isinstance(event, TokenEvent):
+                chunk = writer.delta(*relay.feed(event))
+                if chunk is not None:
+                    yield sse(chunk)
+                continue
+            ended = True
+            for line in _terminal_lines(event, writer, relay):
+                yield line
+            break
+    except (ConveyorError, StreamDiverged, BadLogprobs, RedisError) as exc:  # Timeout: the deadline passed
+        yield sse(_stream_error(exc).body())
+        yield DONE_LINE
+    finally:
+        await (finished() if ended else abandon())
+
+
+def _terminal_lines(event: Event, writer: ChunkWriter, relay: Relay) -> list[str]:
+    try:
+        outcome("", event)  # raises JobFailed for error and cancelled events
+        chunks = writer.closing(event, *relay.finish(event))
+        return [sse(chunk) for chunk in chunks if chunk is not None] + [DONE_LINE]
+    except (JobFailed, StreamDiverged) as exc:
+        return [sse(_stream_error(exc).body()), DONE_LINE]
+
+
+def _stream_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, (StreamDiverged, BadLogprobs)):
+        return stream_fault(exc)
+    if isinstance(exc, RedisError):
+        return OpenAIError(503, "the queue (Redis) became unavailable", code="queue_unavailable")
+    return from_conveyor(exc)
+
+
+def stream_fault(exc: StreamDiverged | BadLogprobs) -> OpenAIError:
+    log.error("ending a request: %s", exc)
+    code = "stream_diverged" if isinstance(exc, StreamDiverged) else "bad_logprobs"
+    return OpenAIError(500, str(exc), code=code)
+
+
+async def _chain(first: Event, rest: AsyncIterator[Event]) -> AsyncIterator[Event]:
+    yield first
+    async for event in rest:
+        yield event
