@@ -20,10 +20,13 @@ log = logging.getLogger(__name__)
 class ModelAnnouncer(Actor):
     name = "model-announcer"
 
-    def __init__(self, streams: Streams, engine: LLMEngine, model_name: str, max_queue_len: int | None = None):
+    def __init__(self, streams: Streams, engine: LLMEngine, model_name: str, max_queue_len: int | None = None,
+                 max_tokens_cap: int | None = None):
         super().__init__()
         self.streams = streams
-        self.max_queue_len = max_queue_len
+        # what producers should know of the operator's limits (the submit script and the gateway read them)
+        self.limits = {name: value for name, value in (("max_queue_len", max_queue_len),
+                                                       ("max_tokens_cap", max_tokens_cap)) if value}
         self.info = ModelInfo.from_hf_tokenizer(
             name=model_name, max_model_len=min(engine.max_model_len, engine.inputs.max_pool_tokens),
             eos_token_ids=engine.spec.eos_token_ids, tokenizer=engine.tokenizer)
@@ -36,10 +39,10 @@ class ModelAnnouncer(Actor):
                     self.streams.redis, self.streams.keys, self.info, ttl_s=MODEL_INFO_TTL_S), "publish model info")
             except ResponseError as exc:  # e.g. a producer replaced <ns>:models by another type
                 warnings.warning("publish", "cannot publish the model info: %s", shown(str(exc), 200))
-            if self.max_queue_len:
+            if self.limits:
                 await self.streams.write(self._queue_limits, "publish limits")
             await asyncio.sleep(MODEL_INFO_REPUBLISH_S)
 
     async def _queue_limits(self, pipe) -> None:
-        pipe.hset(self.streams.keys.limits, "max_queue_len", self.max_queue_len)
+        pipe.hset(self.streams.keys.limits, mapping=self.limits)
         pipe.expire(self.streams.keys.limits, MODEL_INFO_TTL_S)

@@ -42,7 +42,8 @@ class Replica:
         self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics, faults.job_hooks())
         self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher, config)
         self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
-        self.announcer = ModelAnnouncer(self.streams, engine, self.model_name, config.max_queue_len)
+        self.announcer = ModelAnnouncer(self.streams, engine, self.model_name, config.max_queue_len,
+                                        config.max_tokens_cap)
         self.leases.reclaim_handler = self.ingest.accept
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None

@@ -327,6 +327,8 @@ def test_operator_limits_and_the_metrics_address(target):
     long_prompt = target.client.submit(prompt_token_ids=[5] * (MAX_PROMPT_TOKENS + 1), max_tokens=2)
     with pytest.raises(Exception, match="max_prompt_tokens"):
         long_prompt.result(timeout=60)
+    limits = target.raw.hgetall(target.keys.limits)  # published for the submit script and the gateway
+    assert limits == {b"max_queue_len": b"5", b"max_tokens_cap": str(MAX_TOKENS_CAP).encode()}
     for index in range(5):  # a stream nobody reads fills up to the operator's bound, set on the replica
         target.client.submit(prompt=f"queued {index}", model="unserved-bounded")
     with pytest.raises(QueueFull, match="server's queue bound"):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
 from fastapi import Request
 
 from clients.async_client import AsyncClient
@@ -214,7 +215,15 @@ class ModelDirectory:
         except Exception as exc:  # no tokenizer or chat template, a template that fails to render
             log.debug("cannot count the chat prompt for %s: %s", name, exc)
             return None
-        return max(1, model.max_model_len - used)
+        return max(1, min(model.max_model_len - used, await self._max_tokens_cap()))
+
+    async def _max_tokens_cap(self) -> int:
+        """The replicas' --max-tokens-cap, published in <ns>:limits (producer-writable: junk is no cap)."""
+        try:
+            value = int(await self.client.redis.hget(self.client.keys.limits, "max_tokens_cap") or 0)
+        except (ValueError, TypeError, redis.RedisError):
+            return 2**31 - 1
+        return value if value > 0 else 2**31 - 1
 
     async def _look(self) -> dict[str, ServedModel]:
         keys, redis = self.client.keys, self.client.redis
