@@ -1,6 +1,7 @@
 """What the benchmark scripts share: a model's vocabulary size, summary statistics,
-readable tables, JSON output, and a replica spawned in a subprocess (embedded Valkey +
-``conveyor serve``), as in production.
+readable tables, JSON output, this machine's CPU in one line, a replica spawned in a
+subprocess (embedded Valkey + ``conveyor serve``) as in production, a ``conveyor gateway``
+spawned next to it, and the CPU seconds a process tree has used.
 
 The scripts import it as a sibling module (``from harness import ...``), the way
 queue_vs_offline.py imports offline.py.
@@ -11,12 +12,17 @@ import contextlib
 import json
 import math
 import os
+import platform
 import random
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -78,6 +84,60 @@ def add_json_option(parser) -> None:
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON here")
 
 
+# ---- this machine ----------------------------------------------------------------------------
+def cpu_info() -> dict:
+    """The CPU's model name, logical CPUs (and those this process may use), the widest
+    vector ISA it reports, and the kernels torch dispatches to (imported only if already
+    loaded or installed)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    isa = next((name for name in ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon") if name in flags), None)
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch_isa = None
+    with contextlib.suppress(Exception):
+        import torch
+        torch_isa = torch.backends.cpu.get_cpu_capability()
+    return {"model": model, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
+            "isa": "avx512" if isa == "avx512f" else isa, "torch_isa": torch_isa,
+            "avx512_vnni": "avx512_vnni" in flags, "amx": "amx_tile" in flags}
+
+
+def describe_cpu(info: dict | None = None) -> str:
+    """One line, e.g. ``CPU: AMD EPYC, 2 CPUs (2 usable), ISA avx2 (torch kernels: AVX2)``."""
+    info = info or cpu_info()
+    extras = [name for name in ("avx512_vnni", "amx") if info.get(name)]
+    return (f"CPU: {info['model']}, {info['logical_cpus']} CPUs ({info['usable_cpus']} usable), "
+            f"ISA {info['isa'] or 'unknown'}{''.join(' + ' + e for e in extras)}"
+            f" (torch kernels: {info['torch_isa'] or '-'})")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` and its live descendants (Linux /proc;
+    None elsewhere or once it is gone)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    stats = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    if pid not in stats:
+        return None
+    tree, total, frontier = {pid}, 0, [pid]
+    while frontier:
+        parent = frontier.pop()
+        total += stats[parent][1]
+        children = [child for child, (ppid, _) in stats.items() if ppid == parent and child not in tree]
+        tree.update(children)
+        frontier += children
+    return total / ticks
+
+
 # ---- a replica in a subprocess ---------------------------------------------------------------
 @contextlib.contextmanager
 def embedded_valkey() -> Iterator[str]:
@@ -107,6 +167,50 @@ def spawned_replica(model: str, redis_url: str, engine_args: str | Sequence[str]
             _stop(replica)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def spawned_gateway(redis_url: str, namespace: str | None = None, log_path: str | None = None,
+                    args: Sequence[str] = (), ready_timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``conveyor gateway`` on a free loopback port against ``redis_url``, without API keys
+    (one namespace: ``namespace`` or the default); yields (its URL, the process) once
+    ``/health`` answers. SIGTERM (then SIGKILL) on exit."""
+    port = free_port()
+    conveyor = Path(sys.executable).with_name("conveyor")
+    command = [str(conveyor), "gateway", "--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning", *(["--namespace", namespace] if namespace else []), *args]
+    env = {**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    for name in ("REDIS_URL", "CONVEYOR_GATEWAY_API_KEYS", "CONVEYOR_GATEWAY_KEYS_FILE", "CONVEYOR_GATEWAY_PORT",
+                 "CONVEYOR_GATEWAY_HOST"):
+        env.pop(name, None)
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "ab") if log_path else contextlib.nullcontext() as log:
+        gateway = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, env=env)
+        try:
+            _wait_healthy(url, gateway, ready_timeout)
+            yield url, gateway
+        finally:
+            _stop(gateway, timeout=20)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the gateway exited with code {process.returncode} (see its log)")
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway at {url} was not healthy after {timeout:.0f} s")
+        time.sleep(0.1)
+
+
 def _stop(process: subprocess.Popen, timeout: float = 60.0) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -117,7 +221,7 @@ def _stop(process: subprocess.Popen, timeout: float = 60.0) -> None:
             process.wait(10)
 
 
-def check_alive(process: subprocess.Popen | None) -> None:
+def check_alive(process: subprocess.Popen | None, what: str = "replica") -> None:
     if process is not None and process.poll() is not None:
-        raise RuntimeError(f"the replica exited with code {process.returncode} (see its log)")
+        raise RuntimeError(f"the {what} exited with code {process.returncode} (see its log)")
 
