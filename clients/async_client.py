@@ -1,42 +1,21 @@
-"""Asyncio client with the same API as clients.client (methods are coroutines)."""
+"""Asyncio client with the same API as clients.client (methods are coroutines).
+
+An awaiting driver of clients.client_core, the programs the sync client drives too."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from typing import Any, AsyncIterator, Iterable
 
 import redis.asyncio as aioredis
-from tqdm import tqdm
 
-from clients.event_reader import (
-    READ_COUNT,
-    Deadline,
-    EventReader,
-    JobResult,
-    JobStatus,
-    entries_of,
-    outcome,
-    status_from_hash,
-    terminal_from_hash,
-)
-from clients.events import Event, TerminalEvent, TokenEvent
+from clients import client_core as core
 from clients.connection import RedisSettings, client_settings
-from clients.keys import PRIORITY_CLASSES, Keys, default_namespace
-from clients.queue_status import model_names, queue_status_commands, queue_status_from
-from clients.submission import (
-    CANCEL_LUA,
-    ENQUEUED,
-    SUBMIT_CHUNK,
-    SUBMIT_LUA,
-    build_job,
-    build_jobs,
-    cancel_args,
-    check_chunk,
-    check_submitted,
-    submit_args,
-)
+from clients.event_reader import JobResult, JobStatus
+from clients.events import Event, TokenEvent
 
 
-class AsyncClient:
+class AsyncClient(core.ClientState):
     """Async producer/consumer handle on one namespace; connects like clients.client.Client
     (`redis_url`, or `connection=RedisSettings(...)`); `redis_client` needs decode_responses=False."""
 
@@ -48,18 +27,11 @@ class AsyncClient:
         connection: RedisSettings | None = None,
         redis_client: aioredis.Redis | None = None,
     ) -> None:
-        self._owns_redis = redis_client is None
-        self.redis = redis_client or client_settings(redis_url, connection).async_client()
-        self.keys = Keys(namespace or default_namespace())
-        self._submit_script = self.redis.register_script(SUBMIT_LUA)
-        self._cancel_script = self.redis.register_script(CANCEL_LUA)
+        connected = redis_client or client_settings(redis_url, connection).async_client()
+        super().__init__(connected, namespace, owns_redis=redis_client is None)
 
     async def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> AsyncJob:
-        job = build_job({"prompt": prompt, **fields})
-        keys, args = submit_args(self.keys, job, max_queue_len)
-        code = await self._submit_script(keys, args)
-        check_submitted(code, job, self.keys, max_queue_len)
-        return AsyncJob(self, job.job_id, enqueued=code == ENQUEUED)
+        return await self._run(core.submit(self.keys, {"prompt": prompt, **fields}, max_queue_len, self._new_job))
 
     async def submit_many(
         self,
@@ -68,34 +40,13 @@ class AsyncClient:
         progress: bool = True,
         max_queue_len: int | None = None,
     ) -> list[AsyncJob]:
-        requests = build_jobs(items)
-        jobs: list[AsyncJob] = []
-        with tqdm(total=len(requests), disable=not progress, unit="job", desc="submit") as bar:
-            for start in range(0, len(requests), SUBMIT_CHUNK):
-                chunk = requests[start : start + SUBMIT_CHUNK]
-                await self._submit_chunk(chunk, max_queue_len, jobs)
-                bar.update(len(chunk))
-        return jobs
-
-    async def _submit_chunk(self, chunk: list, max_queue_len: int | None, jobs: list[AsyncJob]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for job in chunk:
-            await self._submit_script(*submit_args(self.keys, job, max_queue_len), client=pipe)
-        codes = await pipe.execute()
-        jobs.extend(AsyncJob(self, job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes)
-                    if code >= 0)  # fmt: skip
-        check_chunk(codes, chunk, self.keys, max_queue_len, jobs)
+        return await self._run(core.submit_many(self.keys, items, progress, max_queue_len, self._new_job))
 
     def job(self, job_id: str, entry_id: str | None = None) -> AsyncJob:
         return AsyncJob(self, job_id, entry_id=entry_id)
 
     async def queue_status(self) -> dict[str, Any]:
-        streams = [k for c in PRIORITY_CLASSES async for k in self.redis.scan_iter(
-            match=self.keys.model_requests_pattern(c), _type="STREAM")]  # fmt: skip
-        models = model_names(self.keys, await self.redis.smembers(self.keys.models), streams)
-        pipe = self.redis.pipeline(transaction=False)
-        queue_status_commands(pipe, self.keys, models)
-        return queue_status_from(self.keys, models, await pipe.execute(raise_on_error=False))
+        return await self._run(core.queue_status(self.keys))
 
     async def close(self) -> None:
         if self._owns_redis:
@@ -107,65 +58,67 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    def _new_job(self, job_id: str, enqueued: bool) -> AsyncJob:
+        return AsyncJob(self, job_id, enqueued=enqueued)
 
-class AsyncJob:
+    async def _run(self, program: core.Program) -> Any:
+        run = core.Run(program)
+        async for _ in self._drive(run):
+            raise AssertionError("a program that emits, run for its result")
+        return run.result
+
+    async def _drive(self, run: core.Run) -> AsyncIterator[Any]:
+        """Perform each I/O step of `run`, yielding what it emits."""
+        for step in run:
+            if isinstance(step, core.Emit):
+                yield step.value
+                continue
+            try:
+                run.reply(await self._perform(step))
+            except BaseException as exc:  # raised where the program made the call
+                run.fail(exc)
+
+    async def _perform(self, step: core.Step) -> Any:
+        if isinstance(step, core.Pipelined):
+            pipe = self.redis.pipeline(transaction=False)
+            for queued in step.steps:
+                await self._queue(queued, pipe)
+            return await pipe.execute(raise_on_error=step.raise_on_error)
+        if isinstance(step, core.Scan):
+            return [key async for key in self.redis.scan_iter(match=step.match, _type=step.type)]
+        if isinstance(step, core.Script):
+            return await self._script(step)(step.keys, step.args)
+        return await getattr(self.redis, step.method)(*step.args, **step.kwargs)
+
+    async def _queue(self, step: core.Call | core.Script, pipe: Any) -> None:
+        if isinstance(step, core.Script):
+            await self._script(step)(step.keys, step.args, client=pipe)  # loads the script if needed
+        else:
+            getattr(pipe, step.method)(*step.args, **step.kwargs)  # queued, nothing to await
+
+
+class AsyncJob(core.JobState):
     """Async handle on one submitted job; same semantics as clients.client.Job."""
 
-    def __init__(self, client: AsyncClient, job_id: str, enqueued: bool | None = None, entry_id: str | None = None) -> None:
-        self.client = client
-        self.job_id = job_id
-        self.enqueued = enqueued
-        self.entry_id = entry_id  # the request entry (raw XADD reply): refusals of others are skipped
-        self._terminal: TerminalEvent | None = None
-
-    def __repr__(self) -> str:
-        return f"AsyncJob({self.job_id!r})"
+    client: AsyncClient
 
     async def stream(self, from_id: str = "0-0", timeout: float | None = None) -> AsyncIterator[TokenEvent]:
-        async for event in self.events(from_id, timeout):
-            if event.is_terminal:
-                self._terminal = event
-                outcome(self.job_id, event)
-                return
-            yield event
+        async with aclosing(self.client._drive(core.Run(core.stream(self, from_id, timeout)))) as events:
+            async for event in events:
+                yield event
 
     async def events(
         self, from_id: str = "0-0", timeout: float | None = None, *, idle: bool = True
     ) -> AsyncIterator[Event]:
-        reader, deadline = EventReader(from_id, self.entry_id), Deadline(timeout)
-        out_key = self.client.keys.out(self.job_id)
-        while True:
-            reply = await self.client.redis.xread(
-                {out_key: reader.last_id}, count=READ_COUNT, block=deadline.block_ms()
-            )
-            events = reader.feed(entries_of(reply))
-            if not events:
-                deadline.raise_if_expired(self.job_id, "event")
-                continue
-            if idle:
-                deadline.restart()
-            for event in events:
+        async with aclosing(self.client._drive(core.Run(core.events(self, from_id, timeout, idle)))) as events:
+            async for event in events:
                 yield event
-            if events[-1].is_terminal:
-                return
 
     async def result(self, timeout: float | None = None) -> JobResult:
-        if self._terminal is None:
-            self._terminal = await self._stored_terminal() or await self._await_terminal(timeout)
-        return outcome(self.job_id, self._terminal)
-
-    async def _stored_terminal(self) -> TerminalEvent | None:
-        return terminal_from_hash(await self.client.redis.hgetall(self.client.keys.job(self.job_id)))
-
-    async def _await_terminal(self, timeout: float | None) -> TerminalEvent:
-        async for event in self.events(timeout=timeout, idle=False):
-            if event.is_terminal:
-                return event
-        raise AssertionError("events() ended without a terminal event")
+        return await self.client._run(core.result(self, timeout))
 
     async def cancel(self) -> bool:
-        keys, args = cancel_args(self.client.keys, self.job_id)
-        return bool(await self.client._cancel_script(keys, args))
+        return await self.client._run(core.cancel(self))
 
     async def status(self) -> JobStatus:
-        return status_from_hash(self.job_id, await self.client.redis.hgetall(self.client.keys.job(self.job_id)))
+        return await self.client._run(core.status(self))

@@ -1,42 +1,21 @@
-"""Synchronous client: submit jobs, stream their tokens, wait for results, cancel."""
+"""Synchronous client: submit jobs, stream their tokens, wait for results, cancel.
+
+A blocking driver of clients.client_core, which makes every decision (the async client
+drives the same programs)."""
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Iterator
 
 import redis
-from tqdm import tqdm
 
-from clients.event_reader import (
-    READ_COUNT,
-    Deadline,
-    EventReader,
-    JobResult,
-    JobStatus,
-    entries_of,
-    outcome,
-    status_from_hash,
-    terminal_from_hash,
-)
-from clients.events import Event, TerminalEvent, TokenEvent
+from clients import client_core as core
 from clients.connection import RedisSettings, client_settings
-from clients.keys import PRIORITY_CLASSES, Keys, default_namespace
-from clients.queue_status import model_names, queue_status_commands, queue_status_from
-from clients.submission import (
-    CANCEL_LUA,
-    ENQUEUED,
-    SUBMIT_CHUNK,
-    SUBMIT_LUA,
-    build_job,
-    build_jobs,
-    cancel_args,
-    check_chunk,
-    check_submitted,
-    submit_args,
-)
+from clients.event_reader import JobResult, JobStatus
+from clients.events import Event, TokenEvent
 
 
-class Client:
+class Client(core.ClientState):
     """Producer/consumer handle on one Conveyor namespace.
 
     Connects to `redis_url` (credentials and TLS from the environment, see
@@ -52,19 +31,12 @@ class Client:
         connection: RedisSettings | None = None,
         redis_client: redis.Redis | None = None,
     ) -> None:
-        self._owns_redis = redis_client is None
-        self.redis = redis_client or client_settings(redis_url, connection).client()
-        self.keys = Keys(namespace or default_namespace())
-        self._submit_script = self.redis.register_script(SUBMIT_LUA)
-        self._cancel_script = self.redis.register_script(CANCEL_LUA)
+        connected = redis_client or client_settings(redis_url, connection).client()
+        super().__init__(connected, namespace, owns_redis=redis_client is None)
 
     def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> Job:
         """Validate, then enqueue one job (idempotent per job_id). See JobRequest for fields."""
-        job = build_job({"prompt": prompt, **fields})
-        keys, args = submit_args(self.keys, job, max_queue_len)
-        code = self._submit_script(keys, args)
-        check_submitted(code, job, self.keys, max_queue_len)
-        return Job(self, job.job_id, enqueued=code == ENQUEUED)
+        return self._run(core.submit(self.keys, {"prompt": prompt, **fields}, max_queue_len, self._new_job))
 
     def submit_many(
         self,
@@ -74,23 +46,7 @@ class Client:
         max_queue_len: int | None = None,
     ) -> list[Job]:
         """Validate every job first, then enqueue them in pipelined chunks."""
-        requests = build_jobs(items)
-        jobs: list[Job] = []
-        with tqdm(total=len(requests), disable=not progress, unit="job", desc="submit") as bar:
-            for start in range(0, len(requests), SUBMIT_CHUNK):
-                chunk = requests[start : start + SUBMIT_CHUNK]
-                self._submit_chunk(chunk, max_queue_len, jobs)
-                bar.update(len(chunk))
-        return jobs
-
-    def _submit_chunk(self, chunk: list, max_queue_len: int | None, jobs: list[Job]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for job in chunk:
-            self._submit_script(*submit_args(self.keys, job, max_queue_len), client=pipe)
-        codes = pipe.execute()
-        jobs.extend(Job(self, job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes)
-                    if code >= 0)  # fmt: skip
-        check_chunk(codes, chunk, self.keys, max_queue_len, jobs)
+        return self._run(core.submit_many(self.keys, items, progress, max_queue_len, self._new_job))
 
     def job(self, job_id: str, entry_id: str | None = None) -> Job:
         """Handle on an existing job (e.g. to resume its stream from another process)."""
@@ -100,12 +56,7 @@ class Client:
         """Lengths, pending counts and consumers of the default and per-model request
         streams, which models are published (and which have queued jobs nobody serves),
         dead-letter length."""
-        streams = [k for c in PRIORITY_CLASSES for k in self.redis.scan_iter(
-            match=self.keys.model_requests_pattern(c), _type="STREAM")]  # fmt: skip
-        models = model_names(self.keys, self.redis.smembers(self.keys.models), streams)
-        pipe = self.redis.pipeline(transaction=False)
-        queue_status_commands(pipe, self.keys, models)
-        return queue_status_from(self.keys, models, pipe.execute(raise_on_error=False))
+        return self._run(core.queue_status(self.keys))
 
     def close(self) -> None:
         if self._owns_redis:
@@ -117,23 +68,50 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _new_job(self, job_id: str, enqueued: bool) -> Job:
+        return Job(self, job_id, enqueued=enqueued)
 
-class Job:
+    def _run(self, program: core.Program) -> Any:
+        run = core.Run(program)
+        for _ in self._drive(run):
+            raise AssertionError("a program that emits, run for its result")
+        return run.result
+
+    def _drive(self, run: core.Run) -> Iterator[Any]:
+        """Perform each I/O step of `run`, yielding what it emits."""
+        for step in run:
+            if isinstance(step, core.Emit):
+                yield step.value
+                continue
+            try:
+                run.reply(self._perform(step))
+            except BaseException as exc:  # raised where the program made the call
+                run.fail(exc)
+
+    def _perform(self, step: core.Step) -> Any:
+        if isinstance(step, core.Pipelined):
+            pipe = self.redis.pipeline(transaction=False)
+            for queued in step.steps:
+                self._call(queued, pipe)
+            return pipe.execute(raise_on_error=step.raise_on_error)
+        if isinstance(step, core.Scan):
+            return list(self.redis.scan_iter(match=step.match, _type=step.type))
+        return self._call(step, self.redis)
+
+    def _call(self, step: core.Call | core.Script, target: Any) -> Any:
+        if isinstance(step, core.Script):
+            return self._script(step)(step.keys, step.args, client=target)
+        return getattr(target, step.method)(*step.args, **step.kwargs)
+
+
+class Job(core.JobState):
     """Handle on one submitted job.
 
     `enqueued` (set by submit): True when this call enqueued it, False when a job with
     this id already existed (idempotent submit), None for handles from `client.job(id)`.
     """
 
-    def __init__(self, client: Client, job_id: str, enqueued: bool | None = None, entry_id: str | None = None) -> None:
-        self.client = client
-        self.job_id = job_id
-        self.enqueued = enqueued
-        self.entry_id = entry_id  # the request entry (raw XADD reply): refusals of others are skipped
-        self._terminal: TerminalEvent | None = None
-
-    def __repr__(self) -> str:
-        return f"Job({self.job_id!r})"
+    client: Client
 
     def stream(self, from_id: str = "0-0", timeout: float | None = None) -> Iterator[TokenEvent]:
         """Yield token events (each with `entry_id` to resume from) until the terminal event.
@@ -141,54 +119,25 @@ class Job:
         Returns normally after `done`; raises JobFailed on `error`, JobCancelled on
         `cancelled`, Timeout when no event arrives for `timeout` seconds.
         """
-        for event in self.events(from_id, timeout):
-            if event.is_terminal:
-                self._terminal = event
-                outcome(self.job_id, event)
-                return
-            yield event
+        yield from self.client._drive(core.Run(core.stream(self, from_id, timeout)))
 
     def events(self, from_id: str = "0-0", timeout: float | None = None, *, idle: bool = True) -> Iterator[Event]:
         """Every accepted event up to and including the terminal one; never raises JobFailed.
 
         `timeout` bounds the wait for each next event (idle=True) or the whole call.
         """
-        reader, deadline = EventReader(from_id, self.entry_id), Deadline(timeout)
-        out_key = self.client.keys.out(self.job_id)
-        while True:
-            reply = self.client.redis.xread({out_key: reader.last_id}, count=READ_COUNT, block=deadline.block_ms())
-            events = reader.feed(entries_of(reply))
-            if not events:
-                deadline.raise_if_expired(self.job_id, "event")
-                continue
-            if idle:
-                deadline.restart()
-            yield from events
-            if events[-1].is_terminal:
-                return
+        yield from self.client._drive(core.Run(core.events(self, from_id, timeout, idle)))
 
     def result(self, timeout: float | None = None) -> JobResult:
         """Wait at most `timeout` seconds in all for the terminal event.
 
         Raises JobFailed / JobCancelled / Timeout.
         """
-        if self._terminal is None:
-            self._terminal = self._stored_terminal() or self._await_terminal(timeout)
-        return outcome(self.job_id, self._terminal)
-
-    def _stored_terminal(self) -> TerminalEvent | None:
-        return terminal_from_hash(self.client.redis.hgetall(self.client.keys.job(self.job_id)))
-
-    def _await_terminal(self, timeout: float | None) -> TerminalEvent:
-        for event in self.events(timeout=timeout, idle=False):
-            if event.is_terminal:
-                return event
-        raise AssertionError("events() ended without a terminal event")
+        return self.client._run(core.result(self, timeout))
 
     def cancel(self) -> bool:
         """Request cancellation; False (and no write) for unknown or finished jobs."""
-        keys, args = cancel_args(self.client.keys, self.job_id)
-        return bool(self.client._cancel_script(keys, args))
+        return self.client._run(core.cancel(self))
 
     def status(self) -> JobStatus:
-        return status_from_hash(self.job_id, self.client.redis.hgetall(self.client.keys.job(self.job_id)))
+        return self.client._run(core.status(self))

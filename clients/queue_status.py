@@ -21,14 +21,13 @@ def status_streams(keys: Keys, models: list[str]) -> list[str]:
     return [*keys.all_requests, *(s for model in models for s in keys.all_model_requests(model))]
 
 
-def queue_status_commands(pipe: Any, keys: Keys, models: list[str]) -> None:
+def queue_status_commands(keys: Keys, models: list[str]) -> list[tuple]:
+    """The reads, in order, as (redis method, *args)."""
+    commands: list[tuple] = []
     for stream in status_streams(keys, models):
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)
-        pipe.xinfo_consumers(stream, GROUP)
-    for model in models:
-        pipe.hget(keys.model_info(model), "max_model_len")
-    pipe.xlen(keys.dead)
+        commands += [("xlen", stream), ("xinfo_groups", stream), ("xinfo_consumers", stream, GROUP)]
+    commands += [("hget", keys.model_info(model), "max_model_len") for model in models]
+    return [*commands, ("xlen", keys.dead)]
 
 
 def queue_status_from(keys: Keys, models: list[str], replies: list[Any]) -> dict[str, Any]:
