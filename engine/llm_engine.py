@@ -1,8 +1,9 @@
 """The incremental engine: add / abort requests, ``step()``, and their outputs.
 
-One step is schedule -> run -> update -> detokenize. The actors drive the same pieces
-(Scheduler, ModelRunner, OutputProcessor) from separate tasks; this class wires them
-synchronously for the offline API.
+One step is schedule -> run -> postprocess (append tokens, detokenize, then end the
+sequences a stop condition ended, checked in engine/finishing.py's order). The actors
+drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from separate tasks;
+this class wires them synchronously for the offline API.
 """
 import time
 
@@ -10,6 +11,7 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ModelLoadError
+from engine.finishing import StopRules
 from engine.input_processor import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec
@@ -28,8 +30,8 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.spec.max_context)
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
         self.runner = ModelRunner(config, self.spec, self.max_model_len)
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len,
-                                   self.spec.eos_token_ids)
+        self.stop_rules = StopRules(self.spec.eos_token_ids, self.max_model_len)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.stop_rules)
         self.inputs = InputProcessor(self.tokenizer, self.spec.hf_config.vocab_size, self.max_model_len,
                                      self.runner.num_blocks * config.block_size)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -78,20 +80,20 @@ class LLMEngine:
         return self.scheduler.schedule()
 
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Second half: apply sampled tokens, detokenize, stop strings; outputs of the step."""
+        """Second half: apply sampled tokens, detokenize, end the sequences that a stop
+        condition ended; outputs of the step."""
         updated = self.scheduler.update(plan, result)
         for seq in updated:
-            stop = self.outputs.feed(seq, result.logprobs.get(seq.seq_id))
-            if stop is not None:
-                self._stop_on_string(seq, stop)
+            stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id))
+            self._finish_if_stopped(seq, stop_string)
         ended, self._ended = self._ended, []
         return [self.outputs.output(seq) for seq in ended + updated]
 
-    def _stop_on_string(self, seq: Sequence, stop: str) -> None:
-        if seq.is_finished:  # it hit max_tokens on the same token: the stop string wins
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        else:
-            self.scheduler.finish(seq.seq_id, "stop", stop)
+    def _finish_if_stopped(self, seq: Sequence, stop_string: str | None) -> None:
+        """Every stop condition, checked once in StopRules' order; the one place a step ends a sequence."""
+        reason = self.stop_rules.reason(seq, stop_string)
+        if reason is not None:
+            self.scheduler.finish(seq.seq_id, *reason)
 
     def seconds_until_ready(self) -> float:
         """0 when a step has work; else how long a dynamic batch window stays open (inf: idle)."""

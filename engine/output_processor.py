@@ -1,8 +1,8 @@
-"""Per-request output state: incremental text, stop strings, logprobs, metrics."""
+"""Per-request output state: incremental text, stop strings, logprobs, timestamps."""
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestOutput, RequestTimestamps
 from engine.plan import TokenLogprobs
 from engine.sequence import Sequence
 
@@ -57,16 +57,12 @@ class OutputProcessor:
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=state.detokenizer.text[:state.detokenizer.emitted],
             finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=state.logprobs, metrics=metrics_of(seq) if finished else None,
+            logprobs=state.logprobs, timestamps=timestamps_of(seq) if finished else None,
+            num_preemptions=seq.num_preemptions,
             new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs)
 
 
-def metrics_of(seq: Sequence) -> RequestMetrics:
-    def since_arrival(t):
-        return None if t is None else t - seq.arrival_time
-    tpot = None
-    if seq.finished_time and seq.first_token_time and seq.num_output_tokens > 1:
-        tpot = (seq.finished_time - seq.first_token_time) / (seq.num_output_tokens - 1)
-    return RequestMetrics(seq.arrival_time, since_arrival(seq.first_scheduled_time),
-                          since_arrival(seq.first_token_time), since_arrival(seq.finished_time),
-                          tpot, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_preemptions)
+def timestamps_of(seq: Sequence) -> RequestTimestamps:
+    """A copy of what the core recorded; metrics are computed from it on the output side."""
+    return RequestTimestamps(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                             seq.finished_time)

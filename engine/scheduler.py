@@ -5,6 +5,9 @@ Each step hands out at most ``max_num_batched_tokens`` tokens: running sequences
 KV blocks run out, the lowest-ranked, latest-admitted running sequence is preempted and
 recomputed later. Ranks: priority class (batch work ages into interactive), then the
 integer priority (lower first), then arrival (admission, for running sequences).
+
+The scheduler never decides that a sequence is done: the engine's postprocess checks the
+stop conditions (engine/finishing.py) and calls ``finish``, the one way a sequence ends.
 """
 import itertools
 import time
@@ -12,18 +15,17 @@ import time
 from engine.batching_policy import make_policy
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.finishing import StopRules
 from engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
 from engine.sequence import PRIORITY_CLASSES, Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int,
-                 eos_token_ids: set[int]):
+    def __init__(self, config: EngineConfig, num_blocks: int, stop_rules: StopRules):
         self.config = config
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = make_policy(config)
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
+        self.stop_rules = stop_rules  # here only for the sampler's min_tokens mask
         self.watermark_blocks = max(1, num_blocks // 100)  # headroom kept when admitting
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -78,7 +80,8 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """Apply a step's sampled tokens; returns the sequences that got a token."""
+        """Apply a step's sampled tokens; returns the sequences that got a token (the caller
+        decides which of them are done)."""
         sampled = dict(zip(result.seq_ids, result.token_ids))
         now = time.time()
         updated = []
@@ -94,9 +97,6 @@ class Scheduler:
             seq.token_ids.append(token_id)
             seq.first_token_time = seq.first_token_time or now
             updated.append(seq)
-            reason = self._stop_reason(seq, token_id)
-            if reason:
-                self.finish(seq.seq_id, *reason)
         return updated
 
     # ---- helpers ---------------------------------------------------------------------
@@ -146,28 +146,11 @@ class Scheduler:
         seq.num_blocks_sent = len(seq.block_table)
         if not seq.known_to_runner:
             plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
-                                            self._min_tokens_stop_ids(seq)))
+                                            self.stop_rules.min_tokens_stop_ids(seq)))
             seq.known_to_runner = True
         seq.first_scheduled_time = seq.first_scheduled_time or now
         plan.scheduled.append(ScheduledSeq(seq.seq_id, seq.num_computed_tokens, num_new,
                                            new_block_ids))
-
-    def _min_tokens_stop_ids(self, seq: Sequence) -> tuple[int, ...]:
-        if seq.params.min_tokens == 0:
-            return ()
-        eos = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
-        return eos + tuple(seq.params.stop_token_ids)
-
-    def _stop_reason(self, seq: Sequence, token_id: int):
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                return ("stop", None)
-            if token_id in params.stop_token_ids:
-                return ("stop", token_id)
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            return ("length", None)
-        return None
 
     def _class_rank(self, seq: Sequence, now: float) -> int:
         rank = PRIORITY_CLASSES.index(seq.priority_class)

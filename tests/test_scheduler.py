@@ -5,6 +5,8 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.finishing import StopRules
+from engine.outputs import RequestOutput, RequestTimestamps
 from engine.plan import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -20,15 +22,19 @@ def make_seq(seq_id, prompt_len, max_tokens=4, priority_class="interactive", pri
 
 def make_scheduler(num_blocks=64, **options):
     config = EngineConfig(model="unused", block_size=4, **options)
-    return Scheduler(config, num_blocks, max_model_len=1024, eos_token_ids={EOS})
+    return Scheduler(config, num_blocks, StopRules({EOS}, max_model_len=1024))
 
 
 def run_step(scheduler, token=7):
-    """One step with a fake model that always samples ``token`` (the scheduler is under test)."""
+    """One step with a fake model that always samples ``token`` (the scheduler is under test),
+    then the engine's token-level finishing."""
     plan = scheduler.schedule()
     sampled = [s.seq_id for s in plan.scheduled
                if s.num_computed + s.num_new == scheduler.seqs[s.seq_id].num_tokens]
-    scheduler.update(plan, StepResult(sampled, [token] * len(sampled)))
+    for seq in scheduler.update(plan, StepResult(sampled, [token] * len(sampled))):
+        reason = scheduler.stop_rules.reason(seq)
+        if reason is not None:
+            scheduler.finish(seq.seq_id, *reason)
     return plan
 
 
@@ -164,6 +170,43 @@ def test_stop_conditions():
     assert "length" not in scheduler.seqs
 
 
+def test_update_appends_tokens_but_never_finishes():
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", 3, max_tokens=1))
+    plan = scheduler.schedule()
+    [seq] = scheduler.update(plan, StepResult(["a"], [EOS]))
+    assert seq.output_token_ids == [EOS] and not seq.is_finished and "a" in scheduler.seqs
+
+
+def seq_with_output(output, max_tokens=10, **params):
+    seq = Sequence("s", [10, 11, 12], SamplingParams(temperature=0, max_tokens=max_tokens, **params), max_tokens)
+    seq.token_ids += output
+    return seq
+
+
+@pytest.mark.parametrize("output, params, stop_string, expected", [
+    ([7], {}, None, None),
+    ([7, EOS], {}, None, ("stop", None)),
+    ([EOS], {"ignore_eos": True}, None, None),
+    ([EOS], {"min_tokens": 2}, None, None),  # before min_tokens: EOS does not end it
+    ([7, 9], {"stop_token_ids": [9]}, None, ("stop", 9)),
+    ([EOS], {"stop_token_ids": [EOS]}, None, ("stop", None)),  # EOS before stop token ids
+    ([7] * 10, {}, None, ("length", None)),
+    ([7] * 9 + [9], {"stop_token_ids": [9]}, None, ("stop", 9)),  # token-level before length
+    ([7] * 10, {}, "end", ("stop", "end")),  # the stop string wins over length
+    ([EOS], {}, "end", ("stop", "end")),  # ... and over EOS
+    ([EOS], {"min_tokens": 2}, "end", ("stop", "end")),  # min_tokens holds back token ids only
+])
+def test_stop_rules_order(output, params, stop_string, expected):
+    assert StopRules({EOS}, max_model_len=1024).reason(seq_with_output(output, **params), stop_string) == expected
+
+
+def test_stop_rules_max_model_len():
+    rules = StopRules({EOS}, max_model_len=5)
+    assert rules.reason(seq_with_output([7])) is None
+    assert rules.reason(seq_with_output([7, 7])) == ("length", None)
+
+
 def test_abort_frees_blocks_and_tells_the_runner():
     scheduler = make_scheduler()
     scheduler.add(make_seq("a", 9, max_tokens=10))
@@ -194,3 +237,12 @@ def test_kv_stats_report_usage_and_fragmentation():
     stats = scheduler.kv_stats()
     assert stats["kv_usage"] == pytest.approx(0.2)  # 2 of 10 blocks
     assert stats["kv_fragmentation"] == pytest.approx(3 / 8)  # 5 of 8 slots used
+
+
+def test_metrics_are_computed_on_the_output_side_from_the_core_timestamps():
+    times = RequestTimestamps(arrival=100.0, first_scheduled=100.5, first_token=101.0, finished=104.0)
+    output = RequestOutput("r", [1, 2], token_ids=[3, 4, 5, 6], finished=True, timestamps=times, num_preemptions=1)
+    metrics = output.metrics
+    assert (metrics.queue_time, metrics.ttft, metrics.e2e, metrics.tpot) == (0.5, 1.0, 4.0, 1.0)
+    assert (metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.num_preemptions) == (2, 4, 1)
+    assert RequestOutput("r", [1], finished=False, timestamps=times).metrics is None
