@@ -10,11 +10,12 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, PrefillSpan
 from engine.config import EngineConfig
+from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
 from engine.models.loader import ModelSpec, build_model
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import Sampler, SamplingRow
-from kernels import cpu_extension
+from kernels.backend import prepare
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -55,11 +56,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = build_model(spec, max_model_len, self.dtype, self.device)
+        self.backend = prepare(self.model, self.device, decoder_layout)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed)
-        if self.device.type == "cpu":
-            cpu_extension.load()  # build or load the fused kernel now, not inside the first step
         self.seqs: dict[str, RunnerSeq] = {}
 
     # ---- KV cache --------------------------------------------------------------------
@@ -95,7 +95,7 @@ class ModelRunner:
         if not plan.scheduled:
             return StepResult()
         batch = self._prepare(plan.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [self.seqs[seq_id] for seq_id in batch.sampling_ids]
         token_ids, logprobs = self.sampler(logits, rows)
@@ -103,6 +103,15 @@ class ModelRunner:
             row.token_ids.append(token_id)
         return StepResult(batch.sampling_ids, token_ids,
                           {batch.sampling_ids[i]: lp for i, lp in logprobs.items()})
+
+    def _forward(self, batch: InputBatch) -> torch.Tensor:
+        """Final hidden states: the backend's whole-model decoder where it serves the step,
+        else the model's layers."""
+        meta, tokens = batch.meta, batch.input_ids.shape[0]
+        if meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
+            return self.backend.decode(batch.input_ids, batch.positions, meta.slot_mapping,
+                                       meta.decode_block_tables, meta.decode_context_lens)
+        return self.model(batch.input_ids, batch.positions, meta)
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         for seq_id in plan.finished_ids:

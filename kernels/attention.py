@@ -9,7 +9,7 @@ and read only the blocks a step needs.
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension
+from kernels.cpu.extension import for_tensors
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -32,9 +32,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float) -> torch.Tensor:
     """Decode attention on the fastest path for the device (the fused CPU kernel reads the
     blocks in place; elsewhere the reference path)."""
-    if query.device.type == "cpu" and query.dtype == torch.float32 and cpu_extension.load():
-        return cpu_extension.load().paged_decode_attention(query.contiguous(), k_cache, v_cache,
-                                                           block_tables, context_lens, scale)
+    kernels = for_tensors(query)
+    if kernels is not None:
+        return kernels.paged_decode_attention(query.contiguous(), k_cache, v_cache,
+                                              block_tables, context_lens, scale)
     return paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 

@@ -8,17 +8,8 @@ the several torch ops whose dispatch dominates a decode step.
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension
+from kernels.cpu.extension import for_tensors as _compiled
 from kernels.attention import write_kv_cache
-
-
-def _compiled(*tensors: torch.Tensor):
-    """The compiled kernels when every tensor is a CPU float32 one, else None. (A plain loop:
-    this runs ~15 times per layer per decode step.)"""
-    for t in tensors:
-        if not t.is_cpu or t.dtype is not torch.float32:
-            return None
-    return cpu_extension.load()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ fi
 import logging
 logging.basicConfig(level=logging.INFO, format="[setup] %(message)s")
 from engine.models.loader import resolve_model_dir
-from kernels.cpu_extension import load
+from kernels.cpu.extension import load
 print(f"[setup] SmolLM2 ready in {resolve_model_dir('smollm2')}")
 print(f"[setup] CPU kernels: {'ready' if load() else 'unavailable (torch reference path)'}")
 PY

@@ -3,6 +3,7 @@ float32) for every supported architecture, under every scheduling regime."""
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.decoder_layout import decoder_layout
 from model_factory import ARCHS, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 NUM_PROMPTS = 12
@@ -66,9 +67,9 @@ def test_single_stream_decode_matches_transformers(tiny_model, workload):
         output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
                               use_tqdm=False)[0]
         assert output.token_ids == hf_greedy(tiny_model, prompt, 25, ignore_eos=True)
-    model = llm.engine.runner.model
-    if hasattr(model, "decoder") and not getattr(model.arch, "qk_norm", True):
-        assert model.decoder, "the compiled decoder should have served these steps"
+    runner = llm.engine.runner
+    if decoder_layout(runner.model) is not None:
+        assert runner.backend.decoder, "the compiled decoder should have served these steps"
 
 
 def test_sharded_checkpoint_loads(tmp_path):

@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.layers import CpuLinear, pack_cpu_linears, row_bucket
-from kernels import cpu_extension
+from kernels.cpu import extension
+from kernels.cpu.linear import CpuLinear, pack_linears, row_bucket
 from kernels.attention import (paged_decode_attention, paged_decode_attention_reference,
                                prefill_attention, write_kv_cache)
 from kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
@@ -57,7 +57,7 @@ def test_decode_attention_matches_dense_on_both_paths():
 
 
 def test_cpu_kernel_builds_here():
-    assert cpu_extension.load() is not None, "g++ and torch headers are on this machine: the kernel must build"
+    assert extension.load() is not None, "g++ and torch headers are on this machine: the kernel must build"
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16])
@@ -69,7 +69,7 @@ def test_few_rows_linear_matches_f_linear(rows, out_features, in_features):
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
-    kernels = cpu_extension.load()
+    kernels = extension.load()
     torch.testing.assert_close(kernels.few_rows_linear(x, weight, bias), F.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(kernels.few_rows_linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-5)
@@ -82,7 +82,7 @@ def test_cpu_linear_matches_f_linear_on_every_path(rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
     linear = CpuLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias))
-    linear.pack()
+    linear.pack(extension.load())
     x = torch.randn(rows, 40, generator=gen)
     out = linear(x)
     assert out.shape == (rows, 48) and row_bucket(rows) >= rows
@@ -91,7 +91,7 @@ def test_cpu_linear_matches_f_linear_on_every_path(rows):
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_few_rows_linear_on_interleaved_rows_matches_f_linear(rows):
-    kernels = cpu_extension.load()
+    kernels = extension.load()
     if not kernels.interleaved_supported():
         pytest.skip("the interleaved layout needs AVX-512")
     gen = torch.Generator().manual_seed(rows)
@@ -102,7 +102,7 @@ def test_few_rows_linear_on_interleaved_rows_matches_f_linear(rows):
     torch.testing.assert_close(kernels.few_rows_linear(x, interleaved, bias), F.linear(x, weight, bias),
                                atol=1e-4, rtol=1e-5)
     module = torch.nn.Sequential(CpuLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias)))
-    pack_cpu_linears(module)
+    pack_linears(module, kernels)
     assert module[0].fast_path[0].dim() == 4, "a 96 x 64 weight gets the interleaved copy"
     torch.testing.assert_close(module(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 

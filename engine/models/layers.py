@@ -4,8 +4,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
-from engine.models.cpu_memory import huge_page_copies
-from kernels import cpu_extension
 from kernels.attention import paged_decode_attention, prefill_attention, write_kv_cache
 from kernels.layer_ops import add_rms_norm, rms_norm, rotary_and_cache
 
@@ -75,94 +73,6 @@ class PagedAttention(nn.Module):
                                       meta.decode_context_lens, self.scale)
 
 
-class CpuLinear(nn.Module):
-    """``x @ W^T + b`` on CPU float32, on the fastest path for the number of rows of ``x``:
-
-    - at most ``FEW_ROWS`` (single-stream decode): the compiled kernel, which streams the
-      weight once at nearly the machine's read bandwidth, from a row-interleaved copy
-      (``interleave_rows``: each group of 16 rows one contiguous stretch) where the
-      shapes allow it (multiples of 16);
-    - more: oneDNN on a copy of the weight packed in its blocked layout (``pack()``), 1.3-2.5x
-      MKL's sgemm from 4 rows up to prefill chunks; without oneDNN, MKL on the plain weight.
-      With the interleaved copy the matmul weights are held three times. oneDNN compiles and caches a kernel
-      per input shape (~0.5 MB each), so rows are padded up to a few bucket sizes
-      (``row_bucket``): a bounded set of shapes instead of one per batch size seen.
-
-    Shares the weight it wraps (a tied head shares the embedding table)."""
-
-    FEW_ROWS = 2  # crossover measured on a 2-core AVX-512 machine (benchmarks/cpu_speed.py)
-    PACK_BATCH_HINT = 64  # rows oneDNN tunes the blocked layout for
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.kernels = cpu_extension.load()
-        # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
-        self.fast_path: tuple | None = None
-
-    def pack(self, interleaved: torch.Tensor | None = None) -> None:
-        """Make the oneDNN copy and take the few-row kernel's ``interleaved`` copy (see
-        ``pack_cpu_linears``); call once the weight has its final dtype and place."""
-        if self.weight.dtype != torch.float32:
-            return
-        packed = None
-        if torch.backends.mkldnn.is_available():
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACK_BATCH_HINT)
-            except (AttributeError, RuntimeError):  # a torch build without the op: MKL it is
-                packed = None
-        # nn.Module resolves parameters through __getattr__; a decode step reads them ~600 times
-        few_rows_weight = self.weight if interleaved is None else interleaved
-        self.fast_path = (few_rows_weight, self.bias, packed)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        weight, bias, packed = self.fast_path
-        if self.kernels is not None and x.shape[0] <= self.FEW_ROWS:
-            return self.kernels.few_rows_linear(x, weight, bias)
-        if packed is not None:
-            rows = x.shape[0]
-            padded = row_bucket(rows)
-            if padded != rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
-        return F.linear(x, weight, bias)
-
-
-def row_bucket(rows: int) -> int:
-    """Rows rounded up to a multiple of 8 (up to 64), 32 (up to 512), then 128: at most
-    ~8 + 14 + budget/128 shapes, wasting under a third of a step's rows at worst (65 -> 96)
-    and nothing on full 512-token prefill chunks."""
-    step = 8 if rows <= 64 else 32 if rows <= 512 else 128
-    return -(-rows // step) * step
-
-
-def use_cpu_linears(model: nn.Module) -> None:
-    """Swap every nn.Linear (and tied head) for a CpuLinear, in place."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, CpuLinear(child.weight, child.bias))
-        elif isinstance(child, TiedHead):
-            setattr(model, name, CpuLinear(child.embedding[0].weight, None))
-        else:
-            use_cpu_linears(child)
-
-
-def pack_cpu_linears(model: nn.Module) -> None:
-    """Every CpuLinear's oneDNN copy, and its row-interleaved copy for the few-row kernel
-    (all in one huge-page arena) where the kernels support it and the shape allows."""
-    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
-    kernels = cpu_extension.load()
-    can_interleave = kernels is not None and kernels.interleaved_supported()
-    interleavable = [m for m in linears if can_interleave and m.weight.dtype == torch.float32
-                     and m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 16 == 0]
-    copies = huge_page_copies([kernels.interleave_rows(m.weight.detach()) for m in interleavable])
-    interleaved = {id(m): copy for m, copy in zip(interleavable, copies)}
-    for module in linears:
-        module.pack(interleaved.get(id(module)))
-
-
 class TiedHead(nn.Module):
     """Output projection that reuses the input embedding matrix."""
 
@@ -170,5 +80,9 @@ class TiedHead(nn.Module):
         super().__init__()
         self.embedding = [embedding]  # a list: not registered twice as a submodule
 
+    @property
+    def tied_weight(self) -> torch.Tensor:
+        return self.embedding[0].weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.embedding[0].weight)
+        return F.linear(x, self.tied_weight)

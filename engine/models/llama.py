@@ -7,9 +7,8 @@ from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.errors import ModelLoadError
-from engine.models.layers import CpuLinear, PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
+from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
 from engine.models.weights import WeightLoader
-from kernels import cpu_extension
 from kernels.layer_ops import silu_and_mul
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -161,52 +160,13 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary_for(config, architecture, max_model_len)
         self.lm_head = TiedHead(self.model.embed_tokens) if self.arch.tie_word_embeddings else \
             nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
-        self.decoder = None  # the compiled whole-model decoder; False once found unavailable
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x, residual = self.model.embed_tokens(input_ids), None
         cos_sin = self.rotary(positions)
-        decoder = self._decoder_for(x, meta)
-        if decoder:
-            cos, sin = (t.reshape(x.shape[0], -1) for t in cos_sin)
-            return decoder.forward(x, cos, sin, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos_sin, meta)
         return self.model.norm(x, residual)[0]
-
-    def _decoder_for(self, x: torch.Tensor, meta: AttentionMetadata):
-        """The compiled decoder (kernels/csrc/decode_cpu.cpp) for a CPU float32 step that only
-        decodes, at most ``CpuLinear.FEW_ROWS`` tokens: the same kernels as the layers below
-        without ~270 Python calls per step. None for any other step."""
-        if (self.decoder is False or meta.num_decode_tokens != x.shape[0] or not 0 < x.shape[0] <= CpuLinear.FEW_ROWS
-                or not x.is_cpu or x.dtype is not torch.float32):
-            return None
-        if self.decoder is None:
-            self.decoder = self._build_decoder()
-        return self.decoder or None
-
-    def _build_decoder(self):
-        """The decoder; False where it cannot serve this model; None before the KV cache is bound."""
-        if self.model.layers[0].self_attn.attn.k_cache.numel() == 0:
-            return None
-        kernels = cpu_extension.load()
-        layers = self.model.layers
-        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if kernels is None or self.arch.qk_norm or not all(isinstance(m, CpuLinear) and m.fast_path for m in linears):
-            return False
-        none = torch.empty(0)
-        per_layer = []
-        for index, layer in enumerate(layers):
-            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for linear in linears[4 * index:4 * index + 4]:  # qkv, o, gate_up, down
-                weight, bias, _ = linear.fast_path
-                tensors += [weight, none if bias is None else bias]
-            attention = layer.self_attn.attn
-            per_layer.append([t.detach() for t in tensors] + [attention.k_cache, attention.v_cache])
-        a = self.arch
-        return kernels.LlamaDecoder(per_layer, self.model.norm.weight.detach(), a.rms_norm_eps, a.num_heads,
-                                    a.num_kv_heads, a.head_dim, layers[0].self_attn.attn.scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -10,8 +10,6 @@ from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
 from engine.models.gguf_import import converted_dir, smollm2_gguf
 from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.cpu_memory import move_weights_to_huge_pages
-from engine.models.layers import pack_cpu_linears, use_cpu_linears
 from engine.models.llama import LlamaForCausalLM, max_context
 from engine.models.weights import iter_checkpoint
 
@@ -66,17 +64,12 @@ def load_spec(model: str) -> ModelSpec:
 
 def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
                 device: torch.device) -> torch.nn.Module:
+    """The plain model on ``device``; its backend (kernels.backend.prepare) readies it further."""
     cls, architecture = ARCHITECTURES[spec.model_type]
     with torch.device("cpu"):
         model = cls(spec.hf_config, architecture, max_model_len)
     model.load_weights(iter_checkpoint(spec.model_dir))
-    if device.type == "cpu":
-        use_cpu_linears(model)
-    model = model.to(device=device, dtype=dtype).eval()
-    if device.type == "cpu":
-        move_weights_to_huge_pages(model)
-        pack_cpu_linears(model)
-    return model
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def _eos_ids(model_dir: Path, hf_config) -> set[int]:

@@ -15,8 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
-CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent.parent / "csrc"
 SOURCES = [CSRC / "bindings.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp",
            CSRC / "layer_ops_cpu.cpp", CSRC / "decode_cpu.cpp"]
 # -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they
@@ -39,6 +41,16 @@ def load():
         return None
 
 
+def for_tensors(*tensors):
+    """The extension when every tensor is a CPU float32 one, else None: how the per-op
+    dispatchers (kernels/attention.py, kernels/layer_ops.py) pick the compiled path. (A plain
+    loop: this runs ~15 times per layer per decode step.)"""
+    for t in tensors:
+        if not t.is_cpu or t.dtype is not torch.float32:
+            return None
+    return load()
+
+
 def _build_location() -> tuple[str, Path]:
     from torch.utils.cpp_extension import _get_build_directory
     code = b"".join(path.read_bytes() for path in [*SOURCES, CSRC / "cpu_kernels.h"])
@@ -56,8 +68,7 @@ def _build(name: str, build_dir: Path):
                           extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
 
 
-def _import(name: str, path: Path):
-    import torch  # noqa: F401  (the library links against torch's)
+def _import(name: str, path: Path):  # torch is imported above: the library links against it
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
     module = importlib.util.module_from_spec(spec)
