@@ -1,8 +1,9 @@
 """Limits of the wire protocol: every size and range a job or payload may reach.
 
-The one source of these numbers: the protocol (clients/protocol.py) and the engine's own
-SamplingParams validation both read them, so a job the protocol accepts is one the engine
-runs. Plain constants only: importing this module imports nothing else."""
+The protocol (clients/protocol.py) validates jobs with them. The sampling ranges and stop
+budgets equal the engine's own (engine/sampling_limits.py, which the engine's
+SamplingParams reads; clients may not import the engine, nor the engine clients), and a
+test keeps them equal, so a job the protocol accepts is one the engine runs."""
 
 SCHEMA_VERSION = 1
 JOB_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"

@@ -2,7 +2,7 @@
 import math
 from dataclasses import dataclass, field
 
-from clients import limits  # plain constants: the one source of every range (the wire's too)
+from engine import sampling_limits as limits
 from engine.errors import InvalidRequest
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS

@@ -353,6 +353,13 @@ def test_stop_strings_are_capped_and_matched_incrementally(target, offline):
     target.assert_healthy("many long stop strings")
 
 
+def test_the_wire_states_the_engines_ranges():
+    from clients import limits as wire
+    from engine import sampling_limits as engine_limits
+    for name in engine_limits.SHARED_WITH_THE_WIRE:
+        assert getattr(wire, name) == getattr(engine_limits, name), name
+
+
 @pytest.mark.parametrize("field,value", [
     ("temperature", 1e308), ("temperature", 100.0), ("temperature", 100.5), ("seed", -1), ("seed", 2**63 - 1),
     ("seed", 2**63), ("seed", 2**64 - 1), ("repetition_penalty", 1e-300), ("repetition_penalty", 0.01),
