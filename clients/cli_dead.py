@@ -24,10 +24,10 @@ def register_dead(subparsers: argparse._SubParsersAction, connection: argparse.A
 def run_dead_list(args: argparse.Namespace) -> int:
     """Streams page by page: a long dead-letter stream is never held in memory at once."""
     start = "-" if args.after == "-" else "(" + args.after
-    shown = 0
+    shown, last_id = 0, None
     with Client(namespace=args.namespace, connection=settings_from_args(args)) as client:
         for letter in iter_dead(client.redis, client.keys, start=start):
-            if args.count and shown >= args.count:
+            if args.count and shown == args.count:
                 print(f"... more: --after {last_id}")
                 break
             print(_line(letter))

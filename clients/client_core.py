@@ -18,8 +18,6 @@ from clients.event_reader import (
     READ_COUNT,
     Deadline,
     EventReader,
-    JobResult,
-    JobStatus,
     entries_of,
     outcome,
     status_from_hash,

@@ -1,7 +1,6 @@
 """``prepare(model)`` for CPU and the backend it returns."""
 from typing import Callable
 
-import torch
 from torch import nn
 
 from kernels.backend import Backend, DecoderLayout
