@@ -171,6 +171,26 @@ def test_batch_output_equals_the_offline_engine(gateway, reference, redis_url, n
     assert listed[:2] == [second.id, batch.id]
 
 
+def test_junk_in_the_batch_records_costs_only_itself(gateway, reference, redis_url, ns):
+    """Producers of the namespace can write the runners' keys: junk ids in the active set
+    (non-ASCII bytes, newlines, thousands of them), a batch hash that is a string and one full
+    of junk leave the runner serving real batches."""
+    store = raw(redis_url)
+    active = f"{ns}:batches:active"
+    store.sadd(active, b"\xff\xfe", b"batch_x\n", "batch with spaces", *[f"junk:{i}" for i in range(3000)])
+    store.set(f"{ns}:batch:batch_string", "not a hash")
+    store.hset(f"{ns}:batch:batch_junk", mapping={"status": "in_progress", "input_file_id": "\x00", "created_at": "x"})
+    store.sadd(active, "batch_string", "batch_junk")
+    client = openai_client(gateway)
+    lines = [chat_line(i) for i in range(2)]
+    batch = wait_batch(client, submit_batch(client, lines).id)
+    assert batch.status == "completed", batch
+    texts = {cid: output_text(line) for cid, line in lines_of(client, batch.output_file_id).items()}
+    assert texts == {line["custom_id"]: reference(line["body"]) for line in lines}
+    assert not {b"\xff\xfe", b"batch_x\n", b"junk:7"} & store.smembers(active), "junk ids were not forgotten"
+    assert client.models.list().data, "the gateway stopped serving"
+
+
 def test_files_and_batch_requests_are_checked(gateway):
     client = openai_client(gateway)
     uploaded = client.files.create(file=("in.jsonl", jsonl([chat_line(0)])), purpose="batch")

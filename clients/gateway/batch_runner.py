@@ -44,6 +44,7 @@ log = logging.getLogger("conveyor.batch")
 
 JOB_TERMINAL = ("done", "error", "cancelled")
 MAX_CUSTOM_ID_CHARS = 512
+FAILED_RETRY_S = 60.0  # a batch whose run raised is left alone this long
 STREAM_FIELDS = ("stream", "stream_options")  # a batch answers whole bodies
 
 
@@ -504,6 +505,7 @@ class BatchRunners:
         self._running: dict[tuple[str, str], asyncio.Task] = {}
         self._wake = asyncio.Event()
         self._closing = False
+        self._failed_at: dict[tuple[str, str], float] = {}  # batches whose run raised: left alone a while
 
     def watch(self, client: AsyncClient) -> None:
         if client.keys.ns not in self._stores:
@@ -533,11 +535,15 @@ class BatchRunners:
         self._wake.clear()
 
     async def scan(self) -> None:
+        now = time.monotonic()
+        self._failed_at = {key: t for key, t in self._failed_at.items() if now - t < FAILED_RETRY_S}
         for ns, (store, client) in list(self._stores.items()):
             for batch_id in await store.active_batch_ids():
                 if self._closing or len(self._running) >= self.settings.max_batches:
                     return
-                if (ns, batch_id) not in self._running:
+                # a run that raised (e.g. a record a producer corrupted) is retried after
+                # FAILED_RETRY_S, not at every scan: one traceback a minute, not one a second
+                if (ns, batch_id) not in self._running and (ns, batch_id) not in self._failed_at:
                     await self._try_start(store, client, batch_id)
 
     async def _try_start(self, store: BatchStore, client: AsyncClient, batch_id: str) -> None:
@@ -557,7 +563,8 @@ class BatchRunners:
         except LeaseLost:
             pass
         except Exception:
-            log.exception("batch %s: runner failed; it is retried at a later scan", lease.batch_id)
+            log.exception("batch %s: runner failed; retried in %.0f s", lease.batch_id, FAILED_RETRY_S)
+            self._failed_at[(store.keys.ns, lease.batch_id)] = time.monotonic()
         finally:
             self._running.pop((store.keys.ns, lease.batch_id), None)
             await _quietly(lease.release())

@@ -38,7 +38,8 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 ANY_ENDPOINT = "*"  # `conveyor batch`: each line names its own (as `vllm run-batch` allows)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 MAX_ERRORS = 100  # validation errors kept on a failed batch
-ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,96}$")
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,96}")
+MAX_ACTIVE_SCANNED = 1000  # active batch ids a runner looks at per scan
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -146,7 +147,7 @@ def derived_file_id(batch_id: str, kind: str) -> str:
 
 def valid_id(value: str) -> bool:
     """Ids go into key names: only ids of our own alphabet are looked up."""
-    return bool(ID_PATTERN.match(value))
+    return bool(ID_PATTERN.fullmatch(value))
 
 
 def check_jsonl(content: bytes) -> int:
@@ -272,7 +273,14 @@ class BatchStore:
         return await self.transition(batch_id, CANCELLABLE, "cancelling", cancelling_at=int(time.time()))
 
     async def active_batch_ids(self) -> list[str]:
-        return sorted(i.decode() for i in await self.redis.smembers(self.keys.active))
+        """A bounded sample of the active set (producers of the namespace can write it): ids
+        that are not ours (junk bytes, other alphabets) are skipped, never decoded into keys."""
+        members = await self.redis.srandmember(self.keys.active, MAX_ACTIVE_SCANNED)
+        ours = {m: m.decode("ascii", "replace") for m in members}
+        junk = [m for m, text in ours.items() if not valid_id(text)]
+        if junk:  # no batch can ever have such an id: forget it, so it cannot crowd out real ones
+            await self.redis.srem(self.keys.active, *junk)
+        return sorted(text for text in ours.values() if valid_id(text))
 
     async def forget_active(self, batch_id: str) -> None:
         """A batch whose hash is gone (expired) is no runner's business any more."""
