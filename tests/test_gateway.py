@@ -162,6 +162,24 @@ def test_logprobs_that_name_other_tokens_are_refused():
 # ---------------------------------------------------------------- models, health, auth
 
 
+def test_junk_model_records_cost_only_themselves(stack):
+    """Producers can write the models set and model-info hashes the gateway reads: non-UTF-8
+    and overlong names, unreadable fields. The real model still lists and serves."""
+    junk_names = [b"\xff\xfe", b"m" * 300, b"junk-model", b"bad-bytes"]
+    stack.raw.sadd(stack.keys.models, *junk_names)
+    stack.raw.hset(stack.keys.model_info("junk-model"), mapping={"max_model_len": "x" * 5000, "published_at": "nan"})
+    stack.raw.hset(stack.keys.model_info("bad-bytes"), mapping={"max_model_len": "64", "tokenizer_sha256": b"\xff"})
+    try:
+        time.sleep(1.5)  # past the gateway's model cache
+        sdk = stack.sdk()
+        assert MODEL in [model.id for model in sdk.models.list().data]
+        assert sdk.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        stack.raw.srem(stack.keys.models, *junk_names)
+        stack.raw.delete(stack.keys.model_info("junk-model"), stack.keys.model_info("bad-bytes"))
+        time.sleep(1.5)
+
+
 def test_models_health_and_metrics(stack):
     sdk = stack.sdk()
     [model] = sdk.models.list().data

@@ -249,7 +249,7 @@ def _served(keys: Keys, name: str, info: Any, consumers: dict[str, Any]) -> Serv
         max_model_len, published_at = int(info[0]), float(info[1] or 0)
     except ValueError:
         return None  # unreadable model info: as good as none
-    sha = info[2].decode() if isinstance(info[2], bytes) else None
+    sha = info[2].decode("ascii", "replace") if isinstance(info[2], bytes) else None  # junk bytes: no crash
     return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers))
 
 
