@@ -187,7 +187,9 @@ def test_junk_in_the_batch_records_costs_only_itself(gateway, reference, redis_u
     assert batch.status == "completed", batch
     texts = {cid: output_text(line) for cid, line in lines_of(client, batch.output_file_id).items()}
     assert texts == {line["custom_id"]: reference(line["body"]) for line in lines}
-    assert not {b"\xff\xfe", b"batch_x\n", b"junk:7"} & store.smembers(active), "junk ids were not forgotten"
+    # each scan samples the set and forgets the junk it sees: gone within a few scans
+    wait_until(lambda: not any(m.startswith(b"junk:") or m in (b"\xff\xfe", b"batch_x\n")
+                               for m in store.smembers(active)), 30, "the runner to forget junk ids")
     assert client.models.list().data, "the gateway stopped serving"
 
 
