@@ -1,9 +1,13 @@
 """SchedulerActor: owns the engine's scheduler state. Between steps it applies new jobs
-and aborts; each iteration sends the step plan to the GPU actor, waits for the sampled
-tokens, and hands the step's outputs to the publisher."""
+and aborts; each iteration sends a step plan to the GPU actor and, once a step's sampled
+tokens are back, hands that step's outputs to the publisher.
+
+With overlapped steps (``LLMEngine.overlaps_steps``) two steps are in flight: step N+1 is
+planned and queued while N runs, and N's tokens are applied (detokenized, stop checks,
+published) while N+1 runs; the runner feeds N's tokens into N+1 itself."""
 import asyncio
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from actors.base import Actor, drain
 from actors.gpu import GPUActor
@@ -31,6 +35,8 @@ class SchedulerActor(Actor):
         self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
         self.early_cancels: OrderedDict[str, float] = OrderedDict()  # job id -> when its cancel came, oldest first
         self.steps = 0
+        self.in_flight: deque = deque()  # (plan, future of its result), oldest first
+        self.max_in_flight = 2 if engine.overlaps_steps else 1
 
     @property
     def num_jobs(self) -> int:
@@ -42,15 +48,17 @@ class SchedulerActor(Actor):
                 self._apply(message)
             self._expire_deadlines()
             wait = self.engine.seconds_until_ready() if self.engine.has_unfinished_requests() else IDLE_POLL_S
-            if wait > 0:
+            if wait <= 0:
+                plan = self.engine.schedule()
+                self.in_flight.append((plan, self.gpu.submit(plan)))
+            if len(self.in_flight) >= self.max_in_flight or (self.in_flight and wait > 0):
+                await self._complete_oldest_step()
+            elif wait > 0:
                 await self._wait_for_mail(min(wait, IDLE_POLL_S))
-                continue
-            await self._step()
 
-    async def _step(self) -> None:
-        plan = self.engine.schedule()
-        result = await self.gpu.execute(plan)
-        outputs = self.engine.postprocess(plan, result)
+    async def _complete_oldest_step(self) -> None:
+        plan, future = self.in_flight.popleft()
+        outputs = self.engine.postprocess(plan, await future)
         self.steps += 1
         self.metrics.record_step(self.engine.stats(), outputs)
         items = []

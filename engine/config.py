@@ -23,6 +23,7 @@ class EngineConfig:
     batch_window_ms: float = 50.0  # dynamic batching: wait at most this for a full batch
     batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
     enable_prefix_caching: bool = True
+    async_scheduling: bool | None = None  # overlap steps in the replica; None: on for CUDA only (docs/architecture.md)
     seed: int = 0
 
     def __post_init__(self):
@@ -32,6 +33,8 @@ class EngineConfig:
                 setattr(self, f.name, _parse_env(env, f.default))
         assert self.batching in BATCHING_POLICIES, f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}"
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
+        if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
+            self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
         if self.max_batch_size is None:
             self.max_batch_size = self.max_num_seqs
 

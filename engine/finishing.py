@@ -30,6 +30,14 @@ class StopRules:
             return ("stop", stop_string)
         return self._token_reason(seq) or self._length_reason(seq)
 
+    def ends_after_pending(self, seq: Sequence) -> bool:
+        """Whether the token a step in flight samples for ``seq`` certainly ends it (rule 3):
+        then the next step, planned before that token is known, leaves it out."""
+        if not seq.num_pending_samples:
+            return False
+        num_tokens = seq.num_tokens + seq.num_pending_samples
+        return num_tokens - seq.num_prompt_tokens >= seq.max_tokens or num_tokens >= self.max_model_len
+
     def min_tokens_stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         """Token ids the sampler must not pick while ``min_tokens`` is not yet reached."""
         if seq.params.min_tokens == 0:

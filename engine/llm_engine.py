@@ -6,6 +6,8 @@ drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from separate ta
 this class wires them synchronously for the offline API.
 """
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
@@ -36,6 +38,8 @@ class LLMEngine:
                                      self.runner.num_blocks * config.block_size)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
+        self._in_flight: deque[tuple[StepPlan, Future]] = deque()  # overlapped steps, oldest first
+        self._model_thread: ThreadPoolExecutor | None = None
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None,
@@ -70,10 +74,20 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. Overlapped: the model runs step N+1 on its own thread while
+        this applies step N's tokens (the first call returns no outputs)."""
         plan = self.schedule()
         if not plan.scheduled:
             self._idle()
-        return self.postprocess(plan, self.runner.execute(plan))
+        if not self.overlaps_steps:
+            return self.postprocess(plan, self.runner.execute(plan))
+        if self._model_thread is None:
+            self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="conveyor-model")
+        self._in_flight.append((plan, self._model_thread.submit(self.runner.execute, plan)))
+        if len(self._in_flight) < 2:
+            return []
+        plan, future = self._in_flight.popleft()
+        return self.postprocess(plan, future.result())
 
     def schedule(self) -> StepPlan:
         """First half of a step (the actors run the model in between, elsewhere)."""
@@ -94,6 +108,15 @@ class LLMEngine:
         reason = self.stop_rules.reason(seq, stop_string)
         if reason is not None:
             self.scheduler.finish(seq.seq_id, *reason)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether a driver with the model on another thread (the replica) plans step N+1
+        while N runs. Auto: on CUDA only; on CPU the model's threads and the planning share
+        the same cores (measured in docs/architecture.md)."""
+        if self.config.async_scheduling is not None:
+            return self.config.async_scheduling
+        return self.runner.device.type == "cuda"
 
     def seconds_until_ready(self) -> float:
         """0 when a step has work; else how long a dynamic batch window stays open (inf: idle)."""

@@ -26,6 +26,7 @@ class ScheduledSeq:
 
 @dataclass
 class StepPlan:
+    step_id: int = 0  # the scheduler's count: matches a result to the sequences it scheduled
     new_seqs: list[NewSeqData] = field(default_factory=list)
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # block tables were released

@@ -3,7 +3,13 @@
 Each step hands out at most ``max_num_batched_tokens`` tokens: running sequences first
 (highest rank first), then waiting ones, so prefill chunks and decodes share a step. When
 KV blocks run out, the lowest-ranked, latest-admitted running sequence is preempted and
-recomputed later. Ranks: priority class (batch work ages into interactive), then the
+recomputed later.
+
+Steps may overlap (``EngineConfig.async_scheduling``): the next step is planned while one
+is still in flight, counting the token each of its sequences will sample (its
+``num_pending_samples``) without knowing it; the runner feeds those tokens in itself. A
+sequence that step in flight will certainly end is not scheduled again, and a sequence in
+flight is never preempted: where room runs out the plan is simply smaller. Ranks: priority class (batch work ages into interactive), then the
 integer priority (lower first), then arrival (admission, for running sequences).
 
 The scheduler never decides that a sequence is done: the engine's postprocess checks the
@@ -34,6 +40,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # steps that computed only part of a prompt
         self._admit_counter = itertools.count()
+        self._step_ids = itertools.count(1)
+        self.in_flight: dict[int, list[Sequence]] = {}  # step id -> the sequences it scheduled
 
     # ---- requests in and out -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -62,19 +70,23 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         now = time.time()
-        plan = StepPlan()
+        plan = StepPlan(next(self._step_ids))
+        self.in_flight[plan.step_id] = []
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self._running_rank(s, now))
-        index = 0
-        while index < len(self.running) and budget > 0:
+        out_of_room, index = False, 0
+        while index < len(self.running) and budget > 0:  # _make_room may shorten the list
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new, plan):
-                break  # seq itself was the last one and got preempted
+            index += 1
+            num_new = min(seq.num_unscheduled_tokens, budget)
+            if num_new == 0 or self.stop_rules.ends_after_pending(seq):
+                continue  # a step in flight computes its last token
+            if not self._make_room(seq, seq.num_scheduled_tokens + num_new, plan):
+                out_of_room = True
+                break  # seq itself was the last one and got preempted, or a victim is in flight
             self._schedule(seq, num_new, plan, now)
             budget -= num_new
-            index += 1
-        if not plan.preempted_ids:
+        if not (out_of_room or plan.preempted_ids):
             self._admit_waiting(budget, plan, now)
         plan.finished_ids, self.finished_ids = self.finished_ids, []
         return plan
@@ -85,15 +97,16 @@ class Scheduler:
         sampled = dict(zip(result.seq_ids, result.token_ids))
         now = time.time()
         updated = []
-        for item in plan.scheduled:
-            seq = self.seqs.get(item.seq_id)
-            if seq is None:
-                continue  # finished (aborted) while the step ran
+        for item, seq in zip(plan.scheduled, self.in_flight.pop(plan.step_id)):
+            if seq.is_finished:
+                continue  # ended (aborted, or by a step before this one) while the step ran
+            seq.num_inflight_tokens -= item.num_new
             seq.num_computed_tokens += item.num_new
             self.block_manager.register_full_blocks(seq)
             token_id = sampled.get(item.seq_id)
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            seq.num_pending_samples -= 1
             seq.token_ids.append(token_id)
             seq.first_token_time = seq.first_token_time or now
             updated.append(seq)
@@ -102,7 +115,10 @@ class Scheduler:
     # ---- helpers ---------------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         while not self.block_manager.can_grow(seq, num_tokens):
-            victim = self.running.pop()  # sorted: the last one ranks lowest
+            victim = self.running[-1]  # sorted: the last one ranks lowest
+            if victim.num_inflight_tokens:
+                return False  # its step in flight still counts on its blocks: plan without it
+            self.running.pop()
             self._preempt(victim)
             plan.preempted_ids.append(victim.seq_id)
             if victim is seq:
@@ -110,6 +126,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        assert not seq.num_inflight_tokens, seq.seq_id
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_blocks_sent = 0
@@ -124,7 +141,7 @@ class Scheduler:
                 return
             if not seq.block_table:
                 seq.num_computed_tokens = self.block_manager.reuse_cached_prefix(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_unscheduled_tokens, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new, reserve):
                 self.block_manager.free(seq)  # hand the cached prefix back; retried next step
@@ -139,9 +156,10 @@ class Scheduler:
 
     def _schedule(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> None:
         assert num_new > 0
-        if num_new < seq.num_uncomputed_tokens:
+        if num_new < seq.num_unscheduled_tokens:
             self.num_chunked_prefills += 1
-        self.block_manager.grow(seq, seq.num_computed_tokens + num_new)
+        start = seq.num_scheduled_tokens
+        self.block_manager.grow(seq, start + num_new)
         new_block_ids = seq.block_table[seq.num_blocks_sent:]
         seq.num_blocks_sent = len(seq.block_table)
         if not seq.known_to_runner:
@@ -149,8 +167,11 @@ class Scheduler:
                                             self.stop_rules.min_tokens_stop_ids(seq)))
             seq.known_to_runner = True
         seq.first_scheduled_time = seq.first_scheduled_time or now
-        plan.scheduled.append(ScheduledSeq(seq.seq_id, seq.num_computed_tokens, num_new,
-                                           new_block_ids))
+        plan.scheduled.append(ScheduledSeq(seq.seq_id, start, num_new, new_block_ids))
+        self.in_flight[plan.step_id].append(seq)
+        seq.num_inflight_tokens += num_new
+        if start + num_new == seq.num_tokens + seq.num_pending_samples:
+            seq.num_pending_samples += 1  # this step samples its next token
 
     def _class_rank(self, seq: Sequence, now: float) -> int:
         rank = PRIORITY_CLASSES.index(seq.priority_class)

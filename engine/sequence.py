@@ -28,6 +28,8 @@ class Sequence:
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_inflight_tokens: int = 0  # tokens a step still in flight computes (overlapped steps)
+    num_pending_samples: int = 0  # tokens a step still in flight samples for it (0 or 1)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (memo)
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
@@ -62,8 +64,14 @@ class Sequence:
         return self.token_ids[:self.num_prompt_tokens]
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or being computed by a step in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens no step has taken yet, counting those steps in flight will sample."""
+        return len(self.token_ids) + self.num_pending_samples - self.num_scheduled_tokens
 
     @property
     def is_finished(self) -> bool:

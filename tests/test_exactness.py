@@ -13,6 +13,10 @@ REGIMES = {
     "preemption": dict(num_kv_blocks=64, block_size=4),
     "chunked_prefill": dict(max_num_batched_tokens=16),
     "dynamic_batching": dict(batching="dynamic", max_batch_size=5, batch_window_ms=5),
+    # step N+1 planned while N runs (the replica's overlapped steps), alone and with the others
+    "overlapped": dict(async_scheduling=True),
+    "overlapped_preemption": dict(async_scheduling=True, num_kv_blocks=64, block_size=4),
+    "overlapped_chunked_prefill": dict(async_scheduling=True, max_num_batched_tokens=16),
 }
 
 
@@ -40,9 +44,9 @@ def test_greedy_matches_transformers(tiny_model, workload, regime):
         assert output.error is None
         assert output.token_ids == want, f"request {output.request_id} differs"
     stats = llm.engine.stats()
-    if regime == "preemption":
+    if regime.endswith("preemption"):
         assert stats["num_preemptions"] > 0
-    if regime == "chunked_prefill":
+    if regime.endswith("chunked_prefill"):
         assert stats["num_chunked_prefills"] > 0
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_blocks

@@ -28,9 +28,10 @@ def offline(tiny_model):
     return LLM(tiny_model, **ENGINE_OPTIONS)
 
 
-@pytest.fixture
-def replica(tiny_model, redis_url, namespace):
-    with ReplicaThread(tiny_model, redis_url, namespace, **ENGINE_OPTIONS) as running:
+@pytest.fixture(params=[False, True], ids=["sync_steps", "overlapped_steps"])
+def replica(request, tiny_model, redis_url, namespace):
+    with ReplicaThread(tiny_model, redis_url, namespace, async_scheduling=request.param, **ENGINE_OPTIONS) as running:
+        assert running.replica.scheduler.max_in_flight == (2 if request.param else 1)
         yield running
 
 

@@ -246,3 +246,60 @@ def test_metrics_are_computed_on_the_output_side_from_the_core_timestamps():
     assert (metrics.queue_time, metrics.ttft, metrics.e2e, metrics.tpot) == (0.5, 1.0, 4.0, 1.0)
     assert (metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.num_preemptions) == (2, 4, 1)
     assert RequestOutput("r", [1], finished=False, timestamps=times).metrics is None
+
+
+def sampled_ids(scheduler, plan):
+    """Who a step just planned samples for (as the runner decides: the step reaches the
+    sequence's last token, counting the one each earlier step in flight samples)."""
+    def last(seq):
+        return seq.num_tokens + seq.num_pending_samples - 1
+    return [s.seq_id for s in plan.scheduled if s.num_computed + s.num_new == last(scheduler.seqs[s.seq_id])]
+
+
+def test_overlapped_plan_counts_the_pending_token_and_skips_certain_ends():
+    """Step 2 is planned before step 1's tokens are known: the decode of "a" starts at the
+    position step 1 samples; "b" (max_tokens=1) ends with step 1's token, so it is left out."""
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", 5, max_tokens=4))
+    scheduler.add(make_seq("b", 3, max_tokens=1))
+    first = scheduler.schedule()
+    first_sampled = sampled_ids(scheduler, first)
+    second = scheduler.schedule()  # step 1 still in flight
+    assert [(s.seq_id, s.num_computed, s.num_new) for s in second.scheduled] == [("a", 5, 1)]
+    assert scheduler.seqs["a"].num_pending_samples == 2
+    second_sampled = sampled_ids(scheduler, second)
+    scheduler.update(first, StepResult(first_sampled, [7] * len(first_sampled)))
+    scheduler.finish("b", "length")
+    updated = scheduler.update(second, StepResult(second_sampled, [8]))
+    [a] = updated
+    assert a.output_token_ids == [7, 8] and a.num_computed_tokens == 6 and a.num_pending_samples == 0
+    assert not scheduler.in_flight
+
+
+def test_overlapped_step_of_a_sequence_that_ended_is_discarded():
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", 5, max_tokens=10))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    scheduler.update(first, StepResult(["a"], [EOS]))
+    scheduler.finish("a", "stop")  # the engine's stop check on step 1's token
+    blocks_free = scheduler.block_manager.num_free_blocks
+    assert scheduler.update(second, StepResult(["a"], [7])) == []  # the extra token is dropped
+    assert scheduler.block_manager.num_free_blocks == blocks_free == scheduler.block_manager.num_blocks
+    assert scheduler.schedule().finished_ids == ["a"]
+
+
+def test_overlapped_plan_never_preempts_a_sequence_in_flight():
+    """KV for one more token is missing while the only other sequence is in flight: the
+    plan goes without, and the next plan (nothing in flight) preempts as usual."""
+    scheduler = make_scheduler(num_blocks=4)  # 16 slots of 4 tokens
+    scheduler.add(make_seq("a", 4, max_tokens=10))
+    scheduler.add(make_seq("b", 8, max_tokens=10))
+    first = scheduler.schedule()  # a: 1 block + b: 2 blocks (+1 kept free when admitting)
+    assert {s.seq_id for s in first.scheduled} == {"a", "b"}
+    second = scheduler.schedule()  # a takes the last block; b would need a victim: b, in flight
+    assert [s.seq_id for s in second.scheduled] == ["a"] and second.preempted_ids == []
+    scheduler.update(first, StepResult(["a", "b"], [7, 7]))
+    scheduler.update(second, StepResult(["a"], [7]))
+    third = scheduler.schedule()
+    assert third.preempted_ids == ["b"] and [s.seq_id for s in third.scheduled] == ["a"]
