@@ -7,9 +7,9 @@ replica holds are also polled.
 
 Both are producer input: a message that is not a well-formed job id is logged
 (rate-limited) and dropped, and only ids of jobs this replica holds go further (the
-ledger decides, one request at a time), so a flood of cancels costs O(1) each and no memory. (A cancel cannot be missed for a job on
-its way in: the cancel flag is set before the message is published, and starting an
-attempt reads the flag.)"""
+ledger decides, one request at a time), so a flood of cancels costs O(1) each and no
+memory. (A cancel cannot be missed for a job on its way in: the cancel flag is set before
+the message is published, and starting an attempt reads the flag.)"""
 import asyncio
 import logging
 import re

@@ -73,8 +73,14 @@ class IngestActor(Actor):
             timer.cancel()
 
     async def _take_reclaimed_until(self, done: asyncio.Future) -> None:
-        """Take in reclaimed entries (the mailbox) until ``done`` is: never stuck on either."""
-        while not done.done():
+        """Take in reclaimed entries (the mailbox) until ``done`` is and none is queued:
+        never stuck on either, and reclaimed entries never wait behind new ones."""
+        while True:
+            if not self.mailbox.empty():
+                await self._take_in(self.mailbox.get_nowait().entry)
+                continue
+            if done.done():
+                return
             mail = asyncio.ensure_future(self.mailbox.get())
             try:
                 await asyncio.wait({done, mail}, return_when=asyncio.FIRST_COMPLETED)

@@ -71,6 +71,8 @@ class JobLedger(Actor):
             self._grant_credits()
 
     async def _next_message(self, timeout: float):
+        if not self.mailbox.empty():
+            return self.mailbox.get_nowait()
         try:
             return await asyncio.wait_for(self.mailbox.get(), max(0.0, timeout))
         except asyncio.TimeoutError:

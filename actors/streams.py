@@ -1,8 +1,9 @@
 """The replica's one Redis gateway: every command and script a replica sends goes through
 ``Streams`` (consumer groups, byte-bounded reading, leases, fenced finishing, refusals,
 dead letters, cancel requests, model info). The job-hash scripts are clients/job_record.py's.
-Every key it creates except the request streams gets a TTL. Everything read back from Redis is producer-writable input: scripts coerce what
-they read, and a command that fails for one job fails that job alone."""
+Every key it creates except the request streams gets a TTL. Everything read back from
+Redis is producer-writable input: scripts coerce what they read, and a command that fails
+for one job fails that job alone."""
 import hashlib
 import time
 from contextlib import asynccontextmanager
