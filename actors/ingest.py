@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 from actors.base import Actor
 from actors.config import ReplicaConfig
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, Holds, JobEnded, NewJob, ReadEntry,
+from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, JobEnded, MayStart, NewJob, ReadEntry,
                              Track, WantCredits)
 from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
@@ -109,7 +109,7 @@ class IngestActor(Actor):
         except ProtocolError as exc:
             await self._refuse(entry, exc.job_id, exc.code or "invalid_job", exc.message)
             return
-        if await self.ledger.ask(Holds(job.job_id)):  # another entry of a job running here: not started twice
+        if not await self.ledger.ask(MayStart(job.job_id, entry)):  # its job runs here: kept until it ends
             return
         try:
             attempt, cancelled = await self.streams.start_attempt(job.job_id, entry.entry_id, job.result_ttl,

@@ -19,7 +19,7 @@ from actors.base import Actor
 from actors.config import ReplicaConfig
 from actors.log_limits import RateLimitedLog, shown
 from actors.messages import (AbortJob, CancelRequest, Delivery, Drain, EntriesRead, EntryDone, HandBack,
-                             HeldJobs, Holds, Reclaimed, Release, Track, WantCredits)
+                             HeldJobs, MayStart, ReadEntry, Reclaimed, Release, Track, WantCredits)
 from actors.streams import Streams
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,14 @@ class JobLedger(Actor):
         self.held: dict[str, Delivery] = {}  # job id -> delivery
         self.bytes_held = 0  # sum of the held deliveries' entry sizes
         self.intake: set[tuple[str, str]] = set()  # (stream, entry id) read, not yet taken in
+        self.parked: dict[str, list[ReadEntry]] = {}  # job id held -> its other entries, until released
         self.reserved = (0, 0)  # (credits, bytes) granted to the read ingest is making
         self.credit_request: asyncio.Future | None = None  # ingest's, until it can be granted
         self.cancelled: set[str] = set()  # held jobs whose abort went to the scheduler
         self.drains: list[asyncio.Future] = []  # answered once nothing is held
         self.reclaiming = True
         self.warnings = RateLimitedLog(log)
-        self.handlers = {WantCredits: self._want_credits, EntriesRead: self._entries_read, Holds: self._holds,
+        self.handlers = {WantCredits: self._want_credits, EntriesRead: self._entries_read, MayStart: self._may_start,
                          Track: self._track, EntryDone: self._entry_done, Release: self._release,
                          CancelRequest: self._cancel, HeldJobs: self._held_jobs, Drain: self._drain,
                          HandBack: self._hand_back}
@@ -86,7 +87,8 @@ class JobLedger(Actor):
 
     # ---- credits ------------------------------------------------------------------------
     def _free_credits(self) -> int:
-        return self.capacity - len(self.held) - len(self.intake) - self.reserved[0]
+        parked = sum(len(entries) for entries in self.parked.values())
+        return self.capacity - len(self.held) - len(self.intake) - parked - self.reserved[0]
 
     def _free_bytes(self) -> int:
         return self.config.max_bytes_in_flight - self.bytes_held - self.reserved[1]
@@ -109,12 +111,17 @@ class JobLedger(Actor):
         self.reserved = (0, 0)
         self.intake.update(message.entries)
 
-    async def _holds(self, message: Holds) -> None:
-        _answer(message.reply, message.job_id in self.held)
+    async def _may_start(self, message: MayStart) -> None:
+        """An entry of a job held here (e.g. requeued while its old attempt finishes) waits for
+        its release: starting it now would count a second attempt under the running one."""
+        held = message.job_id in self.held
+        if held:
+            self.parked.setdefault(message.job_id, []).append(message.entry)
+        _answer(message.reply, not held)
 
     async def _track(self, message: Track) -> None:
         delivery = message.delivery
-        assert delivery.job_id not in self.held, delivery.job_id  # ingest asked Holds first
+        assert delivery.job_id not in self.held, delivery.job_id  # ingest asked MayStart first
         self.held[delivery.job_id] = delivery
         self.bytes_held += delivery.size
 
@@ -128,6 +135,9 @@ class JobLedger(Actor):
         del self.held[delivery.job_id]
         self.bytes_held -= delivery.size
         self.cancelled.discard(delivery.job_id)
+        for entry in self.parked.pop(delivery.job_id, []):
+            self.intake.add((entry.stream, entry.entry_id))
+            await self.ingest.send(Reclaimed(entry))
         if not self.held:
             for reply in self.drains:
                 _answer(reply, None)
@@ -179,6 +189,7 @@ class JobLedger(Actor):
         await self.streams.hand_back(await self._pending_ids_by_stream(), running)
         log.info("handed back %d unfinished jobs and %d entries not yet taken in", len(running), len(self.intake))
         self.intake.clear()
+        self.parked.clear()
         self.held.clear()
         self.bytes_held = 0
         _answer(message.reply, None)
@@ -193,8 +204,9 @@ class JobLedger(Actor):
         return by_stream
 
     def _entries(self) -> set[tuple[str, str]]:
-        """Every entry this replica holds: running jobs' and those still being taken in."""
-        return {(d.stream, d.entry_id) for d in self.held.values()} | self.intake
+        """Every entry this replica holds: running jobs', those being taken in, and parked ones."""
+        parked = {(entry.stream, entry.entry_id) for entries in self.parked.values() for entry in entries}
+        return {(d.stream, d.entry_id) for d in self.held.values()} | self.intake | parked
 
     def _ids_by_stream(self) -> dict[str, list[str]]:
         by_stream: dict[str, list[str]] = {}

@@ -106,9 +106,12 @@ class EntriesRead:
 
 
 @dataclass
-class Holds:
-    """Ingest, before starting a job: answered True when this replica already runs it."""
+class MayStart:
+    """Ingest, before starting the job of ``entry``: answered False when this replica runs
+    that job already; the ledger then keeps the entry (leased, holding its credit) and sends
+    it back to ingest as ``Reclaimed`` once the job is released."""
     job_id: str
+    entry: ReadEntry
     reply: asyncio.Future = field(default_factory=_future)
 
 

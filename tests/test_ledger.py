@@ -10,7 +10,7 @@ from actors.base import Actor
 from actors.config import ReplicaConfig
 from actors.ledger import JobLedger
 from actors.messages import (AbortJob, CancelRequest, Delivery, Drain, EntriesRead, EntryDone, HandBack, HeldJobs,
-                             Holds, Reclaimed, Release, Track, WantCredits)
+                             MayStart, ReadEntry, Reclaimed, Release, Track, WantCredits)
 from actors.streams import Streams
 from clients.job_record import START_LUA
 from clients.keys import GROUP, Keys
@@ -79,7 +79,6 @@ def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_inges
         await ledger.send(EntriesRead([]))
         await ledger.send(Release(delivery("c", size=600, entry_id="2-c")))  # another entry: not ours, kept
         assert await ledger.ask(HeldJobs()) == ["c"]
-        assert await ledger.ask(Holds("c")) and not await ledger.ask(Holds("a"))
     run(redis_url, namespace, scenario)
 
 
@@ -112,6 +111,23 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
         await asyncio.sleep(0.5)  # more reclaim rounds: renewed as ours, not sent again
         assert ingest.mailbox.empty()
     run(redis_url, namespace, scenario, lease_s=0.3)
+
+
+def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        await ledger.send(Track(delivery("a", size=10)))
+        assert await ledger.ask(MayStart("b", ReadEntry("s", "1-b", 5, False, {}))) is True
+        requeued = ReadEntry("s", "2-a", 5, False, {b"data": b"x"})  # e.g. requeued as its old attempt ends
+        assert await ledger.ask(MayStart("a", requeued)) is False
+        await ledger.send(EntryDone("s", "2-a"))
+        request = WantCredits()
+        await ledger.send(request)
+        await asyncio.sleep(0.2)
+        assert not request.reply.done() and ingest.mailbox.empty()  # a held, the requeued entry parked
+        await ledger.send(Release(delivery("a", size=10)))
+        assert (await asyncio.wait_for(ingest.mailbox.get(), WAIT_S)) == Reclaimed(requeued)
+        assert await granted(request) == (1, 1000)  # the requeued entry still takes one (in intake again)
+    run(redis_url, namespace, scenario)
 
 
 def test_cancels_go_to_the_scheduler_only_for_held_jobs_and_once(redis_url, namespace):
