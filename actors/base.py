@@ -37,6 +37,11 @@ class Actor:
         """Waits while the mailbox is full: back-pressure instead of unbounded memory."""
         await self.mailbox.put(message)
 
+    async def ask(self, message: Any) -> Any:
+        """Send a message that carries a ``reply`` future and wait for the answer."""
+        await self.send(message)
+        return await message.reply
+
     async def run(self) -> None:
         raise NotImplementedError
 

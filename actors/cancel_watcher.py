@@ -1,22 +1,22 @@
-"""CancelWatcher: turns cancellation requests into AbortJob messages for the scheduler.
+"""CancelWatcher: turns cancellation requests into CancelRequests for the ledger, which
+sends the scheduler an AbortJob for a job it holds.
 
 Requests arrive on the ``<ns>:cancel`` pub/sub channel (immediate, any replica may own the
 job); pub/sub loses messages while disconnected, so the ``cancel`` flags of the jobs this
 replica holds are also polled.
 
 Both are producer input: a message that is not a well-formed job id is logged
-(rate-limited) and dropped, and only ids of jobs this replica holds go further, so a
-flood of cancels costs O(1) each and no memory. (A cancel cannot be missed for a job on
-its way in: the cancel flag is set before the message is published, and starting an
-attempt reads the flag.)"""
+(rate-limited) and dropped, and only ids of jobs this replica holds go further (the
+ledger decides, one request at a time), so a flood of cancels costs O(1) each and no
+memory. (A cancel cannot be missed for a job on its way in: the cancel flag is set before
+the message is published, and starting an attempt reads the flag.)"""
 import asyncio
 import logging
 import re
 
 from actors.base import Actor
-from actors.leases import Leases
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import AbortJob
+from actors.messages import CancelRequest, HeldJobs
 from actors.resilience import CONNECTION_ERRORS
 from actors.streams import Streams
 from clients.limits import JOB_ID_PATTERN
@@ -30,11 +30,10 @@ _JOB_ID = re.compile(JOB_ID_PATTERN.encode())
 class CancelWatcher(Actor):
     name = "cancel-watcher"
 
-    def __init__(self, streams: Streams, leases: Leases, scheduler: Actor):
+    def __init__(self, streams: Streams, ledger: Actor):
         super().__init__()
         self.streams = streams
-        self.leases = leases
-        self.scheduler = scheduler
+        self.ledger = ledger
         self.warnings = RateLimitedLog(log)
 
     async def run(self) -> None:
@@ -43,9 +42,8 @@ class CancelWatcher(Actor):
     async def _listen(self) -> None:
         while not self.stopped:
             try:
-                async with self.streams.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.streams.keys.cancel)
-                    async for message in pubsub.listen():
+                async with self.streams.cancel_messages() as messages:
+                    async for message in messages:
                         await self._on_message(message)
             except CONNECTION_ERRORS as exc:
                 log.warning("cancel channel lost (%s); resubscribing", exc)
@@ -60,24 +58,20 @@ class CancelWatcher(Actor):
         if job_id is None:
             self.warnings.warning("bad-cancel", "dropped a cancel message that is not a job id: %s",
                                   shown(message.get("data")))
-        elif self.leases.holds(job_id):
-            await self.scheduler.send(AbortJob(job_id, "cancelled"))
+        else:
+            await self.ledger.ask(CancelRequest(job_id))
 
     async def _poll(self) -> None:
         while not self.stopped:
             await asyncio.sleep(POLL_INTERVAL_S)
-            job_ids = list(self.leases.held)
+            job_ids = await self.ledger.ask(HeldJobs())
             if job_ids:
                 await self._poll_flags(job_ids)
 
     async def _poll_flags(self, job_ids: list[str]) -> None:
-        async def queue(pipe):
-            for job_id in job_ids:
-                pipe.hget(self.streams.keys.job(job_id), "cancel")
-        flags = await self.streams.write(queue, "poll cancel flags")  # a clobbered hash: an error, not a flag
-        for job_id, flag in zip(job_ids, flags):
-            if flag == b"1" and self.leases.holds(job_id):
-                await self.scheduler.send(AbortJob(job_id, "cancelled"))
+        for job_id, flagged in zip(job_ids, await self.streams.cancel_flags(job_ids)):
+            if flagged:
+                await self.ledger.ask(CancelRequest(job_id))  # still held? the ledger knows
 
 
 def job_id_of(data) -> str | None:

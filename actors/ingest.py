@@ -1,5 +1,7 @@
-"""IngestActor: pulls only as many jobs as the replica has credits and bytes for (a flood
-waits in Redis, not in memory), decodes and validates them, and hands them to the scheduler.
+"""IngestActor: pulls only as many jobs as the ledger grants it credits and bytes for (a
+flood waits in Redis, not in memory), decodes and validates them, and hands them to the
+scheduler. Entries the ledger reclaimed from a dead replica arrive in its mailbox and are
+taken in the same way, also while it waits for a grant.
 
 Entries are untrusted: an entry that cannot be read owns no job and is refused without
 touching any job's record; only an entry whose attempt was started speaks for its job."""
@@ -11,12 +13,11 @@ from redis.exceptions import ResponseError
 
 from actors.base import Actor
 from actors.config import ReplicaConfig
-from actors.leases import Leases
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import Delivery, EntryRefused, JobEnded, NewJob
-from actors.streams import CONFLICT, DUPLICATE, ReadEntry, Streams
+from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, JobEnded, MayStart, NewJob, ReadEntry,
+                             Track, WantCredits)
+from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
-from clients.keys import GROUP
 from clients.protocol import JobRequest, decode_job, payload_digest
 from engine import InvalidRequest, LLMEngine, SamplingParams
 
@@ -27,14 +28,15 @@ UNREADABLE_STREAM_BACKOFF_S = 1.0
 
 class IngestActor(Actor):
     name = "ingest"
+    mailbox_size = 0  # only the ledger sends here, entries it reserved credits for: bounded by them
 
-    def __init__(self, streams: Streams, engine: LLMEngine, leases: Leases, scheduler: Actor,
+    def __init__(self, streams: Streams, engine: LLMEngine, ledger: Actor, scheduler: Actor,
                  publisher: Actor, config: ReplicaConfig):
         super().__init__()
         self.streams = streams
         # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
         self.inputs = engine.own_input_processor()
-        self.leases = leases
+        self.ledger = ledger
         self.scheduler = scheduler
         self.publisher = publisher
         self.config = config
@@ -43,23 +45,54 @@ class IngestActor(Actor):
     async def run(self) -> None:
         idle_s = FIRST_IDLE_POLL_S
         while not self.stopped:
-            credits, budget = self.leases.free_credits(), self.leases.free_bytes()
-            if credits <= 0 or budget <= 0:
-                self.leases.credit_freed.clear()
-                await self.leases.credit_freed.wait()
-                continue
+            credits, budget = await self._credits()
             entries = await self._read(credits, budget)
-            if not entries:
-                # no blocking read: a blocking XREADGROUP would bring an entry in whatever its size
-                await asyncio.sleep(idle_s)
-                idle_s = min(2 * idle_s, self.config.read_block_ms / 1000, self.config.idle_poll_max_s)
-                continue
-            idle_s = FIRST_IDLE_POLL_S
             # leased from the moment they are read: renewed, never reclaimed from under us
-            self.leases.intake.update((entry.stream, entry.entry_id) for entry in entries)
+            await self.ledger.send(EntriesRead([(entry.stream, entry.entry_id) for entry in entries]))
             for entry in entries:
-                await self.accept(entry)
-                self.leases.intake.discard((entry.stream, entry.entry_id))
+                await self._take_in(entry)
+            if entries:
+                idle_s = FIRST_IDLE_POLL_S
+                continue
+            # no blocking read: a blocking XREADGROUP would bring an entry in whatever its size
+            await self._idle(idle_s)
+            idle_s = min(2 * idle_s, self.config.read_block_ms / 1000, self.config.idle_poll_max_s)
+
+    async def _credits(self) -> tuple[int, int]:
+        """The ledger's grant of (entries, bytes) to read, reserved for this read."""
+        request = WantCredits()
+        await self.ledger.send(request)
+        await self._take_reclaimed_until(request.reply)
+        return request.reply.result()
+
+    async def _idle(self, seconds: float) -> None:
+        timer = asyncio.ensure_future(asyncio.sleep(seconds))
+        try:
+            await self._take_reclaimed_until(timer)
+        finally:
+            timer.cancel()
+
+    async def _take_reclaimed_until(self, done: asyncio.Future) -> None:
+        """Take in reclaimed entries (the mailbox) until ``done`` is and none is queued:
+        never stuck on either, and reclaimed entries never wait behind new ones."""
+        while True:
+            if not self.mailbox.empty():
+                await self._take_in(self.mailbox.get_nowait().entry)
+                continue
+            if done.done():
+                return
+            mail = asyncio.ensure_future(self.mailbox.get())
+            try:
+                await asyncio.wait({done, mail}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not mail.done():
+                    mail.cancel()  # a cancelled get takes nothing out of the queue
+            if mail.done():
+                await self._take_in(mail.result().entry)
+
+    async def _take_in(self, entry: ReadEntry) -> None:
+        await self.accept(entry)
+        await self.ledger.send(EntryDone(entry.stream, entry.entry_id))
 
     async def _read(self, credits: int, budget: int) -> list[ReadEntry]:
         try:
@@ -76,7 +109,7 @@ class IngestActor(Actor):
         except ProtocolError as exc:
             await self._refuse(entry, exc.job_id, exc.code or "invalid_job", exc.message)
             return
-        if self.leases.holds(job.job_id):  # our own entry, reclaimed after renewals failed: keep running it
+        if not await self.ledger.ask(MayStart(job.job_id, entry)):  # its job runs here: kept until it ends
             return
         try:
             attempt, cancelled = await self.streams.start_attempt(job.job_id, entry.entry_id, job.result_ttl,
@@ -90,7 +123,7 @@ class IngestActor(Actor):
             return
         delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
                             job.deadline, entry.size)
-        self.leases.track(delivery)
+        await self.ledger.send(Track(delivery))
         ended = self._reject_reason(job, attempt, cancelled)
         if ended is not None:
             await self.publisher.send(JobEnded(delivery, *ended[:3], dead_letter_reason=ended[3],
@@ -123,8 +156,7 @@ class IngestActor(Actor):
             await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job.job_id, "conflict", message,
                                                    entry.fields, entry.size, notify=False))
         else:
-            await self.streams.write(lambda pipe: _ack_and_delete(pipe, entry.stream, entry.entry_id),
-                                     "drop duplicate")
+            await self.streams.drop_entry(entry.stream, entry.entry_id)
 
     def _reject_reason(self, job: JobRequest, attempt: int, cancelled: bool):
         """(event type, code, message, dead-letter reason) for a job that must not run."""
@@ -150,11 +182,6 @@ class IngestActor(Actor):
             raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "
                                            f"{cap} (max_prompt_tokens)")
         return seq
-
-
-async def _ack_and_delete(pipe, stream: str, entry_id: str) -> None:
-    pipe.xack(stream, GROUP, entry_id)
-    pipe.xdel(stream, entry_id)
 
 
 def _salvaged_job_id(stub_fields: dict) -> str | None:

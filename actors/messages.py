@@ -1,4 +1,6 @@
-"""Plain data carried between actors' mailboxes."""
+"""Plain data carried between actors' mailboxes. A message that asks for an answer carries
+a ``reply`` future (``Actor.ask`` sends it and awaits the answer)."""
+import asyncio
 from dataclasses import dataclass, field
 
 from clients.protocol import JobRequest
@@ -6,20 +8,34 @@ from engine.outputs import RequestOutput
 from engine.sequence import Sequence
 
 
-@dataclass
+def _future() -> asyncio.Future:
+    return asyncio.get_running_loop().create_future()
+
+
+@dataclass(frozen=True)
 class Delivery:
-    """One request-stream entry this replica holds the lease of."""
+    """One request-stream entry this replica holds the lease of (a value: nobody changes it)."""
     stream: str
     entry_id: str
     job_id: str
     attempt: int = 1
     result_ttl: int = 86_400
-    metadata: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict, compare=False)  # the job's, read only
     deadline: float | None = None  # absolute epoch seconds
     size: int = 0  # bytes of the entry: counted against the replica's bytes in flight
-    abort_reason: str | None = None  # why the scheduler aborted it ('cancelled', 'deadline_exceeded', ...)
 
 
+@dataclass(frozen=True)
+class ReadEntry:
+    """One request-stream entry as read: ``fields`` is a stub when ``truncated``."""
+    stream: str
+    entry_id: str
+    size: int
+    truncated: bool
+    fields: dict = field(compare=False)
+
+
+# ---- to the scheduler ---------------------------------------------------------------
 @dataclass
 class NewJob:
     delivery: Delivery
@@ -33,10 +49,11 @@ class AbortJob:
     reason: str  # 'cancelled' | 'deadline_exceeded' | 'shutdown'
 
 
+# ---- to the publisher -----------------------------------------------------------------
 @dataclass
 class StepOutputs:
-    """A step's outputs, paired with the delivery each belongs to."""
-    items: list[tuple[Delivery, RequestOutput]]
+    """A step's outputs: each with its delivery and, for a job the scheduler aborted, why."""
+    items: list[tuple[Delivery, RequestOutput, str | None]]
 
 
 @dataclass
@@ -65,3 +82,78 @@ class EntryRefused:
     size: int = 0
     stub: bool = False  # ``fields`` is the read script's stub of an oversized entry
     notify: bool = True  # False: the id is someone else's (a conflict): dead letter only
+
+
+# ---- to ingest (from the ledger) ------------------------------------------------------
+@dataclass
+class Reclaimed:
+    """An entry taken over from a replica that stopped renewing; its credit is reserved."""
+    entry: ReadEntry
+
+
+# ---- to the ledger ------------------------------------------------------------------------
+@dataclass
+class WantCredits:
+    """Ingest: answered with (entries, bytes) it may read, once both are above zero. They
+    stay reserved until ``EntriesRead``."""
+    reply: asyncio.Future = field(default_factory=_future)
+
+
+@dataclass
+class EntriesRead:
+    """Ingest read these (stream, entry id)s with its grant: leased from now on."""
+    entries: list[tuple[str, str]]
+
+
+@dataclass
+class MayStart:
+    """Ingest, before starting the job of ``entry``: answered False when this replica runs
+    that job already; the ledger then keeps the entry (leased, holding its credit) and sends
+    it back to ingest as ``Reclaimed`` once the job is released."""
+    job_id: str
+    entry: ReadEntry
+    reply: asyncio.Future = field(default_factory=_future)
+
+
+@dataclass
+class Track:
+    """Ingest started this delivery's attempt: held until released."""
+    delivery: Delivery
+
+
+@dataclass
+class EntryDone:
+    """Ingest is done taking this entry in (tracked, refused or dropped)."""
+    stream: str
+    entry_id: str
+
+
+@dataclass
+class Release:
+    """The publisher stored this delivery's final outcome and acked its entry."""
+    delivery: Delivery
+
+
+@dataclass
+class CancelRequest:
+    """The cancel watcher: answered True when the job is held and its abort went to the scheduler."""
+    job_id: str
+    reply: asyncio.Future = field(default_factory=_future)
+
+
+@dataclass
+class HeldJobs:
+    """Answered with the ids of the jobs held now (whose cancel flags to poll)."""
+    reply: asyncio.Future = field(default_factory=_future)
+
+
+@dataclass
+class Drain:
+    """Shutdown: reclaim nothing more; answered once no job is held."""
+    reply: asyncio.Future = field(default_factory=_future)
+
+
+@dataclass
+class HandBack:
+    """Shutdown: make every entry still pending here claimable by other replicas at once."""
+    reply: asyncio.Future = field(default_factory=_future)

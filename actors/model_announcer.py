@@ -10,7 +10,7 @@ from redis.exceptions import ResponseError
 from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.streams import Streams
-from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo, publish_model_info_async
+from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
 from engine import LLMEngine
 
 MODEL_INFO_TTL_S = 3600
@@ -35,14 +35,9 @@ class ModelAnnouncer(Actor):
         warnings = RateLimitedLog(log)
         while not self.stopped:
             try:
-                await self.streams.resilient(lambda: publish_model_info_async(
-                    self.streams.redis, self.streams.keys, self.info, ttl_s=MODEL_INFO_TTL_S), "publish model info")
+                await self.streams.publish_model_info(self.info, MODEL_INFO_TTL_S)
             except ResponseError as exc:  # e.g. a producer replaced <ns>:models by another type
                 warnings.warning("publish", "cannot publish the model info: %s", shown(str(exc), 200))
             if self.limits:
-                await self.streams.write(self._queue_limits, "publish limits")
+                await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
             await asyncio.sleep(MODEL_INFO_REPUBLISH_S)
-
-    async def _queue_limits(self, pipe) -> None:
-        pipe.hset(self.streams.keys.limits, mapping=self.limits)
-        pipe.expire(self.streams.keys.limits, MODEL_INFO_TTL_S)

@@ -5,9 +5,8 @@ import logging
 from redis.exceptions import ResponseError
 
 from actors.base import Actor
-from actors.leases import Leases
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import Delivery, EntryRefused, JobEnded, StepOutputs
+from actors.messages import Delivery, EntryRefused, JobEnded, Release, StepOutputs
 from actors.streams import Streams
 from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, Timings, TokenEvent, Usage,
                             encode_event)
@@ -21,10 +20,10 @@ class PublisherActor(Actor):
     name = "publisher"
     mailbox_size = 4096  # steps keep their outputs here while Redis is briefly away
 
-    def __init__(self, streams: Streams, leases: Leases):
+    def __init__(self, streams: Streams, ledger: Actor):
         super().__init__()
         self.streams = streams
-        self.leases = leases
+        self.ledger = ledger
         self.next_seq: dict[str, int] = {}  # job id -> seq of its next token event
         self.warnings = RateLimitedLog(log)
 
@@ -42,11 +41,11 @@ class PublisherActor(Actor):
     async def _publish_step(self, message: StepOutputs) -> None:
         # events are built once: a retried round trip resends the very same events
         tokens, finishes = [], []
-        for delivery, output in message.items:
+        for delivery, output, abort_reason in message.items:
             if output.new_token_ids or output.new_text:
                 tokens.append((delivery, encode_event(self._token(delivery, output))))
             if output.finished:
-                status, event = self._terminal(delivery, output)
+                status, event = self._terminal(delivery, output, abort_reason)
                 finishes.append((delivery, status, encode_event(event)))
 
         finish_at: list[int] = []  # pipeline index of each finish
@@ -54,8 +53,7 @@ class PublisherActor(Actor):
         async def queue(pipe):
             finish_at.clear()
             for delivery, event in tokens:
-                pipe.xadd(self.streams.keys.out(delivery.job_id), event)
-                pipe.expire(self.streams.keys.out(delivery.job_id), delivery.result_ttl)
+                self.streams.queue_token_event(pipe, delivery, event)
             for delivery, status, event in finishes:
                 finish_at.append(len(pipe.command_stack))
                 await self.streams.queue_finish(pipe, delivery, status, event)
@@ -66,7 +64,7 @@ class PublisherActor(Actor):
             self.warnings.warning("token-events", "some token events could not be written: %s",
                                   shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
         await self._park_unstored(unstored)
-        self._release([delivery for delivery, _, _ in finishes])
+        await self._release([delivery for delivery, _, _ in finishes])
 
     async def _park_unstored(self, unstored: list[tuple[Delivery, ResponseError]]) -> None:
         """A result that could not be stored (its job's keys were clobbered by a producer):
@@ -98,7 +96,7 @@ class PublisherActor(Actor):
         replies = await self.streams.write(queue, "publish ended job")
         if isinstance(replies[finish_at[0]], ResponseError):
             await self._park_unstored([(delivery, replies[finish_at[0]])])
-        self._release([delivery])
+        await self._release([delivery])
 
     async def _publish_refused(self, message: EntryRefused) -> None:
         """Dead letter + ack; an error event for the producer only where no record of the id exists."""
@@ -125,12 +123,12 @@ class PublisherActor(Actor):
         return TokenEvent(attempt=delivery.attempt, seq=seq, text=output.new_text,
                           token_ids=output.new_token_ids, logprobs=logprobs)
 
-    def _terminal(self, delivery: Delivery, output: RequestOutput):
+    def _terminal(self, delivery: Delivery, output: RequestOutput, abort_reason: str | None):
         num_events = self.next_seq.pop(delivery.job_id, 0)
         if output.finish_reason == "abort":
-            if delivery.abort_reason == "cancelled":
+            if abort_reason == "cancelled":
                 return "cancelled", CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
-            reason = delivery.abort_reason or "aborted"
+            reason = abort_reason or "aborted"
             message = ABORT_MESSAGES.get(reason, f"job stopped: {reason}")
             return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
                                        metadata=delivery.metadata)
@@ -151,7 +149,7 @@ class PublisherActor(Actor):
         return ErrorEvent(attempt=delivery.attempt, code=message.code, message=message.message,
                           metadata=delivery.metadata)
 
-    def _release(self, deliveries: list[Delivery]) -> None:
+    async def _release(self, deliveries: list[Delivery]) -> None:
         for delivery in deliveries:
             self.next_seq.pop(delivery.job_id, None)
-            self.leases.release(delivery)
+            await self.ledger.send(Release(delivery))  # the ledger's mailbox never makes us wait

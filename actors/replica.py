@@ -9,7 +9,8 @@ from actors import faults
 from actors.config import ReplicaConfig
 from actors.gpu import GPUActor
 from actors.ingest import IngestActor
-from actors.leases import Leases
+from actors.ledger import JobLedger
+from actors.messages import Drain, HandBack
 from actors.metrics import ReplicaMetrics
 from actors.model_announcer import ModelAnnouncer
 from actors.cancel_watcher import CancelWatcher
@@ -30,21 +31,21 @@ class Replica:
         assert config.redis_url, "a replica needs a Redis URL"
         self.engine = engine
         self.config = config
-        self.redis = config.redis.async_client()  # credentials and TLS: clients/connection.py
         self.model_name = config.served_model_name or Path(engine.spec.name).name
-        self.streams = Streams(self.redis, Keys(config.namespace), config.consumer, self.model_name,
-                               max_entry_bytes=MAX_ENTRY_BYTES)
+        # credentials and TLS: clients/connection.py
+        self.streams = Streams(config.redis.async_client(), Keys(config.namespace), config.consumer,
+                               self.model_name, max_entry_bytes=MAX_ENTRY_BYTES)
         capacity = config.max_in_flight or 2 * engine.config.max_num_seqs
-        self.leases = Leases(self.streams, config, capacity)
-        self.publisher = PublisherActor(self.streams, self.leases)
         self.gpu = GPUActor(engine.runner)
         self.metrics = ReplicaMetrics()
+        self.ledger = JobLedger(self.streams, config, capacity)
+        self.publisher = PublisherActor(self.streams, self.ledger)
         self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics, faults.job_hooks())
-        self.ingest = IngestActor(self.streams, engine, self.leases, self.scheduler, self.publisher, config)
-        self.cancels = CancelWatcher(self.streams, self.leases, self.scheduler)
+        self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
+        self.ledger.connect(self.ingest, self.scheduler)
+        self.cancels = CancelWatcher(self.streams, self.ledger)
         self.announcer = ModelAnnouncer(self.streams, engine, self.model_name, config.max_queue_len,
                                         config.max_tokens_cap)
-        self.leases.reclaim_handler = self.ingest.accept
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
 
@@ -84,21 +85,19 @@ class Replica:
         """Stop taking work; let in-flight jobs finish within the grace period; hand back
         the rest only once no step can publish them any more (no result after hand-back)."""
         await self.ingest.stop()
-        self.leases.reclaiming = False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.grace_s
-        while self.leases.held and loop.time() < deadline:  # entries still in intake can't progress now
-            await asyncio.sleep(0.05)
+        drained = asyncio.ensure_future(self.ledger.ask(Drain()))  # entries in intake can't progress now
+        await asyncio.wait({drained}, timeout=self.config.grace_s)
+        drained.cancel()
         # always: entries read but never recorded may be pending even when nothing is held
         await self.scheduler.stop()
         await self.publisher.mailbox.join()  # outputs of finished steps still get published
-        await self.leases.hand_back()
+        await self.ledger.ask(HandBack())  # after the releases those outputs sent it
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
-        return (self.publisher, self.gpu, self.scheduler, self.leases, self.cancels, self.announcer, self.ingest)
+        return (self.publisher, self.gpu, self.scheduler, self.ledger, self.cancels, self.announcer, self.ingest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):
             await actor.stop()
-        await self.redis.aclose()
+        await self.streams.close()

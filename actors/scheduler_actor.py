@@ -33,6 +33,7 @@ class SchedulerActor(Actor):
         self.gpu = gpu
         self.publisher = publisher
         self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
+        self.abort_reasons: dict[str, str] = {}  # job id -> why it was aborted, until its last output
         self.early_cancels: OrderedDict[str, float] = OrderedDict()  # job id -> when its cancel came, oldest first
         self.steps = 0
         self.in_flight: deque = deque()  # (plan, future of its result), oldest first
@@ -64,9 +65,11 @@ class SchedulerActor(Actor):
         items = []
         for output in outputs:
             delivery = self.deliveries[output.request_id]
+            abort_reason = None
             if output.finished:
                 del self.deliveries[output.request_id]
-            items.append((delivery, output))
+                abort_reason = self.abort_reasons.pop(output.request_id, None)
+            items.append((delivery, output, abort_reason))
         if items:
             await self.publisher.send(StepOutputs(items))
 
@@ -91,9 +94,8 @@ class SchedulerActor(Actor):
                 self._remember_early_cancel(message.job_id)
 
     def _abort(self, job_id: str, reason: str) -> None:
-        delivery = self.deliveries[job_id]
-        if delivery.abort_reason is None:
-            delivery.abort_reason = reason
+        if job_id not in self.abort_reasons:
+            self.abort_reasons[job_id] = reason
             self.engine.abort_request(job_id)
 
     def _remember_early_cancel(self, job_id: str) -> None:

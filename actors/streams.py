@@ -1,81 +1,31 @@
-"""Redis Streams operations of a replica: consumer groups, byte-bounded reading, fenced
-finishing, refusals, dead letters. Every key it creates except the request streams gets
-a TTL. Everything read back from Redis is producer-writable input: scripts coerce what
-they read, and a command that fails for one job fails that job alone."""
+"""The replica's one Redis gateway: every command and script a replica sends goes through
+``Streams`` (consumer groups, byte-bounded reading, leases, fenced finishing, refusals,
+dead letters, cancel requests, model info). The job-hash scripts are clients/job_record.py's.
+Every key it creates except the request streams gets a TTL. Everything read back from
+Redis is producer-writable input: scripts coerce what they read, and a command that fails
+for one job fails that job alone."""
 import hashlib
 import time
-from typing import Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from actors.messages import Delivery
+from actors.messages import Delivery, ReadEntry
 from actors.resilience import retrying
+from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, Keys
+from clients.model_info import ModelInfo, publish_model_info_async
 
-# Start an attempt: count the delivery, unless this entry is a second submission of a job
-# that already has one, or of a job that already finished (e.g. reclaimed just before its
-# owner's finish acked it): a duplicate, not run again; another payload: a conflict.
-# A refusal record (status 'rejected', left by an unreadable entry) is no claim: replaced.
-# A digest that is not 64 hex digits (the 32-digit form before 0.2, or junk) is not compared.
-# KEYS: job hash, out stream. ARGV: entry id, ttl, now, payload digest.
-# Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
-START_LUA = """
-local state = redis.call('HMGET', KEYS[1], 'entry', 'digest', 'cancel', 'finished_attempt', 'status', 'attempt')
-if state[5] == 'rejected' then
-  redis.call('DEL', KEYS[1], KEYS[2])
-  state = {false, false, false, false, false, false}
-end
-if state[2] and #state[2] == 64 and state[2] ~= ARGV[4] then return {-2, ''} end
-if state[1] and state[1] ~= ARGV[1] then return {-1, ''} end
-if state[4] then return {-1, ''} end
-local attempt = tonumber(state[6])
-if not attempt or attempt ~= attempt or attempt < 0 or attempt > 1e9 then attempt = 0 end
-attempt = math.floor(attempt) + 1
-redis.call('HSET', KEYS[1], 'attempt', attempt, 'status', 'running', 'updated', ARGV[3], 'entry', ARGV[1],
-           'digest', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return {attempt, state[3] or ''}
-"""
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000
 DEAD_LETTER_TTL_S = 7 * 86_400  # refreshed on every dead letter
 DEAD_LETTER_PREFIX_BYTES = 256  # what a dead letter keeps of a payload it does not keep whole
 REJECT_TTL_S = 3600
+HAND_BACK_IDLE_MS = 10 * 365 * 86_400_000  # "idle forever": the next XAUTOCLAIM takes it
 
-# Terminal event + status + ack, only while this replica's attempt is the latest (fencing:
-# a stale owner whose job was reclaimed must not publish a final result over the new one).
-# Idempotent: a retry after a lost reply does not add a second terminal event.
-# KEYS: job hash, out stream, request stream. ARGV: attempt, status, type, data, ttl, group,
-# entry id, now. Returns 1 when written, 0 when fenced off.
-FINISH_LUA = """
-local current = tonumber(redis.call('HGET', KEYS[1], 'attempt')) or 0
-if current > tonumber(ARGV[1]) then return 0 end
-if redis.call('HGET', KEYS[1], 'finished_attempt') ~= ARGV[1] then
-  redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'data', ARGV[4])
-end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[4], 'updated', ARGV[8],
-           'finished_attempt', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('XACK', KEYS[3], ARGV[6], ARGV[7])
-redis.call('XDEL', KEYS[3], ARGV[7])
-return 1
-"""
 
-# Tell the producer of an unreadable entry why it was refused, without touching any job:
-# only where no record of that id exists (no hash, no out stream). The hash is marked
-# 'rejected' so a later valid submission of the id replaces it (SUBMIT_LUA, START_LUA).
-# KEYS: job hash, out stream. ARGV: entry id, event data, ttl, now. Returns 1 or 0.
-REJECT_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('XADD', KEYS[2], '*', 'type', 'error', 'data', ARGV[2])
-redis.call('HSET', KEYS[1], 'status', 'rejected', 'rejected', '1', 'entry', ARGV[1], 'result', ARGV[2],
-           'updated', ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
 
 # An entry as a replica may hold it: whole, or, when over `max_bytes`, a stub (its size,
 # SHA-1 and a prefix of each field) so its bytes never leave the server.
@@ -126,15 +76,6 @@ return out
 """
 
 
-class ReadEntry:
-    """One request-stream entry as read: `fields` is a stub when `truncated`."""
-    __slots__ = ("stream", "entry_id", "size", "truncated", "fields")
-
-    def __init__(self, stream: str, entry_id: str, size: int, truncated: bool, fields: dict):
-        self.stream, self.entry_id, self.size, self.truncated, self.fields = \
-            stream, entry_id, size, truncated, fields
-
-
 class Streams:
     def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, model_name: str,
                  max_entry_bytes: int):
@@ -148,6 +89,7 @@ class Streams:
         self.finish_script = client.register_script(FINISH_LUA)
         self.start_script = client.register_script(START_LUA)
         self.reject_script = client.register_script(REJECT_LUA)
+        self.hand_back_script = client.register_script(HAND_BACK_LUA)
         self.read_script = client.register_script(READ_LUA)
         self.read_ids_script = client.register_script(READ_IDS_LUA)
 
@@ -214,6 +156,17 @@ class Streams:
         await self.reject_script(keys=[self.keys.job(job_id), self.keys.out(job_id)],
                                  args=[entry_id, event_data, REJECT_TTL_S, repr(time.time())], client=pipe)
 
+    def queue_token_event(self, pipe, delivery: Delivery, event: dict[str, bytes]) -> None:
+        pipe.xadd(self.keys.out(delivery.job_id), event)
+        pipe.expire(self.keys.out(delivery.job_id), delivery.result_ttl)
+
+    async def drop_entry(self, stream: str, entry_id: str) -> None:
+        """Ack and delete an entry that needs no answer (a duplicate of a known job)."""
+        async def queue(pipe):
+            pipe.xack(stream, GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
+        await self.write(queue, "drop duplicate")
+
     def queue_dead_letter(self, pipe, stream: str, entry_id: str, reason: str, fields: dict | None, *,
                           keep_payload: bool = False, job_id: str | None = None, size: int | None = None,
                           stub: bool = False) -> None:
@@ -229,6 +182,65 @@ class Streams:
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
 
+
+    # ---- leases (the ledger) ----------------------------------------------------------
+    async def renew(self, ids_by_stream: dict[str, list[str]]) -> None:
+        """Reset the idle time of entries we hold (XCLAIM of our own ids, JUSTID)."""
+        for stream, ids in ids_by_stream.items():
+            await self.resilient(lambda: self.redis.xclaim(stream, GROUP, self.consumer, 0, ids, justid=True),
+                                 "renew leases")
+
+    async def claim_idle(self, stream: str, min_idle_ms: int, count: int) -> list[str]:
+        """Ids of entries idle longer than ``min_idle_ms`` (their owner died), now ours.
+        (Entries deleted while pending leave the pending list with this call: Redis >= 7.)"""
+        claimed = await self.resilient(lambda: self.redis.xautoclaim(
+            stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count, justid=True), "reclaim")
+        return [_text(entry_id) for entry_id in claimed]
+
+    async def pending_ids(self, stream: str) -> list[str]:
+        """The server's pending list of this consumer on ``stream``."""
+        rows = await self.resilient(lambda: self.redis.xpending_range(
+            stream, GROUP, min="-", max="+", count=100_000, consumername=self.consumer), "list pending")
+        return [_text(row["message_id"]) for row in rows]
+
+    async def hand_back(self, ids_by_stream: dict[str, list[str]], running: list[Delivery]) -> None:
+        """Make these entries claimable by any replica now; their running jobs queued again."""
+        async def queue(pipe):
+            for stream, ids in ids_by_stream.items():
+                pipe.xclaim(stream, GROUP, self.consumer, 0, ids, idle=HAND_BACK_IDLE_MS, justid=True)
+            for delivery in running:
+                await self.hand_back_script(keys=[self.keys.job(delivery.job_id)],
+                                            args=[delivery.attempt, delivery.entry_id, repr(time.time())], client=pipe)
+        await self.write(queue, "hand back")
+
+    # ---- cancels (the cancel watcher) ---------------------------------------------------
+    @asynccontextmanager
+    async def cancel_messages(self) -> AsyncIterator[AsyncIterator[dict]]:
+        """The ``<ns>:cancel`` channel's messages while the block runs (producer input)."""
+        async with self.redis.pubsub() as pubsub:
+            await pubsub.subscribe(self.keys.cancel)
+            yield pubsub.listen()
+
+    async def cancel_flags(self, job_ids: list[str]) -> list[bool]:
+        """Whether each job's hash has its cancel flag set (a clobbered hash: not set)."""
+        async def queue(pipe):
+            for job_id in job_ids:
+                pipe.hget(self.keys.job(job_id), "cancel")
+        return [flag == b"1" for flag in await self.write(queue, "poll cancel flags")]
+
+    # ---- model info (the announcer) -----------------------------------------------------
+    async def publish_model_info(self, info: ModelInfo, ttl_s: int) -> None:
+        await self.resilient(lambda: publish_model_info_async(self.redis, self.keys, info, ttl_s=ttl_s),
+                             "publish model info")
+
+    async def publish_limits(self, limits: dict, ttl_s: int) -> None:
+        async def queue(pipe):
+            pipe.hset(self.keys.limits, mapping=limits)
+            pipe.expire(self.keys.limits, ttl_s)
+        await self.write(queue, "publish limits")
+
+    async def close(self) -> None:
+        await self.redis.aclose()
 
 def _kept_fields(fields: dict, keep_payload: bool, size: int | None, stub: bool) -> dict:
     if keep_payload:

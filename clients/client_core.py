@@ -26,11 +26,10 @@ from clients.event_reader import (
 from clients.events import Event, TerminalEvent
 from clients.keys import PRIORITY_CLASSES, Keys, default_namespace
 from clients.queue_status import model_names, queue_status_commands, queue_status_from
+from clients.job_record import CANCEL_LUA, SUBMIT_LUA
 from clients.submission import (
-    CANCEL_LUA,
     ENQUEUED,
     SUBMIT_CHUNK,
-    SUBMIT_LUA,
     build_job,
     build_jobs,
     cancel_args,

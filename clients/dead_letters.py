@@ -10,9 +10,11 @@ each field as ``prefix:<name>`` — requeueing those could only fail again.
 Everything is read in pages, so a long dead-letter stream costs bounded memory."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from clients.job_record import REQUEUE_LUA
 from clients.keys import Keys
 from clients.safe_payload import readable_job_id
 
@@ -71,17 +73,12 @@ def _selected(redis, keys: Keys, dead_ids: list[str] | None) -> Iterator[DeadLet
 
 
 def _requeue_one(redis, keys: Keys, letter: DeadLetter) -> str:
-    # a fresh delivery budget; "entry" will name the entry it now runs from. An existing
-    # hash keeps its TTL; none is created here (the replica creates it, with a TTL).
-    reset = letter.job_id is not None and redis.exists(keys.job(letter.job_id))
-    with redis.pipeline(transaction=True) as pipe:
-        if reset:
-            pipe.hdel(keys.job(letter.job_id), "entry", "finished_attempt")
-            pipe.hset(keys.job(letter.job_id), mapping={"attempt": 0, "status": "queued"})
-        pipe.xadd(letter.stream, letter.fields)
-        pipe.xdel(keys.dead, letter.dead_id)
-        results = pipe.execute()
-    return _text(results[-2])
+    """One atomic step (REQUEUE_LUA): a new entry, the letter gone, the job hash queued."""
+    job_hash = [keys.job(letter.job_id)] if letter.job_id is not None else []
+    pairs = [item for name, value in letter.fields.items() for item in (name, value)]
+    entry_id = redis.eval(REQUEUE_LUA, 2 + len(job_hash), letter.stream, keys.dead, *job_hash,
+                          letter.dead_id, repr(time.time()), *pairs)
+    return _text(entry_id)
 
 
 def _parse(dead_id, fields: dict) -> DeadLetter:

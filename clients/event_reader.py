@@ -21,9 +21,13 @@ from clients.events import (
     decode_event,
     decode_event_data,
 )
+from clients.job_record import FINAL_STATUSES
+from clients.job_record import Field as HashField
 
 READ_COUNT = 512
-TERMINAL_STATUSES = ("done", "error", "cancelled")
+TERMINAL_STATUSES = FINAL_STATUSES
+_STATUS, _RESULT, _ATTEMPT, _UPDATED, _CANCEL = (name.encode() for name in (
+    HashField.STATUS, HashField.RESULT, HashField.ATTEMPT, HashField.UPDATED, HashField.CANCEL))
 
 
 class JobResult(BaseModel):
@@ -110,8 +114,8 @@ def entries_of(reply: Any) -> list[tuple[Any, dict]]:
 
 def terminal_from_hash(fields: dict) -> TerminalEvent | None:
     """The terminal event stored in the job hash, if the job has finished."""
-    status = _text(fields.get(b"status"))
-    result = fields.get(b"result")
+    status = _text(fields.get(_STATUS))
+    result = fields.get(_RESULT)
     if status not in TERMINAL_STATUSES or not result:
         return None
     return decode_event_data(result, status)
@@ -122,10 +126,10 @@ def status_from_hash(job_id: str, fields: dict) -> JobStatus:
         return JobStatus(job_id=job_id, status="unknown")
     return JobStatus(
         job_id=job_id,
-        status=_text(fields.get(b"status")) or "unknown",
-        attempt=int(_number(fields.get(b"attempt")) or 0),
-        updated=_number(fields.get(b"updated")),
-        cancel_requested=fields.get(b"cancel") == b"1",
+        status=_text(fields.get(_STATUS)) or "unknown",
+        attempt=int(_number(fields.get(_ATTEMPT)) or 0),
+        updated=_number(fields.get(_UPDATED)),
+        cancel_requested=fields.get(_CANCEL) == b"1",
     )
 
 

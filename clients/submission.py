@@ -10,55 +10,6 @@ from clients.errors import InvalidJob, JobConflict, QueueFull
 from clients.keys import Keys
 from clients.protocol import JobRequest, encode_job, payload_digest, validate_job
 
-# The atomic submit, for every producer (docs/protocol.md prints this text; a test keeps the
-# two equal). Enqueue once per job_id (idempotent submit) and only below the queue bound.
-# The hash keeps the payload digest (the same id with another payload is a conflict) and
-# the entry id (replicas run a job from that entry only; another entry for it is a
-# duplicate). A hash with status 'rejected' (a replica's refusal of an unreadable entry)
-# is no claim on the id: it and the job's out stream are deleted and the job is enqueued.
-# The bound is the smaller of the caller's max_queue_len and the operator's, which replicas
-# publish in the limits hash (field max_queue_len); 0, absent or unreadable: no bound.
-# KEYS: job hash, request stream, out stream, limits hash.
-# ARGV: payload, ttl, now, max_queue_len (0 = none), digest ('' = not computed: not stored,
-#       never a conflict), entry field ('data' msgpack, the default, or 'json').
-# Returns 1 enqueued, 0 already known (not enqueued again), -2 conflict, -1 queue full at
-# the caller's bound, -3 queue full at the operator's bound.
-SUBMIT_LUA = """
-local field = ARGV[6] or 'data'
-if field ~= 'data' and field ~= 'json' then return redis.error_reply('ERR entry field must be data or json') end
-local rejected = false
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  if redis.call('HGET', KEYS[1], 'status') ~= 'rejected' then
-    local digest = redis.call('HGET', KEYS[1], 'digest')
-    if digest and ARGV[5] ~= '' and digest ~= ARGV[5] then return -2 end
-    return 0
-  end
-  rejected = true
-end
-local limit, full = tonumber(ARGV[4]) or 0, -1
-local operator = tonumber(redis.pcall('HGET', KEYS[4], 'max_queue_len')) or 0
-if operator > 0 and (limit <= 0 or operator < limit) then limit, full = operator, -3 end
-if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then return full end
-if rejected then redis.call('DEL', KEYS[1], KEYS[3]) end
-local entry = redis.call('XADD', KEYS[2], '*', field, ARGV[1])
-redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3], 'entry', entry)
-if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'digest', ARGV[5]) end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-# Flag and announce a cancellation only for a job that exists and has not finished.
-# KEYS: job hash. ARGV: cancel channel, job id. Returns 1 when requested, else 0.
-CANCEL_LUA = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'done' or status == 'error' or status == 'cancelled' or status == 'rejected' then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'cancel', '1')
-redis.call('PUBLISH', ARGV[1], ARGV[2])
-return 1
-"""
-
 JOB_FIELDS = frozenset(JobRequest.model_fields)
 SUBMIT_CHUNK = 500  # jobs per pipelined round trip in submit_many
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from actors.streams import ReadEntry
+from actors.messages import HeldJobs, ReadEntry, Reclaimed
 from clients import Client
 from clients.errors import ConveyorError, JobCancelled, JobFailed
 from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
@@ -43,7 +43,7 @@ def replica(tiny_model, redis_url, module_namespace):
     running = ReplicaThread(tiny_model, redis_url, module_namespace, consumer="control",
                             max_num_seqs=1, num_kv_blocks=256).start()
     yield running
-    for job_id in list(running.replica.leases.held):  # nothing should be left; don't wait for it
+    for job_id in running.call(held_jobs(running)):  # nothing should be left; don't wait for it
         Client(redis_url, namespace=module_namespace).job(job_id).cancel()
     running.stop()
 
@@ -66,10 +66,15 @@ def long_job(tag: int, max_tokens: int = LONG, **extra) -> dict:
             "temperature": 0, **extra}
 
 
+async def held_jobs(replica: ReplicaThread) -> list[str]:
+    """The ledger's answer, asked on the replica's loop (from ``ReplicaThread.call``)."""
+    return await replica.replica.ledger.ask(HeldJobs())
+
+
 def replica_state(replica: ReplicaThread) -> dict:
     """The engine's KV stats and the replica's bookkeeping, read on the replica's own loop."""
     async def snapshot():
-        return {**replica.engine.stats(), "held": len(replica.replica.leases.held),
+        return {**replica.engine.stats(), "held": len(await held_jobs(replica)),
                 "scheduled_jobs": replica.replica.scheduler.num_jobs}
     return replica.call(snapshot())
 
@@ -239,19 +244,19 @@ def test_same_job_id_with_a_different_payload_is_a_conflict(replica, client, led
 
 
 def test_reclaim_racing_the_previous_owners_finish_does_not_run_the_job_again(replica, client, ledger):
-    """The race, step by step through the replica's own reclaim handler (what Leases.reclaim
-    calls for every XAUTOCLAIMed entry): the entry is delivered and finished once, then the
-    same entry, as a racing XAUTOCLAIM returned it, is handed to the handler again."""
+    """The race, step by step through ingest's mailbox (where the ledger sends every
+    XAUTOCLAIMed entry): the entry is delivered and finished once, then the same entry, as a
+    racing XAUTOCLAIM returned it, is sent to ingest again."""
     job = client.submit(**long_job(70, max_tokens=3), model="no-replica-reads-this")
     stream = client.keys.model_requests("no-replica-reads-this", "interactive")
     client.redis.xgroup_create(stream, "engines", id="0")
     [(entry_id, fields)] = client.redis.xreadgroup("engines", "previous-owner", {stream: ">"}, count=1)[0][1]
-    handler = replica.replica.leases.reclaim_handler
+    ingest = replica.replica.ingest
     entry = ReadEntry(stream, entry_id.decode(), sum(len(k) + len(v) for k, v in fields.items()), False, fields)
-    replica.call(handler(entry))  # the previous owner's run: attempt 1
+    replica.call(ingest.send(Reclaimed(entry)))  # the previous owner's run: attempt 1
     first = job.result(timeout=30)
     assert_idle(replica)  # the previous owner is done with it
-    replica.call(handler(entry))  # the racing reclaimer's copy of the entry
+    replica.call(ingest.send(Reclaimed(entry)))  # the racing reclaimer's copy of the entry
     time.sleep(1.5)
     assert_idle(replica)
     rec = ledger.record(job.job_id)

@@ -18,7 +18,7 @@ from model_factory import build_tiny_model
 
 GRACE_S = 2.0
 LEASE_S = 4.0
-HANDED_BACK_IDLE_MS = 10**9  # leases.HAND_BACK_IDLE_MS is ten years; anything this idle was handed back
+HANDED_BACK_IDLE_MS = 10**9  # streams.HAND_BACK_IDLE_MS is ten years; anything this idle was handed back
 
 
 @pytest.fixture(scope="module")

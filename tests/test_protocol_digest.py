@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from clients import AsyncClient, Client, InvalidJob, QueueFull, decode_job
 from clients.keys import Keys
 from clients.protocol import DIGEST_FIELDS, JobRequest, _js_number, digest_input, payload_digest
-from clients.submission import SUBMIT_LUA, submit_args
+from clients.job_record import SUBMIT_LUA
+from clients.submission import submit_args
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
 NODE = shutil.which("node")

@@ -37,12 +37,13 @@ from clients.gateway.batch_store import (
     ANY_ENDPOINT, BATCH_TTL_S, MAX_ERRORS, OK, TERMINAL, BatchStore, derived_file_id,
 )  # fmt: skip
 from clients.gateway.errors import OpenAIError, from_conveyor
+from clients.job_record import FINAL_STATUSES
 from clients.model_info import fetch_model_info_async
 from clients.submission import build_job
 
 log = logging.getLogger("conveyor.batch")
 
-JOB_TERMINAL = ("done", "error", "cancelled")
+JOB_TERMINAL = FINAL_STATUSES
 MAX_CUSTOM_ID_CHARS = 512
 FAILED_RETRY_S = 60.0  # a batch whose run raised is left alone this long
 STREAM_FIELDS = ("stream", "stream_options")  # a batch answers whole bodies

@@ -1,0 +1,220 @@
+"""JobLedger: the one owner of what this replica holds (entries being taken in, deliveries
+whose job runs here, credits and bytes in flight) and of their leases: it renews them,
+reclaims entries whose owner stopped renewing (a crashed replica) and hands the rest back
+at shutdown. Others send it the messages of actors/messages.py.
+
+The lease measures how fast a crash is noticed, never how long a job may run: in-flight
+entries are re-claimed by their owner (XCLAIM ... JUSTID resets their idle time) every
+third of the lease, however long the job takes.
+
+Its mailbox is unbounded so that no sender ever waits on it (it sends to ingest and the
+scheduler, whose work flows back here). What queues stays bounded: bookkeeping notices by
+the entries in flight, the cancel watcher's requests by its waiting for each answer."""
+import asyncio
+import logging
+
+from redis.exceptions import ResponseError
+
+from actors.base import Actor
+from actors.config import ReplicaConfig
+from actors.log_limits import RateLimitedLog, shown
+from actors.messages import (AbortJob, CancelRequest, Delivery, Drain, EntriesRead, EntryDone, HandBack,
+                             HeldJobs, MayStart, ReadEntry, Reclaimed, Release, Track, WantCredits)
+from actors.streams import Streams
+
+log = logging.getLogger(__name__)
+RECLAIM_BATCH = 64  # entries taken over per stream per reclaim round
+
+
+class JobLedger(Actor):
+    name = "ledger"
+    mailbox_size = 0  # unbounded: see the module's docstring
+
+    def __init__(self, streams: Streams, config: ReplicaConfig, capacity: int):
+        super().__init__()
+        self.streams = streams
+        self.config = config
+        self.capacity = capacity
+        self.ingest: Actor | None = None  # reclaimed entries go through its mailbox
+        self.scheduler: Actor | None = None  # aborts of cancelled jobs go there
+        self.held: dict[str, Delivery] = {}  # job id -> delivery
+        self.bytes_held = 0  # sum of the held deliveries' entry sizes
+        self.intake: set[tuple[str, str]] = set()  # (stream, entry id) read, not yet taken in
+        self.parked: dict[str, list[ReadEntry]] = {}  # job id held -> its other entries, until released
+        self.reserved = (0, 0)  # (credits, bytes) granted to the read ingest is making
+        self.credit_request: asyncio.Future | None = None  # ingest's, until it can be granted
+        self.cancelled: set[str] = set()  # held jobs whose abort went to the scheduler
+        self.drains: list[asyncio.Future] = []  # answered once nothing is held
+        self.reclaiming = True
+        self.warnings = RateLimitedLog(log)
+        self.handlers = {WantCredits: self._want_credits, EntriesRead: self._entries_read, MayStart: self._may_start,
+                         Track: self._track, EntryDone: self._entry_done, Release: self._release,
+                         CancelRequest: self._cancel, HeldJobs: self._held_jobs, Drain: self._drain,
+                         HandBack: self._hand_back}
+
+    def connect(self, ingest: Actor, scheduler: Actor) -> None:
+        """The actors it sends to (they are built after it: both send to the ledger)."""
+        self.ingest, self.scheduler = ingest, scheduler
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        renew_at = reclaim_at = loop.time()
+        while not self.stopped:
+            if loop.time() >= renew_at:
+                await self._guarded(self._renew, "renew")
+                renew_at = loop.time() + self.config.renew_interval_s
+            if self.reclaiming and loop.time() >= reclaim_at and self._free_credits() > 0 and self._free_bytes() > 0:
+                await self._guarded(self._reclaim, "reclaim")
+                reclaim_at = loop.time() + self.config.reclaim_interval_s
+            message = await self._next_message(renew_at - loop.time())
+            if message is not None:
+                await self.handlers[type(message)](message)
+            self._grant_credits()
+
+    async def _next_message(self, timeout: float):
+        if not self.mailbox.empty():
+            return self.mailbox.get_nowait()
+        try:
+            return await asyncio.wait_for(self.mailbox.get(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return None
+
+    async def _guarded(self, upkeep, what: str) -> None:
+        try:
+            await upkeep()
+        except ResponseError as exc:  # e.g. a producer replaced a request stream by another type
+            self.warnings.warning("leases", "%s failed: %s", what, shown(str(exc), 200))
+
+    # ---- credits ------------------------------------------------------------------------
+    def _free_credits(self) -> int:
+        parked = sum(len(entries) for entries in self.parked.values())
+        return self.capacity - len(self.held) - len(self.intake) - parked - self.reserved[0]
+
+    def _free_bytes(self) -> int:
+        return self.config.max_bytes_in_flight - self.bytes_held - self.reserved[1]
+
+    def _grant_credits(self) -> None:
+        request = self.credit_request
+        if request is not None and request.done():  # its asker stopped waiting (shutdown)
+            self.credit_request = request = None
+        if request is not None and self._free_credits() > 0 and self._free_bytes() > 0:
+            self.reserved = (self._free_credits(), self._free_bytes())
+            request.set_result(self.reserved)
+            self.credit_request = None
+
+    # ---- messages -----------------------------------------------------------------------
+    async def _want_credits(self, message: WantCredits) -> None:
+        assert self.credit_request is None or self.credit_request.done(), "one read at a time"
+        self.credit_request = message.reply
+
+    async def _entries_read(self, message: EntriesRead) -> None:
+        self.reserved = (0, 0)
+        self.intake.update(message.entries)
+
+    async def _may_start(self, message: MayStart) -> None:
+        """An entry of a job held here (e.g. requeued while its old attempt finishes) waits for
+        its release: starting it now would count a second attempt under the running one."""
+        held = message.job_id in self.held
+        if held:
+            self.parked.setdefault(message.job_id, []).append(message.entry)
+        _answer(message.reply, not held)
+
+    async def _track(self, message: Track) -> None:
+        delivery = message.delivery
+        assert delivery.job_id not in self.held, delivery.job_id  # ingest asked MayStart first
+        self.held[delivery.job_id] = delivery
+        self.bytes_held += delivery.size
+
+    async def _entry_done(self, message: EntryDone) -> None:
+        self.intake.discard((message.stream, message.entry_id))
+
+    async def _release(self, message: Release) -> None:
+        delivery = message.delivery
+        if self.held.get(delivery.job_id) != delivery:
+            return  # not ours any more (handed back)
+        del self.held[delivery.job_id]
+        self.bytes_held -= delivery.size
+        self.cancelled.discard(delivery.job_id)
+        for entry in self.parked.pop(delivery.job_id, []):
+            self.intake.add((entry.stream, entry.entry_id))
+            await self.ingest.send(Reclaimed(entry))
+        if not self.held:
+            for reply in self.drains:
+                _answer(reply, None)
+            self.drains.clear()
+
+    async def _cancel(self, message: CancelRequest) -> None:
+        """Only jobs held here go further, each once: a flood of cancels costs O(1) each."""
+        job_id = message.job_id
+        if job_id in self.held and job_id not in self.cancelled:
+            self.cancelled.add(job_id)
+            await self.scheduler.send(AbortJob(job_id, "cancelled"))
+        _answer(message.reply, job_id in self.held)
+
+    async def _held_jobs(self, message: HeldJobs) -> None:
+        _answer(message.reply, list(self.held))
+
+    async def _drain(self, message: Drain) -> None:
+        self.reclaiming = False
+        if self.held:
+            self.drains.append(message.reply)
+        else:
+            _answer(message.reply, None)
+
+    # ---- leases -------------------------------------------------------------------------
+    async def _renew(self) -> None:
+        await self.streams.renew(self._ids_by_stream())
+
+    async def _reclaim(self) -> None:
+        """Take over entries idle longer than the lease (their owner died); ingest reruns them."""
+        min_idle_ms = int(self.config.lease_s * 1000)
+        for stream in self.streams.request_streams:
+            count = min(self._free_credits(), RECLAIM_BATCH)
+            if count <= 0 or self._free_bytes() <= 0:
+                return
+            claimed = await self.streams.claim_idle(stream, min_idle_ms, count)
+            # ids only: the entries themselves come through the size-bounded read. Our own
+            # entries (idle after renewals failed) are already held or being taken in: skipped.
+            ours = self._entries()
+            for entry in await self.streams.read_ids(stream, [i for i in claimed if (stream, i) not in ours]):
+                log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry.entry_id)
+                self.intake.add((stream, entry.entry_id))
+                await self.ingest.send(Reclaimed(entry))  # its mailbox is unbounded: never waits
+
+    async def _hand_back(self, message: HandBack) -> None:
+        """Shutdown: every entry still pending under this consumer becomes claimable by other
+        replicas at once. The server's pending list, not only our bookkeeping: a read whose
+        reply arrived as ingest was being cancelled left entries we never recorded."""
+        running = list(self.held.values())
+        await self.streams.hand_back(await self._pending_ids_by_stream(), running)
+        log.info("handed back %d unfinished jobs and %d entries not yet taken in", len(running), len(self.intake))
+        self.intake.clear()
+        self.parked.clear()
+        self.held.clear()
+        self.bytes_held = 0
+        _answer(message.reply, None)
+
+    async def _pending_ids_by_stream(self) -> dict[str, list[str]]:
+        by_stream = self._ids_by_stream()
+        for stream in self.streams.request_streams:
+            known = set(by_stream.get(stream, []))
+            extra = [entry_id for entry_id in await self.streams.pending_ids(stream) if entry_id not in known]
+            if extra:
+                by_stream.setdefault(stream, []).extend(extra)
+        return by_stream
+
+    def _entries(self) -> set[tuple[str, str]]:
+        """Every entry this replica holds: running jobs', those being taken in, and parked ones."""
+        parked = {(entry.stream, entry.entry_id) for entries in self.parked.values() for entry in entries}
+        return {(d.stream, d.entry_id) for d in self.held.values()} | self.intake | parked
+
+    def _ids_by_stream(self) -> dict[str, list[str]]:
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in self._entries():
+            by_stream.setdefault(stream, []).append(entry_id)
+        return by_stream
+
+
+def _answer(reply: asyncio.Future, value) -> None:
+    if not reply.done():  # its asker may have stopped waiting
+        reply.set_result(value)

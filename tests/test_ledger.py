@@ -1,0 +1,179 @@
+"""The job ledger actor on its own, against a real Valkey: credits and bytes, a release
+waking ingest's wait for credits, reclaimed entries sent to ingest's mailbox, cancels
+forwarded only for held jobs, drain and hand-back. Ingest and the scheduler are bare
+actors whose mailboxes the tests read (the ledger under test is the real one)."""
+import asyncio
+
+import redis.asyncio as aioredis
+
+from actors.base import Actor
+from actors.config import ReplicaConfig
+from actors.ledger import JobLedger
+from actors.messages import (AbortJob, CancelRequest, Delivery, Drain, EntriesRead, EntryDone, HandBack, HeldJobs,
+                             MayStart, ReadEntry, Reclaimed, Release, Track, WantCredits)
+from actors.streams import Streams
+from clients.job_record import START_LUA
+from clients.keys import GROUP, Keys
+
+WAIT_S = 5.0
+
+
+class Inbox(Actor):
+    """An actor that is never started: what the ledger sends it stays in its mailbox."""
+    mailbox_size = 0
+
+
+def run(redis_url: str, namespace: str, scenario, **config) -> None:
+    async def main():
+        client = aioredis.Redis.from_url(redis_url)
+        streams = Streams(client, Keys(namespace), "ledger-test", "m", max_entry_bytes=1 << 20)
+        await streams.ensure_groups()
+        options = {"lease_s": 30.0, "max_bytes_in_flight": 1000, **config}
+        ledger = JobLedger(streams, ReplicaConfig(redis_url=redis_url, namespace=namespace, **options),
+                           options.pop("capacity", 2))
+        ingest, scheduler = Inbox(), Inbox()
+        ledger.connect(ingest, scheduler)
+        ledger.start()
+        try:
+            await asyncio.wait_for(scenario(ledger, ingest, scheduler, streams), 60)
+        finally:
+            await ledger.stop()
+            await streams.close()
+    asyncio.run(main())
+
+
+async def granted(request: WantCredits, timeout: float = WAIT_S):
+    return await asyncio.wait_for(asyncio.shield(request.reply), timeout)
+
+
+async def still_waiting(request: WantCredits) -> bool:
+    await asyncio.sleep(0.2)
+    return not request.reply.done()
+
+
+def delivery(job_id: str, size: int = 10, stream: str = "s", entry_id: str | None = None) -> Delivery:
+    return Delivery(stream, entry_id or f"1-{job_id}", job_id, attempt=1, size=size)
+
+
+def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_ingest(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        first = WantCredits()
+        await ledger.send(first)
+        assert await granted(first) == (2, 1000)  # everything free, reserved for this read
+        await ledger.send(EntriesRead([("s", "1-a"), ("s", "1-b")]))
+        await ledger.send(Track(delivery("a", size=400)))
+        await ledger.send(EntryDone("s", "1-a"))
+        second = WantCredits()
+        await ledger.send(second)
+        assert await still_waiting(second)  # a held, b still being taken in: no credit
+        await ledger.send(EntryDone("s", "1-b"))  # b refused: its credit is free again
+        assert await granted(second) == (1, 600)
+        await ledger.send(EntriesRead([("s", "1-c")]))
+        await ledger.send(Track(delivery("c", size=600)))
+        await ledger.send(EntryDone("s", "1-c"))
+        third = WantCredits()
+        await ledger.send(third)
+        assert await still_waiting(third)  # no credit and no bytes
+        await ledger.send(Release(delivery("a", size=400)))
+        assert await granted(third) == (1, 400)
+        await ledger.send(EntriesRead([]))
+        await ledger.send(Release(delivery("c", size=600, entry_id="2-c")))  # another entry: not ours, kept
+        assert await ledger.ask(HeldJobs()) == ["c"]
+    run(redis_url, namespace, scenario)
+
+
+def test_bytes_alone_hold_the_grant_back(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        await ledger.send(Track(delivery("big", size=1000)))
+        request = WantCredits()
+        await ledger.send(request)
+        assert await still_waiting(request)  # a credit is free, no byte is
+        await ledger.send(Release(delivery("big", size=1000)))
+        assert await granted(request) == (2, 1000)
+    run(redis_url, namespace, scenario)
+
+
+def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credit(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        stream = streams.request_streams[0]
+        entry_id = (await streams.redis.xadd(stream, {"data": b"payload"})).decode()
+        await streams.redis.xreadgroup(GROUP, "dead-replica", {stream: ">"}, count=1)
+        message = await asyncio.wait_for(ingest.mailbox.get(), WAIT_S)
+        assert isinstance(message, Reclaimed)
+        assert (message.entry.stream, message.entry.entry_id, message.entry.fields) == \
+            (stream, entry_id, {b"data": b"payload"})
+        [row] = await streams.redis.xpending_range(stream, GROUP, "-", "+", 10)
+        assert row["consumer"] == b"ledger-test"
+        request = WantCredits()
+        await ledger.send(request)
+        assert await granted(request) == (1, 1000)  # the reclaimed entry holds one credit
+        await ledger.send(EntriesRead([]))
+        await asyncio.sleep(0.5)  # more reclaim rounds: renewed as ours, not sent again
+        assert ingest.mailbox.empty()
+    run(redis_url, namespace, scenario, lease_s=0.3)
+
+
+def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        await ledger.send(Track(delivery("a", size=10)))
+        assert await ledger.ask(MayStart("b", ReadEntry("s", "1-b", 5, False, {}))) is True
+        requeued = ReadEntry("s", "2-a", 5, False, {b"data": b"x"})  # e.g. requeued as its old attempt ends
+        assert await ledger.ask(MayStart("a", requeued)) is False
+        await ledger.send(EntryDone("s", "2-a"))
+        request = WantCredits()
+        await ledger.send(request)
+        await asyncio.sleep(0.2)
+        assert not request.reply.done() and ingest.mailbox.empty()  # a held, the requeued entry parked
+        await ledger.send(Release(delivery("a", size=10)))
+        assert (await asyncio.wait_for(ingest.mailbox.get(), WAIT_S)) == Reclaimed(requeued)
+        assert await granted(request) == (1, 1000)  # the requeued entry still takes one (in intake again)
+    run(redis_url, namespace, scenario)
+
+
+def test_cancels_go_to_the_scheduler_only_for_held_jobs_and_once(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        assert await ledger.ask(CancelRequest("not-here")) is False
+        await ledger.send(Track(delivery("held")))
+        assert await ledger.ask(CancelRequest("held")) is True
+        assert await ledger.ask(CancelRequest("held")) is True
+        assert scheduler.mailbox.get_nowait() == AbortJob("held", "cancelled")
+        assert scheduler.mailbox.empty()  # the flood's second request went no further
+        await ledger.send(Release(delivery("held")))
+        assert await ledger.ask(CancelRequest("held")) is False
+        assert scheduler.mailbox.empty()
+    run(redis_url, namespace, scenario)
+
+
+def test_drain_is_answered_by_the_last_release(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        await ledger.send(Track(delivery("a")))
+        await ledger.send(Track(delivery("b")))
+        drained = asyncio.ensure_future(ledger.ask(Drain()))
+        await ledger.send(Release(delivery("a")))
+        await asyncio.sleep(0.2)
+        assert not drained.done()
+        await ledger.send(Release(delivery("b")))
+        await asyncio.wait_for(drained, WAIT_S)
+    run(redis_url, namespace, scenario)
+
+
+def test_hand_back_queues_only_our_attempt_and_frees_every_pending_entry(redis_url, namespace):
+    async def scenario(ledger, ingest, scheduler, streams):
+        stream, keys = streams.request_streams[0], streams.keys
+        held = []
+        for job_id in ("ours", "reclaimed-by-another"):
+            entry_id = (await streams.redis.xadd(stream, {"data": b"x"})).decode()
+            await streams.redis.xreadgroup(GROUP, "ledger-test", {stream: ">"}, count=1)
+            await streams.redis.eval(START_LUA, 2, keys.job(job_id), keys.out(job_id), entry_id, 60, "0", "")
+            held.append(Delivery(stream, entry_id, job_id, attempt=1))
+            await ledger.send(Track(held[-1]))
+        await streams.redis.hset(keys.job("reclaimed-by-another"), "attempt", 2)  # a newer owner's
+        await streams.redis.xadd(stream, {"data": b"read, never recorded"})
+        await streams.redis.xreadgroup(GROUP, "ledger-test", {stream: ">"}, count=1)
+        await ledger.ask(HandBack())
+        assert await streams.redis.hget(keys.job("ours"), "status") == b"queued"
+        assert await streams.redis.hget(keys.job("reclaimed-by-another"), "status") == b"running"
+        rows = await streams.redis.xpending_range(stream, GROUP, "-", "+", 10)
+        assert len(rows) == 3 and all(row["time_since_delivered"] > 10**9 for row in rows)  # claimable at once
+        assert await ledger.ask(HeldJobs()) == []
+    run(redis_url, namespace, scenario)
