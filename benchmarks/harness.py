@@ -63,11 +63,12 @@ def _cell(value) -> str:
     return str(value)
 
 
-def write_json(path: str | None, data: dict) -> None:
+def write_json(path: str | None, data: dict, quiet: bool = False) -> None:
     """Strict JSON (infinite rates become the string "inf", NaN becomes null)."""
     if path:
         Path(path).write_text(json.dumps(_strict(data), indent=2, default=str, allow_nan=False))
-        print(f"wrote {path}")
+        if not quiet:
+            print(f"wrote {path}")
 
 
 def _strict(value):

