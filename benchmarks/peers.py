@@ -576,7 +576,7 @@ def plot(results: dict, path: str) -> None:
     names, workloads = list(summary), list(results["workloads"])
     if not names:
         return
-    fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads) + 1, 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(max(3.2 * len(workloads) + 1, 6.5), 4.2), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, workload in zip(axes[0], workloads):
         stats = [summary[n].get(workload) for n in names]
@@ -587,10 +587,13 @@ def plot(results: dict, path: str) -> None:
         ax.set_title(WORKLOAD_LABELS.get(workload, workload), fontsize=9)
         for x, value in enumerate(medians):
             if value:
-                ax.annotate(f"{value:.0f}", (x, value), ha="center", va="bottom", fontsize=7,
-                            xytext=(0, 2), textcoords="offset points")
+                ax.annotate(f"{value:.1f}" if value < 100 else f"{value:.0f}", (x, 0), ha="center", va="bottom",
+                            fontsize=7, xytext=(0, 2), textcoords="offset points", color="white")
+    present = [name for name, on in results["isa"].items() if on]
+    absent = [name for name, on in results["isa"].items() if not on]
     fig.suptitle(f"{results['settings']['model']}: median tok/s, bars min-max over "
-                 f"{results['settings']['rounds']} round(s)\n{results['isa_line']}", fontsize=9)
+                 f"{results['settings']['rounds']} round(s)\nISA: {', '.join(present) or '-'}"
+                 f" (absent: {', '.join(absent) or '-'})", fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -620,10 +623,19 @@ def main():
     parser.add_argument("--json", default=str(HERE / "results" / "peers.json"))
     parser.add_argument("--png", default=str(HERE / "results" / "peers.png"))
     parser.add_argument("--markdown", help="also write the markdown table here")
+    parser.add_argument("--from-json", metavar="PATH", help="run nothing: report, chart and table of a saved run")
     parser.add_argument("--log-dir", default=str(HERE / "results" / "peers-logs"), help="each worker's output")
     args = parser.parse_args()
     if args.worker:
         return worker_main(args.worker, json.loads(args.worker_config))
+    if args.from_json:  # only the report, chart and table of a saved run
+        results = json.loads(Path(args.from_json).read_text())
+        print(report(results) + "\n\n" + markdown(results))
+        if args.png:
+            plot(results, args.png)
+        if args.markdown:
+            Path(args.markdown).write_text(markdown(results) + "\n")
+        return
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {', '.join(WORKLOADS)}")
