@@ -63,11 +63,12 @@ def _cell(value) -> str:
     return str(value)
 
 
-def write_json(path: str | None, data: dict) -> None:
+def write_json(path: str | None, data: dict, quiet: bool = False) -> None:
     """Strict JSON (infinite rates become the string "inf", NaN becomes null)."""
     if path:
         Path(path).write_text(json.dumps(_strict(data), indent=2, default=str, allow_nan=False))
-        print(f"wrote {path}")
+        if not quiet:
+            print(f"wrote {path}")
 
 
 def _strict(value):
@@ -85,10 +86,11 @@ def add_json_option(parser) -> None:
 
 
 # ---- this machine ----------------------------------------------------------------------------
-def cpu_info() -> dict:
-    """The CPU's model name, logical CPUs (and those this process may use), the widest
-    vector ISA it reports, and the kernels torch dispatches to (imported only if already
-    loaded or installed)."""
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and its feature flags, from /proc/cpuinfo (first CPU)."""
     model, flags = platform.processor() or platform.machine(), set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -97,6 +99,21 @@ def cpu_info() -> dict:
                 model = value.strip()
             elif key.strip() in ("flags", "Features") and not flags:
                 flags = set(value.split())
+    return model, flags
+
+
+def isa_flags() -> dict[str, bool]:
+    """Which of the vector / matrix extensions that pick a CPU path this CPU reports
+    (avx2, avx512f, avx512_vnni, avx512_bf16, amx_tile, amx_bf16, amx_int8)."""
+    flags = cpu_flags()[1]
+    return {name: name in flags for name in ISA_FLAGS}
+
+
+def cpu_info() -> dict:
+    """The CPU's model name, logical CPUs (and those this process may use), the widest
+    vector ISA it reports, and the kernels torch dispatches to (imported only if already
+    loaded or installed)."""
+    model, flags = cpu_flags()
     isa = next((name for name in ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon") if name in flags), None)
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch_isa = None
