@@ -17,7 +17,9 @@ torch::Tensor interleave_rows(torch::Tensor weight);
 // scales, mins) or int8 [N, K + K/32 * 4] (Q8_0: values, scales). few_rows_linear takes them
 // too. Up to kQuantFewRows rows of x run the register-unpacking kernel, more a dequantized
 // tile at a time through torch's mm.
+// (The default; set_quant_few_rows changes it, for measuring the crossover.)
 constexpr int64_t kQuantFewRows = 8;
+void set_quant_few_rows(int64_t rows);
 bool is_quantized_weight(const torch::Tensor& weight);
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_weight(torch::Tensor weight, int64_t in_features);

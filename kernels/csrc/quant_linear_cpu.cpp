@@ -121,9 +121,22 @@ inline void qdot_tile(const QProblem& p, int64_t row, int64_t m0) {
       p.y[(m0 + m) * p.ldy + row + r] = hsum(acc[m][r]) + (p.bias ? p.bias[row + r] : 0.f);
 }
 
+// Rows of x in tiles of up to 2 for 4 weight rows (8 accumulators + 4 weight vectors of
+// the 16 registers), of up to 4 for 2 weight rows when x has more: fewer unpacks per weight.
 template <int R>
 inline void qdot_rows(const QProblem& p, int64_t row) {
   int64_t m = 0;
+  if (R == 4 && p.M >= 4) {
+    for (int64_t half = 0; half < 4; half += 2) {
+      for (m = 0; m + 4 <= p.M; m += 4) qdot_tile<2, 4>(p, row + half, m);
+      switch (p.M - m) {
+        case 3: qdot_tile<2, 3>(p, row + half, m); break;
+        case 2: qdot_tile<2, 2>(p, row + half, m); break;
+        case 1: qdot_tile<2, 1>(p, row + half, m); break;
+      }
+    }
+    return;
+  }
   for (; m + 2 <= p.M; m += 2) qdot_tile<R, 2>(p, row, m);
   if (m < p.M) qdot_tile<R, 1>(p, row, m);
 }
@@ -162,7 +175,11 @@ void check_weight(const torch::Tensor& weight, int64_t K) {
               " bytes per row do not fit in_features ", K);
 }
 
+int64_t quant_few_rows = kQuantFewRows;
+
 }  // namespace
+
+void set_quant_few_rows(int64_t rows) { quant_few_rows = rows; }
 
 bool is_quantized_weight(const torch::Tensor& weight) {
   return weight.scalar_type() == torch::kUInt8 || weight.scalar_type() == torch::kInt8;
@@ -190,7 +207,7 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optio
   torch::Tensor b = bias.has_value() && bias->defined() && bias->numel() ? bias->contiguous() : torch::Tensor();
   if (M == 0) return y;
   const bool four_bit = weight.scalar_type() == torch::kUInt8;
-  if (M <= kQuantFewRows) {
+  if (M <= quant_few_rows) {
     QProblem p{x.data_ptr<float>(), static_cast<const uint8_t*>(weight.data_ptr()),
                b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, weight.size(1), N,
                four_bit};
