@@ -2,7 +2,9 @@
 
     python benchmarks/cpu_speed.py [--model smollm2] [--quick] [--json cpu_speed.json]
 
-SmolLM2-135M float32 through ``engine.LLM``; the limits come from benchmarks/limits.py.
+SmolLM2-135M float32 activations through ``engine.LLM`` (weights: the GGUF blocks by
+default, ``--quantization none`` for float32; benchmarks/quant_speed.py alternates both);
+the limits come from benchmarks/limits.py.
 
 (a) single-stream decode tokens/s (one request, 16-token prompt, 128 tokens, ignore_eos;
     first token to last only) as a fraction of the bandwidth bound, in 5 rounds each
@@ -326,6 +328,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="short runs: noisy figures, for checking the script")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
+                        help="GGUF blocks (auto/gguf) or float32 weights (none)")
     add_json_option(parser)
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
@@ -338,7 +342,8 @@ def main():
 def measure(args, sizes: dict) -> dict:
     from engine import LLM
     gflops, read_gbps = matmul_gflops(), memory_read_gbps()  # before the model takes memory
-    llm = LLM(args.model, dtype="float32", max_num_seqs=max(sizes["saturated_seqs"], sizes["overhead_seqs"]),
+    llm = LLM(args.model, dtype="float32", quantization=args.quantization,
+              max_num_seqs=max(sizes["saturated_seqs"], sizes["overhead_seqs"]),
               max_num_batched_tokens=args.max_num_batched_tokens)
     bounds = bounds_for(args.model, llm.engine.runner.model, gflops=gflops, read_gbps=read_gbps)
     vocab = vocab_size(args.model)

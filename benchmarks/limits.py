@@ -58,9 +58,15 @@ def weight_counts(model: torch.nn.Module) -> dict:
     params = list(model.parameters())  # tied weights come once
     lookup_only = {id(m.weight) for m in _untied_embeddings(model)}
     matmul = [p for p in params if id(p) not in lookup_only]
-    return {"params": sum(p.numel() for p in params),
-            "matmul_params": sum(p.numel() for p in matmul),
+    return {"params": sum(_weights(p) for p in params),
+            "matmul_params": sum(_weights(p) for p in matmul),
             "weight_bytes_per_step": sum(p.numel() * p.element_size() for p in matmul)}
+
+
+def _weights(param: torch.Tensor) -> int:
+    """Weights a parameter holds: GGUF blocks (kernels/quant.py) pack several per byte."""
+    from kernels.quant import in_features_of, is_packed
+    return param.shape[0] * in_features_of(param) if is_packed(param) else param.numel()
 
 
 def _untied_embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:

@@ -55,7 +55,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = build_model(spec, max_model_len, self.dtype, self.device)
+        self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
         self.backend = prepare(self.model, self.device, decoder_layout)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._allocate_kv_cache()

@@ -135,3 +135,63 @@ def test_exponential_race_samples_the_distribution():
     noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(sample_with_noise(probs, noise), minlength=3).float() / 20000
     torch.testing.assert_close(counts, torch.tensor([0.6, 0.3, 0.1]), atol=0.015, rtol=0)
+
+
+# ---- GGUF-block weights (kernels/quant.py, kernels/csrc/quant_linear_cpu.cpp) -------------
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def gguf_packed(type_name: str, out_features: int, in_features: int, seed: int):
+    """A random weight quantized by gguf-py, packed, and gguf-py's own dequantization of it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize, quantize
+    from kernels.quant import pack_gguf_blocks
+    qtype = GGMLQuantizationType[type_name]
+    weight = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    raw = quantize(weight, qtype)
+    return pack_gguf_blocks(raw, int(qtype)), torch.from_numpy(gguf_dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_packed_gguf_blocks_dequantize_like_gguf_py(type_name):
+    """Bit for bit, in the torch reference and the compiled kernel."""
+    from kernels.quant import dequantize
+    packed, expected = gguf_packed(type_name, 37, 96, seed=1)
+    assert torch.equal(dequantize(packed), expected)
+    assert torch.equal(extension.load().dequantize_weight(packed, 96), expected)
+    rows = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(dequantize(packed, rows), expected[rows])
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 70])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (37, 160), (5, 32)])
+def test_quantized_linear_matches_dequantize_then_matmul(type_name, rows, out_features, in_features):
+    """Up to 8 rows: the register-unpacking kernel (row groups with a remainder, one or two
+    rows of x per tile); more: dequantized tiles through torch's mm. Same weights as the
+    dequantized model, so only the order of the sum differs: tolerance of float32 rounding."""
+    packed, dense = gguf_packed(type_name, out_features, in_features, seed=rows * 7 + out_features)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, in_features, generator=gen), torch.randn(out_features, generator=gen)
+    kernels = extension.load()
+    for b in (bias, None):
+        expected = F.linear(x, dense, b)
+        torch.testing.assert_close(kernels.quantized_linear(x, packed, b), expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(kernels.few_rows_linear(x, packed, b), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 12])
+def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
+    from kernels.quant import QuantLinear
+    packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 64, generator=gen), torch.randn(48, generator=gen)
+    reference = QuantLinear(packed, torch.nn.Parameter(bias))
+    torch.testing.assert_close(reference(x), F.linear(x, dense, bias), atol=2e-5, rtol=1e-5)
+    module = torch.nn.Sequential(reference)
+    from kernels.cpu.linear import swap_linears
+    swap_linears(module)
+    pack_linears(module, extension.load())
+    assert isinstance(module[0], CpuLinear) and module[0].fast_path[0] is module[0].weight
+    torch.testing.assert_close(module(x), F.linear(x, dense, bias), atol=2e-5, rtol=1e-5)

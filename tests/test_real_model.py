@@ -93,3 +93,32 @@ def test_chat_matches_transformers_greedy(llm, hf):
         assert out.text.strip()
         check_against_transformers(out, model, tokenizer)
     assert "4" in outs[0].text
+
+
+def test_gguf_blocks_are_kept_and_hold_each_weight_once(llm):
+    """The default model runs its Q4_1/Q8_0 tensors as GGUF blocks (quantization="auto"),
+    with the tied head and the embedding sharing one Q8_0 table, and no float32 copies."""
+    from kernels.cpu.linear import CpuLinear
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    assert len(linears) == 30 * 4 + 1 and all(m.weight.dtype in (torch.uint8, torch.int8) for m in linears)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(m.fast_path[2] is None for m in linears), "no oneDNN float32 copy of a packed weight"
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes < 120 * 2**20, weight_bytes  # 4.5-6 bits a weight, vs 513 MiB in float32
+
+
+def test_greedy_is_identical_with_gguf_blocks_and_dequantized(llm):
+    """quantization="none" dequantizes the same blocks to float32 (the path before): the same
+    weights, summed in another order, give the same greedy tokens."""
+    dequantized = LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="64MiB", seed=0,
+                      quantization="none")
+    assert dequantized.engine.runner.model.model.embed_tokens.weight.dtype == torch.float32
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    prompts = PLAIN[:3]
+    native = llm.generate(prompts, params, use_tqdm=False)
+    plain = dequantized.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(native, plain):
+        assert a.token_ids == b.token_ids, (a.text, b.text)
+    single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]  # compiled decoder steps
+    assert [o.token_ids for o in single] == [o.token_ids for o in native[:2]]

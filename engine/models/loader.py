@@ -1,6 +1,7 @@
 """Find a model (local HF directory, .gguf file, or the default SmolLM2), read its config,
 build our implementation of its architecture and load its weights."""
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,8 +11,12 @@ from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
 from engine.models.gguf_import import converted_dir, smollm2_gguf
 from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.llama import LlamaForCausalLM, max_context
+from engine.models.gguf_weights import place, read_packed
+from engine.models.llama import LlamaForCausalLM, max_context, rotary_for
 from engine.models.weights import iter_checkpoint
+
+log = logging.getLogger(__name__)
+QUANTIZATION_MODES = ("auto", "gguf", "none")
 
 ARCHITECTURES = {  # model_type -> (our class, the transformers architecture it mirrors)
     "llama": (LlamaForCausalLM, "LlamaForCausalLM"),
@@ -31,26 +36,33 @@ class ModelSpec:
     model_type: str
     eos_token_ids: set[int]
     max_context: int
+    gguf_path: Path | None = None  # the .gguf file the model directory was converted from
 
 
 def resolve_model_dir(model: str) -> Path:
+    return resolve_model(model)[0]
+
+
+def resolve_model(model: str) -> tuple[Path, Path | None]:
+    """The Hugging Face directory of ``model`` and the .gguf file it came from (None: not a GGUF)."""
     if model == DEFAULT_MODEL:
-        return converted_dir(smollm2_gguf())
+        gguf = smollm2_gguf()
+        return converted_dir(gguf), gguf
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return converted_dir(path)
+        return converted_dir(path), path
     if path.is_dir() and (path / "config.json").exists():
-        return path
+        return path, None
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
-        return converted_dir(ggufs[0])
+        return converted_dir(ggufs[0]), ggufs[0]
     raise ModelLoadError(f"model: {model!r} is not a local Hugging Face directory (config.json + "
                          f"*.safetensors), a .gguf file, or {DEFAULT_MODEL!r}")
 
 
 def load_spec(model: str) -> ModelSpec:
     from transformers import AutoConfig
-    model_dir = resolve_model_dir(model)
+    model_dir, gguf_path = resolve_model(model)
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
@@ -59,17 +71,50 @@ def load_spec(model: str) -> ModelSpec:
     if model_type not in ARCHITECTURES:
         raise ModelLoadError(f"model: architecture {model_type!r} is not supported; supported: {SUPPORTED}")
     context = max_context(hf_config) if model_type != "gpt2" else hf_config.n_positions
-    return ModelSpec(model, model_dir, hf_config, model_type, _eos_ids(model_dir, hf_config), context)
+    return ModelSpec(model, model_dir, hf_config, model_type, _eos_ids(model_dir, hf_config), context, gguf_path)
+
+
+def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf" or "none"):
+    "auto" does for a GGUF Llama-family model on CPU in float32 (the kernels unpack the blocks
+    into float32 arithmetic); "gguf" insists, "none" dequantizes everything to ``dtype``."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
+    if quantization == "none":
+        return False
+    possible = spec.gguf_path is not None and ARCHITECTURES[spec.model_type][0] is LlamaForCausalLM
+    if quantization == "gguf" and not possible:
+        raise ModelLoadError("quantization='gguf' needs a .gguf model of the Llama family")
+    return possible and (quantization == "gguf" or (device.type == "cpu" and dtype == torch.float32))
 
 
 def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
-                device: torch.device) -> torch.nn.Module:
-    """The plain model on ``device``; its backend (kernels.backend.prepare) readies it further."""
+                device: torch.device, quantization: str = "none") -> torch.nn.Module:
+    """The plain model on ``device``; its backend (kernels.backend.prepare) readies it further.
+    See ``native_quantization`` for ``quantization``: packed GGUF blocks replace the layers
+    whose weights have them, and the float32 load skips those checkpoint tensors."""
     cls, architecture = ARCHITECTURES[spec.model_type]
-    with torch.device("cpu"):
-        model = cls(spec.hf_config, architecture, max_model_len)
-    model.load_weights(iter_checkpoint(spec.model_dir))
+    model = _empty_model(cls, spec, architecture, max_model_len)
+    served = set()
+    if native_quantization(spec, quantization, dtype, device):
+        a = model.arch
+        served = place(model, read_packed(spec.gguf_path, a.num_heads, a.num_kv_heads))
+        log.info("%s: %d tensors kept as GGUF blocks", spec.gguf_path.name, len(served))
+    model.load_weights(iter_checkpoint(spec.model_dir, skip=served.__contains__))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _empty_model(cls, spec: ModelSpec, architecture: str, max_model_len: int) -> torch.nn.Module:
+    """The model with untouched CPU storage for its weights (built on the meta device, so no
+    initialisation writes them: a weight the checkpoint or a packed layer replaces is never
+    resident); the one computed buffer, Llama's rotary tables, is built again for real."""
+    with torch.device("meta"):
+        model = cls(spec.hf_config, architecture, max_model_len)
+    model.to_empty(device="cpu")
+    if isinstance(model, LlamaForCausalLM):
+        model.rotary = rotary_for(spec.hf_config, architecture, max_model_len)
+    assert all(name.startswith("rotary.") for name, _ in model.named_buffers()), "a buffer left uninitialised"
+    return model
 
 
 def _eos_ids(model_dir: Path, hf_config) -> set[int]:

@@ -8,8 +8,9 @@ from torch import nn
 from engine.errors import ModelLoadError
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a Hugging Face checkpoint: ``*.safetensors`` (sharded too) or ``*.bin``."""
+def iter_checkpoint(model_dir: Path, skip=lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a Hugging Face checkpoint: ``*.safetensors`` (sharded too) or ``*.bin``;
+    names ``skip`` accepts are not read (safetensors) or not yielded."""
     from safetensors import SafetensorError, safe_open
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
@@ -17,7 +18,8 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             try:
                 with safe_open(str(file), framework="pt") as shard:
                     for name in shard.keys():
-                        yield name, shard.get_tensor(name)
+                        if not skip(name):
+                            yield name, shard.get_tensor(name)
             except SafetensorError as exc:
                 raise ModelLoadError(f"weights: cannot read {file.name}: {exc}") from exc
         return
@@ -25,7 +27,7 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ModelLoadError(f"model: no *.safetensors or pytorch_model*.bin weights in {model_dir}")
     for file in files:
-        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+        yield from ((n, t) for n, t in torch.load(file, map_location="cpu", weights_only=True).items() if not skip(n))
 
 
 class WeightLoader:
@@ -37,7 +39,8 @@ class WeightLoader:
 
     def __init__(self, module: nn.Module, packed: dict[str, tuple[str, int, int]] | None = None,
                  transposed: tuple[str, ...] = (), ignored: tuple[str, ...] = ()):
-        self.params = dict(module.named_parameters())
+        # packed GGUF blocks (integer parameters) arrive whole before the float load
+        self.params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
         self.packed = packed or {}
         self.transposed = transposed
         self.ignored = tuple(ignored)  # name suffixes

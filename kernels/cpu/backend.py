@@ -7,7 +7,7 @@ from kernels.backend import Backend, DecoderLayout
 from kernels.cpu import extension
 from kernels.cpu.decoder import build_decoder
 from kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
-from kernels.cpu.memory import move_weights_to_huge_pages
+from kernels.cpu.memory import move_weights_to_huge_pages, release_freed_memory
 
 
 def prepare(model: nn.Module, layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None) -> "CpuBackend":
@@ -17,6 +17,7 @@ def prepare(model: nn.Module, layout_of: Callable[[nn.Module], DecoderLayout | N
     swap_linears(model)
     move_weights_to_huge_pages(model)
     pack_linears(model, kernels)
+    release_freed_memory()
     return CpuBackend(model, kernels, layout_of)
 
 

@@ -20,7 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent.parent / "csrc"
 SOURCES = [CSRC / "bindings.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp",
-           CSRC / "layer_ops_cpu.cpp", CSRC / "decode_cpu.cpp"]
+           CSRC / "layer_ops_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "quant_linear_cpu.cpp"]
 # -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they
 # are compiled with OpenMP; at run time they share the libgomp torch has already loaded.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu.memory import huge_page_copies
+from kernels.quant import QuantLinear, dequantize, is_packed
 
 
 class CpuLinear(nn.Module):
@@ -19,6 +20,10 @@ class CpuLinear(nn.Module):
       With the interleaved copy the matmul weights are held three times. oneDNN compiles and caches a kernel
       per input shape (~0.5 MB each), so rows are padded up to a few bucket sizes
       (``row_bucket``): a bounded set of shapes instead of one per batch size seen.
+
+    A GGUF-packed weight (kernels/quant.py: uint8 4-bit or int8 8-bit blocks) is held as it
+    is, once: the compiled ``quantized_linear`` unpacks it in registers for up to
+    ``kQuantFewRows`` rows of x and dequantizes a tile at a time into torch's mm for more.
 
     Shares the weight it wraps (a tied head shares the embedding table)."""
 
@@ -36,6 +41,11 @@ class CpuLinear(nn.Module):
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
         kernel's ``interleaved`` copy (see ``pack_linears``); call once the weight has its
         final dtype and place."""
+        if is_packed(self.weight):
+            if kernels is not None:
+                self.kernels = kernels
+                self.fast_path = (self.weight, self.bias, None)
+            return
         if self.weight.dtype != torch.float32:
             return
         self.kernels = kernels
@@ -51,8 +61,12 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
+            if is_packed(self.weight):
+                return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
             return F.linear(x, self.weight, self.bias)
         weight, bias, packed = self.fast_path
+        if weight.dtype is not torch.float32:  # GGUF blocks
+            return self.kernels.quantized_linear(x, weight, bias)
         if self.kernels is not None and x.shape[0] <= self.FEW_ROWS:
             return self.kernels.few_rows_linear(x, weight, bias)
         if packed is not None:
@@ -77,7 +91,7 @@ def swap_linears(model: nn.Module) -> None:
     module with a ``tied_weight`` (an output head reusing the embedding table, which has no
     parameters of its own)."""
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, (nn.Linear, QuantLinear)):
             setattr(model, name, CpuLinear(child.weight, child.bias))
         elif isinstance(getattr(child, "tied_weight", None), torch.Tensor):
             setattr(model, name, CpuLinear(child.tied_weight, None))

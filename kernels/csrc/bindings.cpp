@@ -18,5 +18,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
   m.def("interleave_rows", &interleave_rows, "weight [N, K] -> [N/16, K/16, 16, 16] for few_rows_linear");
+  m.def("quantized_linear", &quantized_linear, "x @ W^T + bias, W in GGUF blocks (kernels/quant.py layout; CPU, fp32)");
+  m.def("set_quant_few_rows", &set_quant_few_rows, "rows of x up to which quantized_linear unpacks in registers");
+  m.def("dequantize_weight", &dequantize_weight, "GGUF-block weight -> float32 [N, K]");
+  m.def("quant_isa", [] {
+#if defined(__AVX2__) && defined(__FMA__)
+    return std::string("avx2");
+#else
+    return std::string("scalar");
+#endif
+  });
   m.def("few_rows_linear", &few_rows_linear, "x @ weight^T + bias for a few rows of x (CPU, fp32)");
 }

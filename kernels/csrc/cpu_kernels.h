@@ -13,6 +13,17 @@ torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight,
 torch::Tensor interleaved_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor interleave_rows(torch::Tensor weight);
 
+// GGUF-block weights (quant_linear_cpu.cpp): uint8 [N, K/2 + K/32 * 8] (Q4_0/Q4_1: nibbles,
+// scales, mins) or int8 [N, K + K/32 * 4] (Q8_0: values, scales). few_rows_linear takes them
+// too. Up to kQuantFewRows rows of x run the register-unpacking kernel, more a dequantized
+// tile at a time through torch's mm.
+// (The default; set_quant_few_rows changes it, for measuring the crossover.)
+constexpr int64_t kQuantFewRows = 8;
+void set_quant_few_rows(int64_t rows);
+bool is_quantized_weight(const torch::Tensor& weight);
+torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize_weight(torch::Tensor weight, int64_t in_features);
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);

@@ -138,6 +138,7 @@ torch::Tensor interleave_rows(torch::Tensor weight) {
 
 torch::Tensor few_rows_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
   if (weight.dim() == 4) return interleaved_linear(x, weight, bias);
+  if (is_quantized_weight(weight)) return quantized_linear(x, weight, bias);
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes: x [M, K], weight [N, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
   TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
