@@ -2,7 +2,7 @@
 and aborts; each iteration sends a step plan to the GPU actor and, once a step's sampled
 tokens are back, hands that step's outputs to the publisher.
 
-With overlapped steps (``LLMEngine.overlaps_steps``) two steps are in flight: step N+1 is
+With overlapped steps (the default; ``async_scheduling=False`` turns them off) two steps are in flight: step N+1 is
 planned and queued while N runs, and N's tokens are applied (detokenized, stop checks,
 published) while N+1 runs; the runner feeds N's tokens into N+1 itself."""
 import asyncio
@@ -37,7 +37,8 @@ class SchedulerActor(Actor):
         self.early_cancels: OrderedDict[str, float] = OrderedDict()  # job id -> when its cancel came, oldest first
         self.steps = 0
         self.in_flight: deque = deque()  # (plan, future of its result), oldest first
-        self.max_in_flight = 2 if engine.overlaps_steps else 1
+        # overlapped unless turned off: 1.00-1.30x per round on the 2-core CPU (docs/performance.md)
+        self.max_in_flight = 1 if engine.config.async_scheduling is False else 2
 
     @property
     def num_jobs(self) -> int:

@@ -26,7 +26,7 @@ class EngineConfig:
     batch_window_ms: float = 50.0  # dynamic batching: wait at most this for a full batch
     batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
     enable_prefix_caching: bool = True
-    async_scheduling: bool | None = None  # overlap steps in the replica; None: on for CUDA only (docs/architecture.md)
+    async_scheduling: bool | None = None  # overlap steps; None: in the replica yes, offline no (docs/architecture.md)
     seed: int = 0
 
     def __post_init__(self):

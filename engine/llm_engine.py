@@ -111,12 +111,10 @@ class LLMEngine:
 
     @property
     def overlaps_steps(self) -> bool:
-        """Whether a driver with the model on another thread (the replica) plans step N+1
-        while N runs. Auto: on CUDA only; on CPU the model's threads and the planning share
-        the same cores (measured in docs/architecture.md)."""
-        if self.config.async_scheduling is not None:
-            return self.config.async_scheduling
-        return self.runner.device.type == "cuda"
+        """Whether ``step()`` runs the model for step N+1 on its own thread while it applies
+        step N's tokens: only when asked (``async_scheduling=True``). The replica decides
+        for itself (actors/scheduler_actor.py: on unless ``async_scheduling=False``)."""
+        return self.config.async_scheduling is True
 
     def seconds_until_ready(self) -> float:
         """0 when a step has work; else how long a dynamic batch window stays open (inf: idle)."""
