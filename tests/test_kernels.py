@@ -181,6 +181,24 @@ def test_quantized_linear_matches_dequantize_then_matmul(type_name, rows, out_fe
         torch.testing.assert_close(kernels.few_rows_linear(x, packed, b), expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("per_thread", [False, True])
+def test_quantized_linear_tiles_shared_or_per_thread(type_name, per_thread):
+    """The many-rows path with small tiles (several per call, a short last one), either
+    tiling: the same weights as the dequantized model."""
+    packed, dense = gguf_packed(type_name, 101, 64, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    x, bias = torch.randn(20, 64, generator=gen), torch.randn(101, generator=gen)
+    kernels = extension.load()
+    try:
+        kernels.set_quant_tiling(16 * 64 * 4, per_thread)
+        for b in (bias, None):
+            torch.testing.assert_close(kernels.quantized_linear(x, packed, b), F.linear(x, dense, b),
+                                       atol=2e-5, rtol=1e-5)
+    finally:
+        kernels.set_quant_tiling(CpuLinear.QUANT_TILE_BYTES, CpuLinear.QUANT_PER_THREAD_TILES)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 12])
 def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
     from kernels.quant import QuantLinear

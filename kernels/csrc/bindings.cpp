@@ -20,6 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("interleave_rows", &interleave_rows, "weight [N, K] -> [N/16, K/16, 16, 16] for few_rows_linear");
   m.def("quantized_linear", &quantized_linear, "x @ W^T + bias, W in GGUF blocks (kernels/quant.py layout; CPU, fp32)");
   m.def("set_quant_few_rows", &set_quant_few_rows, "rows of x up to which quantized_linear unpacks in registers");
+  m.def("set_quant_tiling", &set_quant_tiling, "quantized_linear's many-rows tiles: float32 bytes each, per thread or shared");
+  m.def("quant_tile_bytes", [] { return kQuantTileBytes; }, "the default many-rows tile (float32 bytes)");
+  m.def("quant_per_thread_tiles", [] { return kQuantPerThreadTiles; }, "the default many-rows tiling");
   m.def("dequantize_weight", &dequantize_weight, "GGUF-block weight -> float32 [N, K]");
   m.def("quant_isa", [] {
 #if defined(__AVX2__) && defined(__FMA__)

@@ -19,7 +19,13 @@ torch::Tensor interleave_rows(torch::Tensor weight);
 // tile at a time through torch's mm.
 // (The default; set_quant_few_rows changes it, for measuring the crossover.)
 constexpr int64_t kQuantFewRows = 8;
+// Many rows: tiles of about kQuantTileBytes of dequantized float32, per thread (each thread
+// dequantizes and multiplies its own tiles) or shared (all threads dequantize a tile, then
+// torch's mm multiplies it with all of them). set_quant_tiling changes both, for measuring.
+constexpr int64_t kQuantTileBytes = 1 << 20;
+constexpr bool kQuantPerThreadTiles = false;
 void set_quant_few_rows(int64_t rows);
+void set_quant_tiling(int64_t tile_bytes, bool per_thread);
 bool is_quantized_weight(const torch::Tensor& weight);
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_weight(torch::Tensor weight, int64_t in_features);

@@ -42,7 +42,7 @@ inline int64_t row_bytes_for(int64_t K, bool four_bit) {
 }
 
 // ---- dequantize one row into float32 (the reference order; used by the prefill path) --------
-void dequantize_row(const uint8_t* row, int64_t K, bool four_bit, float* out) {
+[[maybe_unused]] void dequantize_row_scalar(const uint8_t* row, int64_t K, bool four_bit, float* out) {
   const int64_t blocks = K / kBlock;
   if (four_bit) {
     const float* d = reinterpret_cast<const float*>(row + K / 2);
@@ -94,6 +94,21 @@ inline void unpack_block(const uint8_t* row, int64_t K, bool four_bit, int64_t b
   }
 }
 
+// One row into float32 with the same fma(d, q, m) (or d * q) per element as the scalar
+// version: bit for bit the same floats, 8 at a time.
+void dequantize_row(const uint8_t* row, int64_t K, bool four_bit, float* out) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 w[4];
+    unpack_block(row, K, four_bit, b, w);
+    float* o = out + b * kBlock;
+    _mm256_storeu_ps(o, w[0]);
+    _mm256_storeu_ps(o + 8, w[1]);
+    _mm256_storeu_ps(o + 16, w[2]);
+    _mm256_storeu_ps(o + 24, w[3]);
+  }
+}
+
 // R weight rows from `row` times MT rows of x from `m0`.
 template <int R, int MT>
 inline void qdot_tile(const QProblem& p, int64_t row, int64_t m0) {
@@ -141,6 +156,10 @@ inline void qdot_rows(const QProblem& p, int64_t row) {
   if (m < p.M) qdot_tile<R, 1>(p, row, m);
 }
 #else
+void dequantize_row(const uint8_t* row, int64_t K, bool four_bit, float* out) {
+  dequantize_row_scalar(row, K, four_bit, out);
+}
+
 // Portable: dequantize the row once per group, then plain dots (the compiler vectorizes them).
 template <int R>
 inline void qdot_rows(const QProblem& p, int64_t row) {
@@ -176,10 +195,16 @@ void check_weight(const torch::Tensor& weight, int64_t K) {
 }
 
 int64_t quant_few_rows = kQuantFewRows;
+int64_t quant_tile_bytes = kQuantTileBytes;
+bool quant_per_thread_tiles = kQuantPerThreadTiles;
 
 }  // namespace
 
 void set_quant_few_rows(int64_t rows) { quant_few_rows = rows; }
+void set_quant_tiling(int64_t tile_bytes, bool per_thread) {
+  quant_tile_bytes = tile_bytes;
+  quant_per_thread_tiles = per_thread;
+}
 
 bool is_quantized_weight(const torch::Tensor& weight) {
   return weight.scalar_type() == torch::kUInt8 || weight.scalar_type() == torch::kInt8;
@@ -202,9 +227,10 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optio
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "quantized_linear: x [M, K] float32");
   const int64_t K = x.size(1), N = weight.size(0), M = x.size(0);
   check_weight(weight, K);
-  x = x.contiguous();
+  x = x.detach().contiguous();
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor b = bias.has_value() && bias->defined() && bias->numel() ? bias->contiguous() : torch::Tensor();
+  // detached: the out= matmuls below refuse tensors that require grad (a bias Parameter)
+  torch::Tensor b = bias.has_value() && bias->defined() && bias->numel() ? bias->detach().contiguous() : torch::Tensor();
   if (M == 0) return y;
   const bool four_bit = weight.scalar_type() == torch::kUInt8;
   if (M <= quant_few_rows) {
@@ -214,22 +240,43 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optio
     run_few_rows(p);
     return y;
   }
-  // Many rows: dequantize a tile of weight rows (~1 MiB of float32, stays in L2) and let
-  // torch's mm multiply it; the tile is reused for every row of x.
-  const int64_t tile = std::max<int64_t>(64, ((1 << 20) / (K * 4)) / 16 * 16);
-  auto buffer = torch::empty({std::min(tile, N), K}, x.options());
   const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
   const int64_t rb = weight.size(1);
+  // Many rows: dequantize a tile of weight rows (about quant_tile_bytes of float32, to stay
+  // in L2) and let torch's mm multiply it; the tile is reused for every row of x.
+  const int64_t tile = std::min(N, std::max<int64_t>(16, (quant_tile_bytes / (K * 4)) / 16 * 16));
+  auto multiply = [&](const torch::Tensor& buffer, int64_t n0, int64_t rows) {
+    auto out = y.narrow(1, n0, rows);
+    auto wt = buffer.narrow(0, 0, rows).t();
+    if (b.defined()) at::addmm_out(out, b.narrow(0, n0, rows), x, wt);
+    else at::mm_out(out, x, wt);
+  };
+  if (quant_per_thread_tiles) {
+    // Each thread dequantizes its own tiles and multiplies them single-threaded (torch's
+    // parallel regions do not nest): no barrier between the dequantization and the mm.
+    const int64_t threads = at::get_num_threads();
+    const int64_t share = ((N + threads - 1) / threads + 15) / 16 * 16;  // every thread busy
+    const int64_t own = std::min(tile, std::max<int64_t>(16, share));
+    const int64_t tiles = (N + own - 1) / own;
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      auto buffer = torch::empty({own, K}, x.options());
+      float* o = buffer.data_ptr<float>();
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * own, rows = std::min(own, N - n0);
+        for (int64_t n = 0; n < rows; ++n) dequantize_row(w + (n0 + n) * rb, K, four_bit, o + n * K);
+        multiply(buffer, n0, rows);
+      }
+    });
+    return y;
+  }
+  auto buffer = torch::empty({tile, K}, x.options());
+  float* o = buffer.data_ptr<float>();
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t rows = std::min(tile, N - n0);
-    float* o = buffer.data_ptr<float>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) dequantize_row(w + (n0 + n) * rb, K, four_bit, o + n * K);
     });
-    auto out = y.narrow(1, n0, rows);
-    auto wt = buffer.narrow(0, 0, rows).t();
-    if (b.defined()) out.copy_(at::addmm(b.narrow(0, n0, rows), x, wt));
-    else out.copy_(at::mm(x, wt));
+    multiply(buffer, n0, rows);
   }
   return y;
 }
