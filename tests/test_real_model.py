@@ -44,7 +44,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="128MiB", seed=0)
+    return LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="128MiB", seed=0, quantization="gguf")
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_chat_matches_transformers_greedy(llm, hf):
 
 
 def test_gguf_blocks_are_kept_and_hold_each_weight_once(llm):
-    """The default model runs its Q4_1/Q8_0 tensors as GGUF blocks (quantization="auto"),
+    """quantization="gguf" runs the model's Q4_1/Q8_0 tensors as GGUF blocks,
     with the tied head and the embedding sharing one Q8_0 table, and no float32 copies."""
     from kernels.cpu.linear import CpuLinear
     model = llm.engine.runner.model
