@@ -44,9 +44,11 @@ def _line(letter) -> str:
 
 def run_dead_requeue(args: argparse.Namespace) -> int:
     with Client(namespace=args.namespace, connection=settings_from_args(args)) as client:
-        new_ids, skipped = requeue(client.redis, client.keys, args.ids or None)
+        new_ids, skipped, failed = requeue(client.redis, client.keys, args.ids or None)
     print(f"requeued {len(new_ids)} job(s)")
     if skipped:
         print(f"skipped {len(skipped)} whose payload was not kept (unreadable, invalid or conflicting entries: "
               f"they would fail again), e.g. {skipped[0].dead_id}: {skipped[0].reason}")
-    return 0
+    for letter, why in failed:
+        print(f"could not requeue {letter.dead_id}: {why}")
+    return 1 if failed else 0

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from redis.exceptions import ResponseError
+
 from clients.job_record import REQUEUE_LUA
 from clients.keys import Keys
 from clients.safe_payload import readable_job_id
@@ -51,16 +53,28 @@ def list_dead(redis, keys: Keys, count: int = PAGE, start: str = "-") -> list[De
     return [_parse(dead_id, fields) for dead_id, fields in redis.xrange(keys.dead, min=start, count=count)]
 
 
-def requeue(redis, keys: Keys, dead_ids: list[str] | None = None) -> tuple[list[str], list[DeadLetter]]:
+def requeue(redis, keys: Keys, dead_ids: list[str] | None = None
+            ) -> tuple[list[str], list[DeadLetter], list[tuple[DeadLetter, str]]]:
     """Requeue the given dead letters (all when None), page by page. Returns the new request
-    entry ids and the letters skipped because their payload was not kept."""
-    new_ids, skipped = [], []
+    entry ids, the letters skipped because their payload was not kept, and the letters that
+    could not be requeued with why (the dead stream is input: a letter naming a key that is
+    not one of this namespace's request streams, or one Redis refuses, fails alone)."""
+    new_ids, skipped, failed = [], [], []
     for letter in _selected(redis, keys, dead_ids):
         if letter.truncated or not letter.fields or not letter.stream:
             skipped.append(letter)
-            continue
-        new_ids.append(_requeue_one(redis, keys, letter))
-    return new_ids, skipped
+        elif not _is_request_stream(keys, letter.stream):
+            failed.append((letter, f"stream: {letter.stream[:200]!r} is not a request stream of this namespace"))
+        else:
+            try:
+                new_ids.append(_requeue_one(redis, keys, letter))
+            except ResponseError as exc:
+                failed.append((letter, str(exc)[:200]))
+    return new_ids, skipped, failed
+
+
+def _is_request_stream(keys: Keys, stream: str) -> bool:
+    return any(stream == base or stream.startswith(base + ":") for base in keys.all_requests)
 
 
 def _selected(redis, keys: Keys, dead_ids: list[str] | None) -> Iterator[DeadLetter]:

@@ -173,8 +173,11 @@ return 1
 # fresh delivery budget; a job hash that exists names the new entry. None is created here
 # (the replica creates it, with a TTL), and a key that is not a hash is left alone.
 # KEYS: request stream, dead stream, job hash (optional). ARGV: dead letter id, now,
-# field, value, ... Returns the new entry id.
+# field, value, ... (at most MAX_REQUEUE_FIELDS pairs: Lua's unpack has a bound). Returns
+# the new entry id.
+MAX_REQUEUE_FIELDS = 3000
 REQUEUE_LUA = """
+if #ARGV - 2 > 2 * %d then return redis.error_reply('ERR fields: more than %d, too many to requeue') end
 local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 redis.call('XDEL', KEYS[2], ARGV[1])
 if KEYS[3] and redis.call('TYPE', KEYS[3]).ok == 'hash' then
@@ -182,4 +185,4 @@ if KEYS[3] and redis.call('TYPE', KEYS[3]).ok == 'hash' then
   redis.call('HSET', KEYS[3], 'status', 'queued', 'attempt', '0', 'updated', ARGV[2], 'entry', entry)
 end
 return entry
-"""
+""" % (MAX_REQUEUE_FIELDS, MAX_REQUEUE_FIELDS)

@@ -54,3 +54,35 @@ def test_dead_cli_lists_and_requeues(redis_url, namespace, capsys):
     assert main(["dead", "requeue", "--redis-url", redis_url, "--namespace", namespace]) == 0
     assert "requeued 1 job(s)" in capsys.readouterr().out
     assert raw.xlen(keys.dead) == 0 and raw.xrange(keys.interactive)[0][1] == {b"json": b'{"job_id": "j-dead"}'}
+
+
+def test_hostile_dead_letters_fail_alone_and_touch_nothing_else(redis_url, namespace, capsys):
+    """The dead stream is input: a letter naming a key outside this namespace's request
+    streams, a stream key that is not a stream, or more fields than a script can take
+    fails with its reason; the good letter among them is requeued, nothing else is written."""
+    from actors.cli import main
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace)
+    raw.set(keys.job("victim"), "a string")
+    raw.set(f"{keys.batch}:not-a-stream", "x")
+    letters = {
+        "foreign": {"stream": keys.job("victim"), "field:data": b"x"},
+        "other-namespace": {"stream": "elsewhere:requests:batch", "field:data": b"x"},
+        "wrong-type": {"stream": f"{keys.batch}:not-a-stream", "field:data": b"x"},
+        "too-many-fields": {"stream": keys.batch, **{f"field:f{i}": b"v" for i in range(3001)}},
+        "good": {"stream": keys.batch, "field:data": b"payload"},
+    }
+    ids = {name: raw.xadd(keys.dead, fields) for name, fields in letters.items()}
+    new_ids, skipped, failed = requeue(raw, keys)
+    assert len(new_ids) == 1 and not skipped
+    reasons = {letter.dead_id: why for letter, why in failed}
+    assert set(reasons) == {ids[name].decode() for name in letters if name != "good"}
+    assert "is not a request stream" in reasons[ids["foreign"].decode()]
+    assert "is not a request stream" in reasons[ids["other-namespace"].decode()]
+    assert "WRONGTYPE" in reasons[ids["wrong-type"].decode()]
+    assert "too many to requeue" in reasons[ids["too-many-fields"].decode()]
+    assert raw.get(keys.job("victim")) == b"a string" and not raw.exists("elsewhere:requests:batch")
+    assert raw.xrange(keys.batch) == [(new_ids[0].encode(), {b"data": b"payload"})]
+    assert raw.xlen(keys.dead) == 4  # the failed letters stay for the operator
+    assert main(["dead", "requeue", "--redis-url", redis_url, "--namespace", namespace]) == 1
+    assert capsys.readouterr().out.count("could not requeue") == 4

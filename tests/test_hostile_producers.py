@@ -313,8 +313,8 @@ def test_dead_letters_are_listed_and_requeued_in_pages(target, capsys):
     assert main(["dead", "list", "--redis-url", url, "--namespace", target.keys.ns, "--count", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("job=") == 3 and "--after" in out
-    new_ids, skipped = requeue(target.raw, target.keys)
-    assert not new_ids and len(skipped) == count, "only whole payloads of valid jobs can be requeued"
+    new_ids, skipped, failed = requeue(target.raw, target.keys)
+    assert not new_ids and not failed and len(skipped) == count, "only whole payloads of valid jobs can be requeued"
 
 
 # --------------------------------------------------------------------------- defects 6-9, operator limits
