@@ -2,9 +2,10 @@
 
     python benchmarks/quant_speed.py [--model smollm2] [--rounds 5] [--json quant_speed.json]
 
-Loads the model twice in this process, ``quantization="gguf"`` (the Q4_0/Q4_1/Q8_0 blocks
-as stored, kernels/csrc/quant_linear_cpu.cpp) and ``quantization="none"`` (float32), and
-alternates rounds A B A B ... of:
+Loads the model once per mode in this process (``--modes``, default all three):
+``quantization="auto"`` (the GGUF blocks for steps of few rows plus a float32 oneDNN copy for
+many), ``"gguf"`` (the Q4_0/Q4_1/Q8_0 blocks alone, kernels/csrc/quant_linear_cpu.cpp) and
+``"none"`` (float32), and alternates rounds A B C A B C ... of:
 
 - single-stream decode: a 16-token prompt, 128 output tokens, ignore_eos; tokens/s from
   the first token to the last;
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_json_option, describe_cpu, format_table, random_prompt, vocab_size, write_json  # noqa: E402
 
-MODES = ("gguf", "none")
+MODES = ("auto", "gguf", "none")
 
 
 def rss_mib() -> dict:
@@ -59,8 +60,10 @@ def main():
     parser.add_argument("--batch-output", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); on a shared, oversubscribed box 1 avoids OpenMP spinning")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated quantization modes (none is always run)")
     add_json_option(parser)
     args = parser.parse_args()
+    modes = [m for m in args.modes.split(",") if m != "none"] + ["none"]
     import torch
     from engine import LLM
     from kernels.cpu import extension
@@ -74,23 +77,23 @@ def main():
     prompt = random_prompt(rng, 16, vocab)
     prompts = [random_prompt(rng, 32, vocab) for _ in range(args.batch)]
     engines, loads = {}, {}
-    for mode in MODES:
+    for mode in modes:
         gc.collect()
         start = time.perf_counter()
         engines[mode] = LLM(args.model, dtype="float32", device="cpu", quantization=mode,
                             kv_cache_memory="256MiB", max_num_seqs=max(args.batch, 1))
         loads[mode] = {"load_s": time.perf_counter() - start, **rss_mib()}
         engines[mode].generate([prompt[:8]], greedy(4), use_tqdm=False)  # warm-up
-    results = {mode: {"single": [], "batched": []} for mode in MODES}
+    results = {mode: {"single": [], "batched": []} for mode in modes}
     for _ in range(args.rounds):
-        for mode in MODES:
+        for mode in modes:
             results[mode]["single"].append(single(engines[mode], prompt, args.single_tokens))
-        for mode in MODES:
+        for mode in modes:
             results[mode]["batched"].append(batched(engines[mode], prompts, args.batch_output))
     rows = []
     for workload in ("single", "batched"):
-        medians = {mode: statistics.median(results[mode][workload]) for mode in MODES}
-        for mode in MODES:
+        medians = {mode: statistics.median(results[mode][workload]) for mode in modes}
+        for mode in modes:
             values = results[mode][workload]
             rows.append({"workload": workload, "weights": mode, "median tok/s": medians[mode],
                          "min": min(values), "max": max(values), "vs none": medians[mode] / medians["none"]})
@@ -98,7 +101,7 @@ def main():
           f" x (32 in, {args.batch_output} out), output tok/s")
     print(format_table(rows, list(rows[0])))
     print("\nafter each load (MiB; the second load's VmHWM includes the first engine):")
-    print(format_table([{"weights": m, **loads[m]} for m in MODES], ["weights", "load_s", "VmRSS", "VmHWM", "RssAnon"]))
+    print(format_table([{"weights": m, **loads[m]} for m in modes], ["weights", "load_s", "VmRSS", "VmHWM", "RssAnon"]))
     write_json(args.json, {"settings": vars(args), "cpu": describe_cpu(), "loads": loads, "results": results})
 
 

@@ -11,8 +11,9 @@ BATCHING_POLICIES = ("continuous", "dynamic")
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    # auto: a .gguf model's Q4_0/Q4_1/Q8_0 tensors stay GGUF blocks on CPU in float32 (gguf
-    # anywhere it can, none: dequantize every weight to dtype, the path before)
+    # auto: a .gguf model's Q4_0/Q4_1/Q8_0 tensors stay GGUF blocks on CPU in float32 for steps
+    # of few rows, plus a float32 copy for many (gguf: the blocks alone, anywhere it can;
+    # none: dequantize every weight to dtype, the path before)
     quantization: str = "auto"
     device: str = "auto"
     block_size: int = 16

@@ -12,7 +12,7 @@ from engine.attention_metadata import AttentionMetadata, PrefillSpan
 from engine.config import EngineConfig
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
-from engine.models.loader import ModelSpec, build_model
+from engine.models.loader import ModelSpec, build_model, gguf_batch_copies
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import Sampler, SamplingRow
 from kernels.backend import prepare
@@ -56,7 +56,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
-        self.backend = prepare(self.model, self.device, decoder_layout)
+        self.backend = prepare(self.model, self.device, decoder_layout,
+                               batch_copies=gguf_batch_copies(config.quantization))
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed)

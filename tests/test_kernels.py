@@ -213,3 +213,36 @@ def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
     pack_linears(module, extension.load())
     assert isinstance(module[0], CpuLinear) and module[0].fast_path[0] is module[0].weight
     torch.testing.assert_close(module(x), F.linear(x, dense, bias), atol=2e-5, rtol=1e-5)
+
+
+def test_quantized_linear_per_thread_tiles_on_two_threads_in_inference_mode():
+    """torch's worker threads do not inherit inference mode: the per-thread tiles' mm into
+    the output must still be allowed there (the model runner executes steps in it)."""
+    packed, dense = gguf_packed("Q4_1", 101, 64, seed=4)
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(4))
+    kernels, threads = extension.load(), torch.get_num_threads()
+    try:
+        kernels.set_quant_tiling(16 * 64 * 4, True)
+        torch.set_num_threads(2)
+        with torch.inference_mode():
+            out = kernels.quantized_linear(x, packed, None)
+        torch.testing.assert_close(out, F.linear(x, dense), atol=2e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.set_quant_tiling(CpuLinear.QUANT_TILE_BYTES, CpuLinear.QUANT_PER_THREAD_TILES)
+
+
+@pytest.mark.parametrize("rows", [1, CpuLinear.QUANT_MAX_ROWS, CpuLinear.QUANT_MAX_ROWS + 1, 40])
+def test_cpu_linear_batch_copy_serves_many_rows_from_float32(rows):
+    """quantization='auto': the blocks serve up to QUANT_MAX_ROWS rows, a oneDNN copy of the
+    dequantized weight more; both equal the dequantized model up to summation order."""
+    from kernels.cpu.linear import swap_linears
+    from kernels.quant import QuantLinear
+    packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    module = torch.nn.Sequential(QuantLinear(packed))
+    swap_linears(module)
+    pack_linears(module, extension.load(), batch_copies=True)
+    weight, _, copy = module[0].fast_path
+    assert weight is module[0].weight and (copy is not None) == torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(module(x), F.linear(x, dense), atol=2e-5, rtol=1e-5)

@@ -77,10 +77,11 @@ def load_spec(model: str) -> ModelSpec:
 def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf" or "none"):
     "gguf" does (a GGUF Llama-family model; the kernels unpack the blocks into float32
-    arithmetic), "none" dequantizes everything to ``dtype``. "auto" is "none" for now: on
-    the AVX2 CPU measured, the blocks decode 1.1-1.4x faster single-stream and hold a third
-    of the memory, but steps of 16+ rows run 7-16% slower than float32's prepacked oneDNN
-    weights, and the default must never be slower than float32 (docs/performance.md)."""
+    arithmetic) and holds nothing more; "auto" does on CPU in float32, and the backend adds
+    a float32 copy for steps of many rows (``gguf_batch_copies``): on the AVX2 CPU measured
+    the blocks decode 1.1-1.4x faster at few rows but run steps of 16+ rows 7-16% slower
+    than float32's prepacked oneDNN weights, and the default must never be slower than
+    float32 (docs/performance.md); "none" dequantizes everything to ``dtype``."""
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     if quantization == "none":
@@ -88,7 +89,14 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
     possible = spec.gguf_path is not None and ARCHITECTURES[spec.model_type][0] is LlamaForCausalLM
     if quantization == "gguf" and not possible:
         raise ModelLoadError("quantization='gguf' needs a .gguf model of the Llama family")
-    return possible and quantization == "gguf"
+    if quantization == "auto":
+        return possible and device.type == "cpu" and dtype == torch.float32
+    return possible
+
+
+def gguf_batch_copies(quantization: str) -> bool:
+    """Whether layers kept as GGUF blocks also get a float32 copy for steps of many rows."""
+    return quantization == "auto"
 
 
 def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,

@@ -22,8 +22,11 @@ class CpuLinear(nn.Module):
       (``row_bucket``): a bounded set of shapes instead of one per batch size seen.
 
     A GGUF-packed weight (kernels/quant.py: uint8 4-bit or int8 8-bit blocks) is held as it
-    is, once: the compiled ``quantized_linear`` unpacks it in registers for up to
-    ``kQuantFewRows`` rows of x and dequantizes a tile at a time into torch's mm for more.
+    is: the compiled ``quantized_linear`` unpacks it in registers for up to ``kQuantFewRows``
+    rows of x and dequantizes a tile at a time into torch's mm for more. With a batch copy
+    (``pack(batch_copy=True)``, what ``quantization="auto"`` asks) steps of more than
+    ``QUANT_MAX_ROWS`` rows run oneDNN on a float32 copy instead: there the blocks lose
+    7-16% to it (docs/performance.md), so each path serves the rows it is fastest for.
 
     Shares the weight it wraps (a tied head shares the embedding table)."""
 
@@ -32,6 +35,7 @@ class CpuLinear(nn.Module):
     # quantized_linear's many-rows tiling: per-thread tiles of 512 KiB float32 (each thread
     # dequantizes and multiplies its own; 1.3x faster than shared tiles at 16 rows, 2-core AVX2 EPYC)
     QUANT_TILE_BYTES, QUANT_PER_THREAD_TILES = 1 << 19, True
+    QUANT_MAX_ROWS = 12  # blocks up to here, the float32 batch copy above (per-layer crossover, AVX2)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -40,28 +44,23 @@ class CpuLinear(nn.Module):
         # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
         self.fast_path: tuple | None = None
 
-    def pack(self, kernels, interleaved: torch.Tensor | None = None) -> None:
+    def pack(self, kernels, interleaved: torch.Tensor | None = None, batch_copy: bool = False) -> None:
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
         kernel's ``interleaved`` copy (see ``pack_linears``); call once the weight has its
-        final dtype and place."""
+        final dtype and place. GGUF blocks get a oneDNN copy only with ``batch_copy``."""
         if is_packed(self.weight):
             if kernels is not None:
                 kernels.set_quant_tiling(self.QUANT_TILE_BYTES, self.QUANT_PER_THREAD_TILES)
                 self.kernels = kernels
-                self.fast_path = (self.weight, self.bias, None)
+                packed = onednn_packed(dequantize(self.weight.detach()), self.PACK_BATCH_HINT) if batch_copy else None
+                self.fast_path = (self.weight, self.bias, packed)
             return
         if self.weight.dtype != torch.float32:
             return
         self.kernels = kernels
-        packed = None
-        if torch.backends.mkldnn.is_available():
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.PACK_BATCH_HINT)
-            except (AttributeError, RuntimeError):  # a torch build without the op: MKL it is
-                packed = None
         # nn.Module resolves parameters through __getattr__; a decode step reads them ~600 times
         few_rows_weight = self.weight if interleaved is None else interleaved
-        self.fast_path = (few_rows_weight, self.bias, packed)
+        self.fast_path = (few_rows_weight, self.bias, onednn_packed(self.weight.detach(), self.PACK_BATCH_HINT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
@@ -69,17 +68,34 @@ class CpuLinear(nn.Module):
                 return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
             return F.linear(x, self.weight, self.bias)
         weight, bias, packed = self.fast_path
+        rows = x.shape[0]
         if weight.dtype is not torch.float32:  # GGUF blocks
-            return self.kernels.quantized_linear(x, weight, bias)
-        if self.kernels is not None and x.shape[0] <= self.FEW_ROWS:
+            if packed is None or rows <= self.QUANT_MAX_ROWS:
+                return self.kernels.quantized_linear(x, weight, bias)
+            return onednn_linear(x, packed, bias)
+        if self.kernels is not None and rows <= self.FEW_ROWS:
             return self.kernels.few_rows_linear(x, weight, bias)
         if packed is not None:
-            rows = x.shape[0]
-            padded = row_bucket(rows)
-            if padded != rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+            return onednn_linear(x, packed, bias)
         return F.linear(x, weight, bias)
+
+
+def onednn_packed(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
+    """A float32 weight in oneDNN's blocked layout; None without oneDNN (MKL it is then)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+    except (AttributeError, RuntimeError):  # a torch build without the op
+        return None
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = row_bucket(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
 def row_bucket(rows: int) -> int:
@@ -103,9 +119,10 @@ def swap_linears(model: nn.Module) -> None:
             swap_linears(child)
 
 
-def pack_linears(model: nn.Module, kernels) -> None:
-    """Every CpuLinear's oneDNN copy, and its row-interleaved copy for the few-row kernel
-    (all in one huge-page arena) where the compiled ``kernels`` support it and the shape allows."""
+def pack_linears(model: nn.Module, kernels, batch_copies: bool = False) -> None:
+    """Every CpuLinear's oneDNN copy (of GGUF blocks only with ``batch_copies``), and its
+    row-interleaved copy for the few-row kernel (all in one huge-page arena) where the
+    compiled ``kernels`` support it and the shape allows."""
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     can_interleave = kernels is not None and kernels.interleaved_supported()
     interleavable = [m for m in linears if can_interleave and m.weight.dtype == torch.float32
@@ -113,4 +130,4 @@ def pack_linears(model: nn.Module, kernels) -> None:
     copies = huge_page_copies([kernels.interleave_rows(m.weight.detach()) for m in interleavable])
     interleaved = {id(m): copy for m, copy in zip(interleavable, copies)}
     for module in linears:
-        module.pack(kernels, interleaved.get(id(module)))
+        module.pack(kernels, interleaved.get(id(module)), batch_copies)

@@ -258,7 +258,11 @@ torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optio
     const int64_t share = ((N + threads - 1) / threads + 15) / 16 * 16;  // every thread busy
     const int64_t own = std::min(tile, std::max<int64_t>(16, share));
     const int64_t tiles = (N + own - 1) / own;
+    // torch's worker threads do not inherit the caller's inference mode, and an mm into
+    // y (an inference tensor when the caller is in inference mode) must run in it too
+    const bool inference = c10::InferenceMode::is_enabled();
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      c10::InferenceMode same_mode(inference);
       auto buffer = torch::empty({own, K}, x.options());
       float* o = buffer.data_ptr<float>();
       for (int64_t t = begin; t < end; ++t) {
