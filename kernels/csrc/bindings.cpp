@@ -1,15 +1,19 @@
 #include "cpu_kernels.h"
 
+// The compute kernels touch no Python object: they let go of the GIL, so the replica's event
+// loop keeps running while a step computes on the model thread (overlapped steps).
+static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)");
-  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU, fp32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32)");
-  m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32)", kNoGil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", kNoGil);
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU, fp32)", kNoGil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32)", kNoGil);
+  m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32)", kNoGil);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, double, int64_t, int64_t,
                           int64_t, double>())
-      .def("forward", &LlamaDecoder::forward, "final-norm hidden states of a decode step (CPU, fp32)");
+      .def("forward", &LlamaDecoder::forward, "final-norm hidden states of a decode step (CPU, fp32)", kNoGil);
   m.def("interleaved_supported", [] {
 #ifdef __AVX512F__
     return true;
@@ -17,13 +21,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
-  m.def("interleave_rows", &interleave_rows, "weight [N, K] -> [N/16, K/16, 16, 16] for few_rows_linear");
-  m.def("quantized_linear", &quantized_linear, "x @ W^T + bias, W in GGUF blocks (kernels/quant.py layout; CPU, fp32)");
+  m.def("interleave_rows", &interleave_rows, "weight [N, K] -> [N/16, K/16, 16, 16] for few_rows_linear", kNoGil);
+  m.def("quantized_linear", &quantized_linear, "x @ W^T + bias, W in GGUF blocks (kernels/quant.py layout; CPU, fp32)", kNoGil);
   m.def("set_quant_few_rows", &set_quant_few_rows, "rows of x up to which quantized_linear unpacks in registers");
   m.def("set_quant_tiling", &set_quant_tiling, "quantized_linear's many-rows tiles: float32 bytes each, per thread or shared");
   m.def("quant_tile_bytes", [] { return kQuantTileBytes; }, "the default many-rows tile (float32 bytes)");
   m.def("quant_per_thread_tiles", [] { return kQuantPerThreadTiles; }, "the default many-rows tiling");
-  m.def("dequantize_weight", &dequantize_weight, "GGUF-block weight -> float32 [N, K]");
+  m.def("dequantize_weight", &dequantize_weight, "GGUF-block weight -> float32 [N, K]", kNoGil);
   m.def("quant_isa", [] {
 #if defined(__AVX2__) && defined(__FMA__)
     return std::string("avx2");
@@ -31,5 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::string("scalar");
 #endif
   });
-  m.def("few_rows_linear", &few_rows_linear, "x @ weight^T + bias for a few rows of x (CPU, fp32)");
+  m.def("few_rows_linear", &few_rows_linear, "x @ weight^T + bias for a few rows of x (CPU, fp32)", kNoGil);
 }
