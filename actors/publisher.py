@@ -119,7 +119,8 @@ class PublisherActor(Actor):
         logprobs = None
         if output.new_logprobs is not None and output.new_token_ids:
             # the step's own copy: by the time this runs, later steps may have grown `logprobs`
-            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in output.new_logprobs]
+            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top, "rank": lp.rank}
+                        for lp in output.new_logprobs]
         return TokenEvent(attempt=delivery.attempt, seq=seq, text=output.new_text,
                           token_ids=output.new_token_ids, logprobs=logprobs)
 

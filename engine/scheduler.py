@@ -149,6 +149,8 @@ class Scheduler:
                 return
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.admit_order = next(self._admit_counter)
             self.running.append(seq)
             self._schedule(seq, num_new, plan, now)
