@@ -19,6 +19,7 @@ from engine.input_processor import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec
 from engine.output_processor import OutputProcessor
+from engine.parallel_sampling import ParallelSampling
 from engine.outputs import RequestOutput
 from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.spec.hf_config.vocab_size, self.max_model_len,
                                      self.runner.num_blocks * config.block_size)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.samples = ParallelSampling(share_prefix=config.enable_prefix_caching)  # n > 1 requests
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
         self._in_flight: deque[tuple[StepPlan, Future]] = deque()  # overlapped steps, oldest first
         self._model_thread: ThreadPoolExecutor | None = None
@@ -63,14 +65,18 @@ class LLMEngine:
         return self.inputs.with_tokenizer(AutoTokenizer.from_pretrained(self.tokenizer_dir))
 
     def add_sequence(self, seq: Sequence, prompt: str | None = None) -> None:
-        """``prompt``: the text outputs report as ``RequestOutput.prompt`` (None: not kept)."""
-        self.scheduler.add(seq)
-        self.outputs.add(seq, prompt)
+        """``prompt``: the text outputs report as ``RequestOutput.prompt`` (None: not kept).
+        A request with n > 1 runs as n child sequences (engine/parallel_sampling.py)."""
+        for member in self.samples.fan_out(seq, prompt):
+            self.scheduler.add(member)
+            self.outputs.add(member, prompt)
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.scheduler.finish(request_id, "abort")
-        if seq is not None:
-            self._ended.append(seq)
+        """Ends the request (all its samples); its last output says finish_reason 'abort'."""
+        for seq_id in self.samples.sequence_ids(request_id):
+            seq = self.scheduler.finish(seq_id, "abort")
+            if seq is not None:
+                self._ended.append(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended)
@@ -106,7 +112,7 @@ class LLMEngine:
             stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id), hold_last)
             self._finish_if_stopped(seq, stop_string)
         ended, self._ended = self._ended, []
-        return [self.outputs.output(seq) for seq in ended + updated]
+        return self.samples.fan_in([(seq, self.outputs.output(seq)) for seq in ended + updated])
 
     def _feed_prompt_logprobs(self, result: StepResult) -> None:
         for seq_id, (start, entries) in result.prompt_logprobs.items():

@@ -114,8 +114,11 @@ class RequestOutput:
         """Latency metrics of a finished request, computed here from the core's timestamps."""
         if not self.finished or self.timestamps is None:
             return None
-        return RequestMetrics.from_timestamps(self.timestamps, len(self.prompt_token_ids), self.num_output_tokens,
-                                              self.num_preemptions)
+        metrics = RequestMetrics.from_timestamps(self.timestamps, len(self.prompt_token_ids), self.num_output_tokens,
+                                                 self.num_preemptions)
+        if len(self.outputs) > 1:  # n samples decode side by side: per token of the longest one
+            metrics.tpot = _time_per_output_token(self.timestamps, max(len(o.token_ids) for o in self.outputs))
+        return metrics
 
     @property
     def num_output_tokens(self) -> int:

@@ -79,7 +79,7 @@ class SamplingParams:
         self._validate_vllm_extras(vocab_size)
 
     def _validate_vllm_extras(self, vocab_size: int) -> None:
-        _integer("n", self.n, low=1, high=1)  # parallel sampling: next commit
+        _integer("n", self.n, low=1, high=MAX_N)
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         for name in ("include_stop_str_in_output", "spaces_between_special_tokens", "skip_special_tokens",
