@@ -1,5 +1,6 @@
 """Jobs with n > 1 through a real replica (tiny model, real Valkey): fan-out into samples
 sharing one prefill, fan-in into one out stream and one terminal event."""
+import asyncio
 import json
 import uuid
 
@@ -7,7 +8,7 @@ import msgpack
 import pytest
 import redis
 
-from clients import Client, InvalidJob, JobCancelled, JobFailed
+from clients import AsyncClient, Client, InvalidJob, JobCancelled, JobFailed
 from clients.keys import Keys
 from engine import LLM, SamplingParams
 from model_factory import build_tiny_model, mixed_prompts
@@ -60,6 +61,11 @@ def test_n_outputs_match_offline_and_stream_by_index(replica, redis_url, namespa
     assert result.usage.completion_tokens == sum(len(o.token_ids) for o in result.outputs) == 36
     types = [event["type"] for event in out_events(redis_url, namespace, job.job_id)]
     assert types.count("done") == 1 and types[-1] == "done"
+
+    async def read_async():
+        async with AsyncClient(redis_url, namespace=namespace) as client:
+            return await client.job(job.job_id).result(timeout=30)
+    assert asyncio.run(read_async()).outputs == result.outputs
 
 
 def test_an_n_1_job_keeps_the_old_event_shape(replica, redis_url, namespace):
