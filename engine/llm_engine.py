@@ -7,8 +7,8 @@ this class wires them synchronously for the offline API.
 """
 import time
 from collections import deque
-from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -19,8 +19,8 @@ from engine.input_processor import InputProcessor
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec
 from engine.output_processor import OutputProcessor
-from engine.parallel_sampling import ParallelSampling
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import ParallelSampling
 from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
