@@ -50,12 +50,13 @@ class ReplicaMetrics:
                 self._record_finish(output)
 
     def _record_tokens(self, output: RequestOutput, now: float) -> None:
-        if not output.new_token_ids:
+        num_new = output.num_new_tokens  # all of an n > 1 request's outputs
+        if not num_new:
             return
-        self.generation_tokens.inc(len(output.new_token_ids))
+        self.generation_tokens.inc(num_new)
         last = self._last_token_time.get(output.request_id)
         if last is not None:
-            self.itl.observe((now - last) / len(output.new_token_ids))
+            self.itl.observe((now - last) / max(len(o.new_token_ids) for o in output.outputs))
         self._last_token_time[output.request_id] = now
 
     def _record_finish(self, output: RequestOutput) -> None:

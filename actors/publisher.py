@@ -8,9 +8,9 @@ from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.messages import Delivery, EntryRefused, JobEnded, Release, StepOutputs
 from actors.streams import Streams
-from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, Timings, TokenEvent, Usage,
+from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, OutputChoice, Timings, TokenEvent, Usage,
                             encode_event)
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 ABORT_MESSAGES = {"deadline_exceeded": "the job's deadline passed while it was running"}
@@ -42,8 +42,9 @@ class PublisherActor(Actor):
         # events are built once: a retried round trip resends the very same events
         tokens, finishes = [], []
         for delivery, output, abort_reason in message.items:
-            if output.new_token_ids or output.new_text:
-                tokens.append((delivery, encode_event(self._token(delivery, output))))
+            for completion in output.outputs:  # n > 1: one token event per output that advanced
+                if completion.new_token_ids or completion.new_text:
+                    tokens.append((delivery, encode_event(self._token(delivery, completion))))
             if output.finished:
                 status, event = self._terminal(delivery, output, abort_reason)
                 finishes.append((delivery, status, encode_event(event)))
@@ -113,19 +114,20 @@ class PublisherActor(Actor):
             self.warnings.warning("refusal", "refusing entry %s: %s", message.entry_id,
                                   shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
 
-    def _token(self, delivery: Delivery, output: RequestOutput) -> TokenEvent:
+    def _token(self, delivery: Delivery, output: CompletionOutput) -> TokenEvent:
         seq = self.next_seq.get(delivery.job_id, 0)
         self.next_seq[delivery.job_id] = seq + 1
         logprobs = None
         if output.new_logprobs is not None and output.new_token_ids:
             # the step's own copy: by the time this runs, later steps may have grown `logprobs`
-            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in output.new_logprobs]
+            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top, "rank": lp.rank}
+                        for lp in output.new_logprobs]
         return TokenEvent(attempt=delivery.attempt, seq=seq, text=output.new_text,
-                          token_ids=output.new_token_ids, logprobs=logprobs)
+                          token_ids=output.new_token_ids, logprobs=logprobs, index=output.index)
 
     def _terminal(self, delivery: Delivery, output: RequestOutput, abort_reason: str | None):
         num_events = self.next_seq.pop(delivery.job_id, 0)
-        if output.finish_reason == "abort":
+        if any(completion.finish_reason == "abort" for completion in output.outputs):  # all of an n > 1 job
             if abort_reason == "cancelled":
                 return "cancelled", CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
             reason = abort_reason or "aborted"
@@ -133,13 +135,16 @@ class PublisherActor(Actor):
             return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
                                        metadata=delivery.metadata)
         metrics = output.metrics
-        usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
-                      total_tokens=len(output.prompt_token_ids) + len(output.token_ids))
+        usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens,
+                      total_tokens=len(output.prompt_token_ids) + output.num_output_tokens)
         timings = Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e) \
             if metrics else Timings()
-        return "done", DoneEvent(attempt=delivery.attempt, seq=num_events, finish_reason=output.finish_reason,
-                                 text=output.text, token_ids=output.token_ids, usage=usage, timings=timings,
-                                 metadata=delivery.metadata)
+        first = output.outputs[0]
+        choices = [OutputChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+                   for c in output.outputs] if len(output.outputs) > 1 else None
+        return "done", DoneEvent(attempt=delivery.attempt, seq=num_events, finish_reason=first.finish_reason,
+                                 text=first.text, token_ids=first.token_ids, usage=usage, timings=timings,
+                                 metadata=delivery.metadata, outputs=choices)
 
     @staticmethod
     def _ended_event(message: JobEnded):

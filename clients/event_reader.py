@@ -14,6 +14,7 @@ from clients.events import (
     DoneEvent,
     ErrorEvent,
     Event,
+    OutputChoice,
     TerminalEvent,
     Timings,
     TokenEvent,
@@ -44,6 +45,7 @@ class JobResult(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     attempt: int = 1
     entry_id: str | None = None
+    outputs: list[OutputChoice] = Field(default_factory=list)  # every output, index order (n of them)
 
 
 class JobStatus(BaseModel):
@@ -149,7 +151,10 @@ def outcome(job_id: str, event: TerminalEvent) -> JobResult:
     if isinstance(event, CancelledEvent):
         raise JobCancelled(job_id=job_id, attempt=event.attempt, metadata=event.metadata)
     assert isinstance(event, DoneEvent), event
-    return JobResult(job_id=job_id, **event.model_dump(exclude={"type", "seq"}), entry_id=event.entry_id)
+    fields = event.model_dump(exclude={"type", "seq", "outputs"})
+    outputs = event.outputs or [OutputChoice(index=0, text=event.text, token_ids=event.token_ids,
+                                             finish_reason=event.finish_reason)]
+    return JobResult(job_id=job_id, **fields, outputs=outputs, entry_id=event.entry_id)
 
 
 MAX_BLOCK_MS = 2000  # below redis-py's default 5 s socket timeout; callers loop until the deadline

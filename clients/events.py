@@ -36,6 +36,7 @@ class TokenEvent(_Event):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     logprobs: Any = None
+    index: int = Field(default=0, ge=0)  # which of the job's n outputs this delta extends
     # Set by the reading client: True on the first token of a retry (attempt > 1);
     # discard the deltas of earlier attempts when you see it.
     reset: bool = Field(default=False, exclude=True)
@@ -60,15 +61,27 @@ class Timings(BaseModel):
     e2e: float | None = None
 
 
+class OutputChoice(BaseModel):
+    """One output of a job with n > 1 (DoneEvent.outputs[index])."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    index: int = Field(ge=0)
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason
+
+
 class DoneEvent(_Event):
     type: Literal["done"] = "done"
     seq: int = Field(default=0, ge=0)  # number of token events of this attempt
-    finish_reason: FinishReason
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    usage: Usage = Field(default_factory=Usage)
+    finish_reason: FinishReason  # of output 0
+    text: str = ""  # of output 0
+    token_ids: list[int] = Field(default_factory=list)  # of output 0
+    usage: Usage = Field(default_factory=Usage)  # completion_tokens: all outputs together
     timings: Timings = Field(default_factory=Timings)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    outputs: list[OutputChoice] | None = None  # n > 1: every output, in index order
 
 
 class ErrorEvent(_Event):
@@ -102,8 +115,16 @@ def encode_event(event: Event) -> dict[str, bytes]:
     return {"type": event.type.encode(), "data": encode_event_data(event)}
 
 
+# Fields of n > 1 jobs, left out at these values: an n = 1 job's events keep their shape
+OMITTED_AT = {"index": 0, "outputs": None}
+
+
 def encode_event_data(event: Event) -> bytes:
-    return msgpack.packb(event.model_dump(), use_bin_type=True)
+    data = event.model_dump()
+    for name, value in OMITTED_AT.items():
+        if name in data and data[name] == value:
+            del data[name]
+    return msgpack.packb(data, use_bin_type=True)
 
 
 def decode_event(fields: dict, entry_id: str | bytes | None = None) -> Event:

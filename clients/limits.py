@@ -31,3 +31,4 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MIN_PENALTY, MAX_PENALTY = -2.0, 2.0  # presence_penalty, frequency_penalty
 MAX_LOGPROBS = 20
+MAX_N = 16  # outputs (samples) of one job

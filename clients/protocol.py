@@ -24,6 +24,7 @@ from clients.events import (  # noqa: F401  (re-exported: events are part of the
     DoneEvent,
     ErrorEvent,
     Event,
+    OutputChoice,
     TerminalEvent,
     Timings,
     TokenEvent,
@@ -42,6 +43,7 @@ from clients.limits import (  # noqa: F401  (re-exported)
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
     MAX_MSGPACK_BYTES,
+    MAX_N,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_RESULT_TTL,
@@ -107,6 +109,7 @@ class JobRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    n: int = Field(default=1, ge=1, le=MAX_N)  # outputs: sampled side by side, sharing the prompt's KV
 
     priority_class: Literal["interactive", "batch"] = "interactive"
     priority: Int32 = 0
@@ -183,7 +186,7 @@ class JobRequest(BaseModel):
 
     def sampling_params(self) -> dict[str, Any]:
         """Keyword arguments for vLLM-style `SamplingParams(**job.sampling_params())`."""
-        return {name: _copy(getattr(self, name)) for name in SAMPLING_PARAM_NAMES}
+        return {name: _copy(getattr(self, name)) for name in (*SAMPLING_PARAM_NAMES, *DEFAULT_ONLY_DIGEST_FIELDS)}
 
 
 SAMPLING_PARAM_NAMES = (
@@ -191,6 +194,9 @@ SAMPLING_PARAM_NAMES = (
     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
     "ignore_eos", "min_tokens", "logprobs",
 )  # fmt: skip
+# Fields added after the digest was defined: part of it only when not at their default, so
+# every digest computed before them stays valid (docs/protocol.md, "Payload digest").
+DEFAULT_ONLY_DIGEST_FIELDS = {"n": 1}
 
 
 def _copy(value: Any) -> Any:
@@ -297,6 +303,8 @@ def digest_input(job: JobRequest) -> str:
     """The canonical JSON text that payload_digest hashes (pure ASCII)."""
     content = {name: getattr(job, name) for name in DIGEST_FIELDS}
     content["messages"] = job.chat_messages()
+    content.update({name: getattr(job, name) for name, default in DEFAULT_ONLY_DIGEST_FIELDS.items()
+                    if getattr(job, name) != default})
     return canonical_json(content)
 
 

@@ -60,8 +60,8 @@ class BlockManager:
         """For a sequence with nothing computed: take the cached blocks of its longest cached
         prefix (never its last token, whose logits must be computed). Returns tokens reused."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # prompt logprobs score every prompt position: none may be skipped
         full_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_queries += seq.num_tokens
         for index in range(full_blocks):

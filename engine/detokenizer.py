@@ -12,9 +12,12 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for correct 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop_str: bool = False,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.include_stop_str = include_stop_str  # keep a completed stop string in the text (vLLM's option)
         self.stop = stop
         self.stop_matcher = StopMatcher(stop)
         self.window = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -57,15 +60,17 @@ class IncrementalDetokenizer:
         self.text += new_text
         if hit:
             index, self.stop_string = hit
-            self.text = self.text[:index]
+            self.text = self.text[:index + (len(self.stop_string) if self.include_stop_str else 0)]
 
     def _held_back(self) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-        return min(self.stop_matcher.held_back(), len(self.text))
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string
+        (none when stop strings stay in the text: then nothing needs taking back)."""
+        return 0 if self.include_stop_str else min(self.stop_matcher.held_back(), len(self.text))
 
     def _trimmed(self):
         """Drop window tokens before ``prefix_offset``; they are never decoded again."""
         return self.window[self.prefix_offset:], 0, self.read_offset - self.prefix_offset
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)

@@ -30,6 +30,11 @@ class StopRules:
             return ("stop", stop_string)
         return self._token_reason(seq) or self._length_reason(seq)
 
+    def stops_on_token(self, seq: Sequence) -> bool:
+        """Whether rule 2 (EOS or a stop token id) holds for the last token: then, as in vLLM,
+        that token's text is left out of the output unless include_stop_str_in_output."""
+        return self._token_reason(seq) is not None
+
     def ends_after_pending(self, seq: Sequence) -> bool:
         """Whether the token a step in flight samples for ``seq`` certainly ends it (rule 3):
         then the next step, planned before that token is known, leaves it out."""

@@ -1,4 +1,9 @@
-"""Offline API, vLLM's shape: ``LLM(model, **options).generate(prompts, params)``."""
+"""Offline API, vLLM's shape: ``LLM(model, **options).generate(prompts, params)``.
+
+Deliberate difference: a request with invalid parameters does not raise (vLLM's does);
+it comes back as its own output with ``finish_reason='error'`` and ``error`` set, so the
+rest of a batch still runs (README, "Offline API").
+"""
 import itertools
 from typing import Sequence as Seq
 
@@ -7,12 +12,14 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompt_inputs import engine_prompt, prompt_list
+from engine.sampling_params import MAX_N, SamplingParams
 
 
 class LLM:
     def __init__(self, model: str = EngineConfig.model, **options):
+        """``options``: EngineConfig's fields, and vLLM's names (engine/vllm_options.py)."""
         self.engine = LLMEngine(EngineConfig.from_options(model, **options))
         self._ids = itertools.count()
 
@@ -20,13 +27,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine underneath."""
+        return self.engine
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
-        """``prompts``: a string, a list of strings, or a list of token-id lists. Outputs come
-        back in prompt order; a bad request yields ``finish_reason='error'`` on its own output."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm, priority)
+        """``prompts``: one prompt or a list (engine/prompt_inputs.py: strings, token-id lists,
+        vLLM's prompt dicts). Outputs come back in prompt order; a bad request yields
+        ``finish_reason='error'`` on its own output."""
+        return self._run(prompt_list(prompts), sampling_params, use_tqdm, priority)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """``messages``: one conversation (list of {role, content}) or a list of them."""
@@ -43,14 +57,19 @@ class LLM:
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                if chat:
-                    self.engine.add_request(request_id, params=param, priority=prio, messages=prompt)
-                else:
-                    self.engine.add_request(request_id, prompt, param, priority=prio)
+                self._add(request_id, prompt, param, prio, chat)
             except InvalidRequest as exc:
-                results[request_id] = _error_output(request_id, prompt, exc)
+                results[request_id] = _error_output(request_id, prompt, param, exc)
         self._drain(results, len(order), use_tqdm)
         return [results[request_id] for request_id in order]
+
+    def _add(self, request_id: str, prompt, params: SamplingParams, priority: int, chat: bool) -> None:
+        if chat:
+            self.engine.add_request(request_id, params=params, priority=priority, messages=prompt)
+            return
+        value, text = engine_prompt(prompt)
+        seq = self.engine.make_sequence(request_id, value, params, priority=priority)
+        self.engine.add_sequence(seq, text)
 
     def _drain(self, results: dict, total: int, use_tqdm: bool) -> None:
         bar = tqdm(total=total, initial=len(results), desc="Generating", unit="req",
@@ -58,7 +77,7 @@ class LLM:
         generated = 0
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
-                generated += len(output.new_token_ids)
+                generated += output.num_new_tokens
                 if output.finished:
                     results[output.request_id] = output
                     bar.update(1)
@@ -77,6 +96,11 @@ def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     return params
 
 
-def _error_output(request_id: str, prompt, exc: InvalidRequest) -> RequestOutput:
-    prompt_ids = list(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else []
-    return RequestOutput(request_id, prompt_ids, finished=True, finish_reason="error", error=str(exc))
+def _error_output(request_id: str, prompt, params: SamplingParams, exc: InvalidRequest) -> RequestOutput:
+    """One failed output per sample asked for (n, when n itself is valid)."""
+    value = prompt.get("prompt_token_ids", prompt.get("prompt")) if isinstance(prompt, dict) else prompt
+    prompt_ids = list(value) if isinstance(value, list) and all(isinstance(t, int) for t in value) else []
+    n = params.n if isinstance(params.n, int) and 1 <= params.n <= MAX_N else 1
+    failed = [CompletionOutput(index, "", [], finish_reason="error") for index in range(n)]
+    return RequestOutput(request_id, value if isinstance(value, str) else None, prompt_ids, outputs=failed,
+                         finished=True, error=str(exc))

@@ -8,6 +8,7 @@ this class wires them synchronously for the offline API.
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -19,6 +20,7 @@ from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.parallel_sampling import ParallelSampling
 from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -30,13 +32,15 @@ class LLMEngine:
         self.config = config
         self.spec = load_spec(config.model)
         self.max_model_len = resolve_max_model_len(config, self.spec.max_context)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_dir)
+        self.tokenizer_dir = resolve_tokenizer_dir(config.tokenizer, self.spec.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         self.runner = ModelRunner(config, self.spec, self.max_model_len)
         self.stop_rules = StopRules(self.spec.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.stop_rules)
         self.inputs = InputProcessor(self.tokenizer, self.spec.hf_config.vocab_size, self.max_model_len,
                                      self.runner.num_blocks * config.block_size)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.samples = ParallelSampling(share_prefix=config.enable_prefix_caching)  # n > 1 requests
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
         self._in_flight: deque[tuple[StepPlan, Future]] = deque()  # overlapped steps, oldest first
         self._model_thread: ThreadPoolExecutor | None = None
@@ -47,7 +51,7 @@ class LLMEngine:
                     arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
         """``prompt``: text or token ids; or ``messages`` (chat). Raises InvalidRequest."""
         seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time, messages)
-        self.add_sequence(seq)
+        self.add_sequence(seq, prompt_text_of(self.tokenizer, prompt, messages, seq))
         return seq
 
     def make_sequence(self, request_id: str, prompt=None, params: SamplingParams | None = None,
@@ -58,16 +62,21 @@ class LLMEngine:
 
     def own_input_processor(self) -> InputProcessor:
         """Inputs for another thread (the replica's ingest), with a tokenizer of its own."""
-        return self.inputs.with_tokenizer(AutoTokenizer.from_pretrained(self.spec.model_dir))
+        return self.inputs.with_tokenizer(AutoTokenizer.from_pretrained(self.tokenizer_dir))
 
-    def add_sequence(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
-        self.outputs.add(seq)
+    def add_sequence(self, seq: Sequence, prompt: str | None = None) -> None:
+        """``prompt``: the text outputs report as ``RequestOutput.prompt`` (None: not kept).
+        A request with n > 1 runs as n child sequences (engine/parallel_sampling.py)."""
+        for member in self.samples.fan_out(seq, prompt):
+            self.scheduler.add(member)
+            self.outputs.add(member, prompt)
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.scheduler.finish(request_id, "abort")
-        if seq is not None:
-            self._ended.append(seq)
+        """Ends the request (all its samples); its last output says finish_reason 'abort'."""
+        for seq_id in self.samples.sequence_ids(request_id):
+            seq = self.scheduler.finish(seq_id, "abort")
+            if seq is not None:
+                self._ended.append(seq)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended)
@@ -97,11 +106,19 @@ class LLMEngine:
         """Second half: apply sampled tokens, detokenize, end the sequences that a stop
         condition ended; outputs of the step."""
         updated = self.scheduler.update(plan, result)
+        self._feed_prompt_logprobs(result)
         for seq in updated:
-            stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id))
+            hold_last = self.stop_rules.stops_on_token(seq) and not seq.params.include_stop_str_in_output
+            stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id), hold_last)
             self._finish_if_stopped(seq, stop_string)
         ended, self._ended = self._ended, []
-        return [self.outputs.output(seq) for seq in ended + updated]
+        return self.samples.fan_in([(seq, self.outputs.output(seq)) for seq in ended + updated])
+
+    def _feed_prompt_logprobs(self, result: StepResult) -> None:
+        for seq_id, (start, entries) in result.prompt_logprobs.items():
+            seq = self.scheduler.seqs.get(seq_id)
+            if seq is not None:
+                self.outputs.feed_prompt_logprobs(seq, start, entries)
 
     def _finish_if_stopped(self, seq: Sequence, stop_string: str | None) -> None:
         """Every stop condition, checked once in StopRules' order; the one place a step ends a sequence."""
@@ -129,6 +146,27 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return self.scheduler.kv_stats()
+
+
+def prompt_text_of(tokenizer, prompt, messages, seq: Sequence) -> str | None:
+    """vLLM's ``RequestOutput.prompt``: the text given, the chat template's rendering of
+    ``messages``, None for token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if messages is not None:
+        return tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)
+    return None
+
+
+def resolve_tokenizer_dir(tokenizer: str | None, model_dir):
+    """The model's own tokenizer, or ``tokenizer``: a local directory (nothing is downloaded)."""
+    if tokenizer is None:
+        return model_dir
+    path = Path(tokenizer).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer: {tokenizer!r} is not a local directory (tokenizer.json or "
+                             f"tokenizer_config.json); Conveyor never downloads one")
+    return path
 
 
 def resolve_max_model_len(config: EngineConfig, model_context: int) -> int:

@@ -14,7 +14,9 @@ from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
 from engine.models.loader import ModelSpec, build_model, gguf_batch_copies
 from engine.plan import ScheduledSeq, StepPlan, StepResult
+from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
+from engine.vllm_options import kv_budget_from_utilization
 from kernels.backend import prepare
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class InputBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_ids: list[str]
+    prompt_spans: list[PromptSpan] = field(default_factory=list)  # prompt positions to score
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,7 +88,9 @@ class ModelRunner:
         if self.config.kv_cache_bytes is not None:
             return self.config.kv_cache_bytes
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            if self.config.gpu_memory_utilization is not None:
+                return kv_budget_from_utilization(self.config.gpu_memory_utilization, total, free)
             return int(free * CUDA_KV_CACHE_FRACTION)
         return CPU_KV_CACHE_BYTES
 
@@ -103,7 +108,16 @@ class ModelRunner:
         for row, token_id in zip(rows, token_ids):
             row.token_ids.append(token_id)
         return StepResult(batch.sampling_ids, token_ids,
-                          {batch.sampling_ids[i]: lp for i, lp in logprobs.items()})
+                          {batch.sampling_ids[i]: lp for i, lp in logprobs.items()},
+                          self._prompt_logprobs(batch, hidden))
+
+    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict:
+        scored = {}
+        for span in batch.prompt_spans:
+            seq = self.seqs[span.seq_id]
+            scored[span.seq_id] = (span.start + 1, score_prompt(hidden, self.model.compute_logits, span,
+                                                                seq.token_ids, seq.params.prompt_logprobs))
+        return scored
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         """Final hidden states: the backend's whole-model decoder where it serves the step,
@@ -132,7 +146,7 @@ class ModelRunner:
         # decodes (one new token) first: they share one batched attention call
         ordered = sorted(scheduled, key=lambda s: s.num_new != 1)
         num_decode = sum(1 for s in ordered if s.num_new == 1)
-        input_ids, positions, logits_indices, sampling_ids = [], [], [], []
+        input_ids, positions, logits_indices, sampling_ids, prompt_spans = [], [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         for item in ordered:
             seq = self.seqs[item.seq_id]
@@ -150,6 +164,9 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 logits_indices.append(offset + item.num_new - 1)
                 sampling_ids.append(item.seq_id)
+            span = prompt_span(item, offset, seq.num_prompt_tokens) if seq.params.prompt_logprobs is not None else None
+            if span is not None:
+                prompt_spans.append(span)
         positions_t = self._tensor(positions)
         meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
         if num_decode:
@@ -157,7 +174,7 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
         return InputBatch(self._tensor(input_ids), positions_t, meta, self._tensor(logits_indices),
-                          sampling_ids)
+                          sampling_ids, prompt_spans)
 
     def _slots(self, ordered: list[ScheduledSeq], positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of every token: block_table[pos // block_size] * block_size + pos % block_size."""

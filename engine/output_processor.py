@@ -2,7 +2,8 @@
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestOutput, RequestTimestamps
+from engine.logprob_format import LogprobFormatter
+from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, RequestTimestamps, SampleLogprobs
 from engine.plan import TokenLogprobs
 from engine.sequence import Sequence
 
@@ -10,7 +11,11 @@ from engine.sequence import Sequence
 @dataclass
 class RequestState:
     detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] | None
+    prompt: str | None
+    logprobs: list[TokenLogprobs] | None  # engine form: the deltas are slices of it
+    sample_logprobs: SampleLogprobs | None  # vLLM form, grown with it
+    prompt_logprobs: PromptLogprobs | None
+    cumulative_logprob: float | None
     num_seen_tokens: int = 0  # output tokens already fed to the detokenizer
     num_reported_tokens: int = 0  # output tokens already returned as deltas
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -19,26 +24,48 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.formatter = LogprobFormatter(tokenizer)
         # keyed by the Sequence itself: an aborted request's final output may still be due
         # when a new request reuses its id
         self.states: dict[Sequence, RequestState] = {}
 
-    def add(self, seq: Sequence) -> None:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop,
-                                             seq.params.skip_special_tokens)
-        self.states[seq] = RequestState(detokenizer, [] if seq.params.logprobs is not None else None)
+    def add(self, seq: Sequence, prompt: str | None = None) -> None:
+        params = seq.params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                             params.skip_special_tokens, params.include_stop_str_in_output,
+                                             params.spaces_between_special_tokens)
+        wants_logprobs = params.logprobs is not None
+        self.states[seq] = RequestState(detokenizer, prompt, [] if wants_logprobs else None,
+                                        [] if wants_logprobs else None,
+                                        [None] if params.prompt_logprobs is not None else None,
+                                        0.0 if wants_logprobs else None)
 
-    def feed(self, seq: Sequence, logprobs: TokenLogprobs | None = None) -> str | None:
-        """Decode the sequence's new tokens; returns the stop string if one just completed."""
+    def feed(self, seq: Sequence, logprobs: TokenLogprobs | None = None, hold_last: bool = False) -> str | None:
+        """Decode the sequence's new tokens; returns the stop string if one just completed.
+        ``hold_last``: the last token ended the sequence as a stop token; as in vLLM, its text
+        is not part of the output (unless include_stop_str_in_output)."""
         state = self.states[seq]
         if logprobs is not None and state.logprobs is not None:
             state.logprobs.append(logprobs)
+            state.sample_logprobs.append(self.formatter.position(logprobs))
+            state.cumulative_logprob += logprobs.logprob
         detok = state.detokenizer
-        for token_id in seq.output_token_ids[state.num_seen_tokens:]:
+        new_tokens = seq.output_token_ids[state.num_seen_tokens:]
+        for token_id in new_tokens[:-1] if hold_last else new_tokens:
             if detok.stop_string is None:
                 detok.add(token_id)
         state.num_seen_tokens = seq.num_output_tokens
         return detok.stop_string
+
+    def feed_prompt_logprobs(self, seq: Sequence, start: int, entries: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt tokens ``start``, ``start + 1``, ...; positions already held
+        (a preempted sequence computes its prompt again) are skipped."""
+        held = self.states[seq].prompt_logprobs
+        if held is None:
+            return
+        for position, entry in enumerate(entries, start):
+            if position == len(held):
+                held.append(self.formatter.position(entry))
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The request's output now, with the delta since the last call. Forgets finished ones."""
@@ -46,19 +73,26 @@ class OutputProcessor:
         finished = seq.is_finished
         if finished:
             state.detokenizer.flush()
-        new_text = state.detokenizer.take_delta(final=finished)
+            del self.states[seq]
+        completion = self._completion(seq, state, finished)
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=state.prompt, prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs, outputs=[completion], finished=finished,
+            num_cached_tokens=seq.num_cached_tokens, timestamps=timestamps_of(seq) if finished else None,
+            num_preemptions=seq.num_preemptions)
+
+    @staticmethod
+    def _completion(seq: Sequence, state: RequestState, finished: bool) -> CompletionOutput:
+        detok = state.detokenizer
+        new_text = detok.take_delta(final=finished)
         new_tokens = seq.output_token_ids[state.num_reported_tokens:]
         new_logprobs = None if state.logprobs is None else \
             state.logprobs[state.num_reported_tokens:state.num_reported_tokens + len(new_tokens)]
         state.num_reported_tokens = seq.num_output_tokens
-        if finished:
-            del self.states[seq]
-        return RequestOutput(
-            request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids), text=state.detokenizer.text[:state.detokenizer.emitted],
-            finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=state.logprobs, timestamps=timestamps_of(seq) if finished else None,
-            num_preemptions=seq.num_preemptions,
+        return CompletionOutput(
+            index=seq.sample_index, text=detok.text[:detok.emitted], token_ids=list(seq.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob, logprobs=state.sample_logprobs,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs)
 
 

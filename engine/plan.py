@@ -41,7 +41,8 @@ class StepPlan:
 class TokenLogprobs:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
+    top: list[tuple[int, float]]  # (token id, logprob), best first: ranks 1, 2, ...
+    rank: int | None = None  # of token_id in the vocabulary: 1 + tokens more likely (ties count against it)
 
 
 @dataclass
@@ -50,3 +51,5 @@ class StepResult:
     seq_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # seq id -> (first prompt position scored, the logprobs of the prompt tokens from there on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -31,6 +31,7 @@ class Sampler:
         """Returns (token ids, {row index: TokenLogprobs} for rows that asked for logprobs)."""
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
+        self._add_logit_bias(logits, rows)  # before the penalties, as in vLLM
         if any(r.params.has_penalties for r in rows):
             logits = self._penalize(logits, rows)
         self._ban_until_min_tokens(logits, rows)
@@ -79,6 +80,12 @@ class Sampler:
                                                                         device=self.device))
         return counts[:, :vocab]
 
+    def _add_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        for index, row in enumerate(rows):
+            if row.params.logit_bias:
+                ids = self._column(list(row.params.logit_bias), torch.long)
+                logits[index].index_add_(0, ids, self._column(list(row.params.logit_bias.values())))
+
     @staticmethod
     def _ban_until_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for index, row in enumerate(rows):
@@ -91,19 +98,27 @@ class Sampler:
             return None
         return logits.log_softmax(dim=-1)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor | None, rows: list[SamplingRow], tokens: list[int]):
+    def _logprobs(self, raw: torch.Tensor | None, rows: list[SamplingRow], tokens: list[int]):
         if raw is None:
             return {}
-        result = {}
-        for index, row in enumerate(rows):
-            if row.params.logprobs is None:
-                continue
-            top = raw[index].topk(row.params.logprobs) if row.params.logprobs else None
-            result[index] = TokenLogprobs(
-                tokens[index], float(raw[index, tokens[index]]),
-                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
-        return result
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        ranks = token_ranks(raw[wanted], self._column([tokens[i] for i in wanted], torch.long)).tolist()
+        return {index: token_logprobs(raw[index], tokens[index], rows[index].params.logprobs, rank)
+                for index, rank in zip(wanted, ranks)}
 
     def _column(self, values: list, dtype=torch.float32) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def token_ranks(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Per row, the vocabulary rank of ``token_ids[row]``: how many tokens are at least as
+    likely (vLLM's definition: 1 for the most likely, ties count against it). One pass."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    return (logprobs >= chosen).sum(dim=-1)
+
+
+def token_logprobs(row: torch.Tensor, token_id: int, num_top: int, rank: int) -> TokenLogprobs:
+    """The logprob of ``token_id`` in ``row`` (a log_softmax) and the ``num_top`` best."""
+    top = row.topk(num_top) if num_top else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return TokenLogprobs(token_id, float(row[token_id]), pairs, rank)

@@ -6,6 +6,7 @@ from engine import sampling_limits as limits
 from engine.errors import InvalidRequest
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS
+MAX_N = limits.MAX_N
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM): no logits / ~0 overflow
 
 
@@ -31,6 +32,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # chosen token + this many top alternatives
     skip_special_tokens: bool = True
+    n: int = 1  # samples of the prompt, returned as RequestOutput.outputs[0..n-1]
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    prompt_logprobs: int | None = None  # each prompt token's logprob + this many top alternatives
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -70,6 +76,30 @@ class SamplingParams:
         _stop_strings(self.stop)
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+        self._validate_vllm_extras(vocab_size)
+
+    def _validate_vllm_extras(self, vocab_size: int) -> None:
+        _integer("n", self.n, low=1, high=MAX_N)
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
+        for name in ("include_stop_str_in_output", "spaces_between_special_tokens", "skip_special_tokens",
+                     "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, f"must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.logit_bias is not None:
+            _logit_bias(self.logit_bias, vocab_size)
+
+
+def _logit_bias(bias, vocab_size: int) -> None:
+    """OpenAI's rules: token ids of the vocabulary, biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias", f"must be a dict of token id -> bias, got {type(bias).__name__}")
+    if len(bias) > limits.MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequest("logit_bias", f"at most {limits.MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    for token_id, value in bias.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise InvalidRequest("logit_bias", f"keys must be token ids (ints in [0, {vocab_size})), got {token_id!r}")
+        _number(f"logit_bias[{token_id}]", value, low=-limits.MAX_LOGIT_BIAS, high=limits.MAX_LOGIT_BIAS)
 
 
 def _stop_strings(stops: list) -> None:

@@ -22,6 +22,7 @@ from engine.batching_policy import make_policy
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.finishing import StopRules
+from engine.parallel_sampling import waits_for_leader
 from engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
 from engine.sequence import PRIORITY_CLASSES, Sequence, SequenceStatus
 
@@ -139,6 +140,8 @@ class Scheduler:
         for seq in self.policy.admissible(ranked, now):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if waits_for_leader(seq):
+                continue  # n > 1: it will share its leader's prompt blocks once they are computed
             if not seq.block_table:
                 seq.num_computed_tokens = self.block_manager.reuse_cached_prefix(seq)
             num_new = min(seq.num_unscheduled_tokens, budget)
@@ -149,6 +152,8 @@ class Scheduler:
                 return
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
             seq.admit_order = next(self._admit_counter)
             self.running.append(seq)
             self._schedule(seq, num_new, plan, now)

@@ -39,6 +39,9 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     known_to_runner: bool = False
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted
+    sample_index: int = 0  # which of its request's n samples this is (RequestOutput.outputs[i])
+    leader: "Sequence | None" = None  # n > 1: admitted once this one's prompt is computed (parallel_sampling.py)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -327,6 +327,37 @@ def test_logprobs_of_chat_and_completions(stack):
     assert all(len(top) <= 2 for top in plain.choices[0].logprobs.top_logprobs)
 
 
+def test_n_choices_of_completions_equal_offline_streamed_or_not(stack):
+    sampling = dict(temperature=0.9, seed=77, max_tokens=8)
+    expected = [c.text for c in stack.expected(PROMPTS[2], n=3, **sampling).outputs]
+    assert len(set(expected)) == 3
+    sdk = stack.sdk()
+    reply = sdk.completions.create(model=MODEL, prompt=PROMPTS[2], n=3, logprobs=1, **sampling)
+    assert [c.index for c in reply.choices] == [0, 1, 2] and [c.text for c in reply.choices] == expected
+    assert [len(c.logprobs.tokens) for c in reply.choices] == [8, 8, 8] and reply.usage.completion_tokens == 24
+    chunks = list(sdk.completions.create(model=MODEL, prompt=PROMPTS[2], n=3, stream=True, **sampling))
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)}
+    assert list(streamed.values()) == expected
+    finishes = [c.choices[0] for c in chunks if c.choices[0].finish_reason]
+    assert sorted(f.index for f in finishes) == [0, 1, 2] and {f.finish_reason for f in finishes} == {"length"}
+
+
+def test_n_choices_of_chat_streamed_or_not(stack):
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    sampling = dict(temperature=1.0, seed=5, max_tokens=6)
+    expected = [c.text for c in stack.expected(stack.chat_prompt_ids(messages), n=2, **sampling).outputs]
+    sdk = stack.sdk()
+    reply = sdk.chat.completions.create(model=MODEL, messages=messages, n=2, **sampling)
+    assert [c.message.content for c in reply.choices] == expected and [c.index for c in reply.choices] == [0, 1]
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, n=2, stream=True,
+                                              stream_options={"include_usage": True}, **sampling))  # fmt: skip
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    by_index = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(2)}  # fmt: skip
+    assert list(by_index.values()) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens == 12
+
+
 def test_priority_class_from_the_key_service_tier_and_header(stack):
     def tier(key, **options):
         return stack.sdk(key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
@@ -345,7 +376,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("route, fields, param", [
-    ("completions", {"n": 2}, "n"),
+    ("completions", {"n": 17}, "n"),
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"suffix": "tail"}, "suffix"),
@@ -354,7 +385,7 @@ CHAT = [{"role": "user", "content": "hi"}]
     ("completions", {"temperature": -1}, "temperature"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
-    ("chat", {"n": 3}, "n"),
+    ("chat", {"n": 0}, "n"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),

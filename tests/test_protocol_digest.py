@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from clients import AsyncClient, Client, InvalidJob, QueueFull, decode_job
 from clients.keys import Keys
-from clients.protocol import DIGEST_FIELDS, JobRequest, _js_number, digest_input, payload_digest
+from clients.protocol import (DEFAULT_ONLY_DIGEST_FIELDS, DIGEST_FIELDS, JobRequest, _js_number, digest_input,
+                              payload_digest)
 from clients.job_record import SUBMIT_LUA
 from clients.submission import submit_args
 
@@ -70,6 +71,7 @@ def test_defaults_and_normalisations_do_not_change_the_digest():
         {"prompt": "hi", "max_tokens": 16},
         {"prompt": "hi", "temperature": 1, "top_p": 1.0, "top_k": -1, "stop": None, "stop_token_ids": None},
         {"prompt": "hi", "seed": None, "logprobs": None, "model": None, "presence_penalty": -0.0},
+        {"prompt": "hi", "n": 1},  # n joined the digest later: at its default it is left out
         # scheduling, delivery and bookkeeping are not part of what the job asks for
         {"prompt": "hi", "job_id": "other", "v": 1, "priority_class": "batch", "priority": -3,
          "deadline": time.time() + 60, "result_ttl": 5, "metadata": {"k": [1, 2]}},
@@ -84,7 +86,7 @@ def test_defaults_and_normalisations_do_not_change_the_digest():
     {"prompt": "hi!"}, {"max_tokens": 17}, {"temperature": 0.5}, {"top_p": 0.9}, {"top_k": 5},
     {"min_p": 0.1}, {"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
     {"seed": 0}, {"stop": ["x"]}, {"stop_token_ids": [2]}, {"ignore_eos": True}, {"min_tokens": 1},
-    {"logprobs": 0}, {"model": "m"},
+    {"logprobs": 0}, {"model": "m"}, {"n": 2},
 ])  # fmt: skip
 def test_every_digest_field_changes_the_digest(change):
     assert digest_of({"prompt": "hi", **change}) != digest_of({"prompt": "hi"})
@@ -99,8 +101,8 @@ def test_the_prompt_kind_is_part_of_the_digest():
 def test_digest_fields_are_the_documented_eighteen():
     assert len(DIGEST_FIELDS) == 18 and len(set(DIGEST_FIELDS)) == 18
     section = DOC[DOC.index("### Payload digest"):DOC.index("Not part of it")]
-    assert all(f"`{name}`" in section for name in DIGEST_FIELDS)
-    rest = set(JobRequest.model_fields) - set(DIGEST_FIELDS)
+    assert all(f"`{name}`" in section for name in (*DIGEST_FIELDS, *DEFAULT_ONLY_DIGEST_FIELDS))
+    rest = set(JobRequest.model_fields) - set(DIGEST_FIELDS) - set(DEFAULT_ONLY_DIGEST_FIELDS)
     not_part = DOC[DOC.index("Not part of it"):DOC.index("Canonical JSON")]
     assert all(f"`{name}`" in not_part for name in rest), rest
 
@@ -190,6 +192,7 @@ payloads = st.fixed_dictionaries(
         "ignore_eos": st.booleans(),
         "logprobs": st.one_of(st.none(), st.integers(0, 20)),
         "model": st.one_of(st.none(), words),
+        "n": st.integers(1, 16),
     },
 )
 

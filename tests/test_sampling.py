@@ -417,22 +417,20 @@ def test_eos_stops_unless_ignored(eos_model, prompts):
 
 
 def test_logprobs_greedy_match_transformers(llm, hf_model, prompts):
+    """vLLM's shape: per position {token id: Logprob(logprob, rank, decoded_token)}, the
+    sampled token first, then the top ones with ranks 1, 2, ..."""
     prompt = prompts[4][:20]
     out = llm.generate([prompt], greedy(8, logprobs=3), use_tqdm=False)[0]
     assert len(out.logprobs) == len(out.token_ids) == 8
     ref = all_logits(hf_model, prompt + out.token_ids).log_softmax(-1)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         row = ref[len(prompt) - 1 + i]
-        assert entry.token_id == token
-        assert entry.logprob <= 0
-        assert len(entry.top) == 3
-        values = [v for _, v in entry.top]
-        assert values == sorted(values, reverse=True)
-        assert entry.top[0][0] == token and entry.top[0][1] == pytest.approx(entry.logprob, abs=1e-6)
-        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
         top = row.topk(3)
-        assert [t for t, _ in entry.top] == top.indices.tolist()
-        assert values == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert list(entry) == top.indices.tolist() and list(entry)[0] == token  # greedy: the best one
+        assert [entry[t].rank for t in entry] == [1, 2, 3]
+        assert [entry[t].logprob for t in entry] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert all(entry[t].decoded_token == llm.get_tokenizer().decode([t]) for t in entry)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))
 
 
 def test_logprobs_sampled_and_zero(llm, hf_model, prompts):
@@ -443,13 +441,15 @@ def test_logprobs_sampled_and_zero(llm, hf_model, prompts):
          greedy(3, logprobs=0)], use_tqdm=False)
     ref = all_logits(hf_model, prompt + sampled.token_ids).log_softmax(-1)
     for i, (token, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
-        assert entry.token_id == token and len(entry.top) == 2
-        # the chosen token's (raw, unscaled) logprob, whether or not it is in the top list
-        assert entry.logprob == pytest.approx(float(ref[len(prompt) - 1 + i, token]), abs=1e-4)
-        assert entry.logprob <= entry.top[0][1] + 1e-6
-    assert len(bare.logprobs) == 3 and all(e.top == [] and e.logprob <= 0 for e in bare.logprobs)
+        row = ref[len(prompt) - 1 + i]
+        assert list(entry)[0] == token and len(entry) in (2, 3)  # the sampled token, with the top 2
+        # the chosen token's (raw, unscaled) logprob and vocabulary rank, in the top list or not
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert entry[token].rank == int((row >= row[token]).sum())
+    assert all(list(e) == [t] and e[t].rank == 1 for e, t in zip(bare.logprobs, bare.token_ids))
     # no logprobs asked: none returned
-    assert llm.generate([prompt], greedy(2), use_tqdm=False)[0].logprobs is None
+    plain = llm.generate([prompt], greedy(2), use_tqdm=False)[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
 # --------------------------------------------------------------------------- penalties

@@ -6,7 +6,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.finishing import StopRules
-from engine.outputs import RequestOutput, RequestTimestamps
+from engine.outputs import CompletionOutput, RequestOutput, RequestTimestamps
 from engine.plan import StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -241,11 +241,12 @@ def test_kv_stats_report_usage_and_fragmentation():
 
 def test_metrics_are_computed_on_the_output_side_from_the_core_timestamps():
     times = RequestTimestamps(arrival=100.0, first_scheduled=100.5, first_token=101.0, finished=104.0)
-    output = RequestOutput("r", [1, 2], token_ids=[3, 4, 5, 6], finished=True, timestamps=times, num_preemptions=1)
+    output = RequestOutput("r", None, [1, 2], outputs=[CompletionOutput(0, "", [3, 4, 5, 6])], finished=True,
+                           timestamps=times, num_preemptions=1)
     metrics = output.metrics
     assert (metrics.queue_time, metrics.ttft, metrics.e2e, metrics.tpot) == (0.5, 1.0, 4.0, 1.0)
     assert (metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.num_preemptions) == (2, 4, 1)
-    assert RequestOutput("r", [1], finished=False, timestamps=times).metrics is None
+    assert RequestOutput("r", None, [1], finished=False, timestamps=times).metrics is None
 
 
 def sampled_ids(scheduler, plan):

@@ -292,7 +292,7 @@ async def generate(request: Request, tenant: Tenant, endpoint: Endpoint) -> Resp
     job = await _submit(tenant, plan.fields, settings, time.time() + plan.options.timeout_s)
     run = JobRun(job, plan.options.keep_on_disconnect)
     writer = ChunkWriter(endpoint.chat, endpoint.id_prefix + job.job_id, plan.fields["model"], int(time.time()),
-                         plan.include_usage, plan.vocab)  # fmt: skip
+                         plan.include_usage, plan.vocab, plan.fields.get("n", 1))  # fmt: skip
     events = job.events(timeout=plan.options.timeout_s + DEADLINE_GRACE_S, idle=False)
     try:
         if plan.stream:
@@ -340,26 +340,27 @@ async def _streamed(request: Request, run: JobRun, events: AsyncIterator[Event],
                              headers=headers, background=BackgroundTask(run.abandon))
 
 
-def _response_body(endpoint: Endpoint, result: Any, writer: ChunkWriter, logprobs: list[dict],
+def _response_body(endpoint: Endpoint, result: Any, writer: ChunkWriter, logprobs: dict[int, list[dict]],
                    fields: dict) -> dict:  # fmt: skip
     common = dict(request_id=writer.request_id, model=writer.model, created=writer.created)
+    indices = [output.index for output in result.outputs]
     if endpoint.chat:
         tier = "flex" if fields["priority_class"] == "batch" else "default"
-        rendered = chat_logprobs(logprobs, writer.vocab) if writer.vocab else None
+        rendered = {i: chat_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
         return chat_body(result, **common, logprobs=rendered, service_tier=tier)
-    rendered = completion_logprobs(logprobs, writer.vocab) if writer.vocab else None
+    rendered = {i: completion_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
     return completion_body(result, **common, logprobs=rendered)
 
 
-async def _collect(events: AsyncIterator[Event], want_logprobs: bool) -> tuple[Event, list[dict]]:
-    """The terminal event, and the logprob entries of the attempt that reached it."""
-    logprobs: list[dict] = []
+async def _collect(events: AsyncIterator[Event], want_logprobs: bool) -> tuple[Event, dict[int, list[dict]]]:
+    """The terminal event, and the logprob entries of the attempt that reached it, by output index."""
+    logprobs: dict[int, list[dict]] = {}
     async for event in events:
         if not isinstance(event, TokenEvent):
             return event, logprobs
         if event.reset:
-            logprobs = []
-        logprobs += checked_logprobs(event) if want_logprobs else []
+            logprobs = {}
+        logprobs.setdefault(event.index, []).extend(checked_logprobs(event) if want_logprobs else [])
     raise AssertionError("events() ended without a terminal event")
 
 

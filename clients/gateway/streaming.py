@@ -1,6 +1,9 @@
 """Server-sent events of one job: its token events as OpenAI chunks, one continuous stream
 even when the job is rerun on another replica, then `data: [DONE]`.
 
+A job with n > 1 streams its outputs interleaved, each token event naming its `index`:
+each becomes the chunks of choice `index`, with a Relay of its own.
+
 A rerun (attempt + 1, after a replica crash) starts again from the first token. Every
 gateway job has a seed, so the rerun regenerates the same tokens: the Relay checks them
 against what the client already got and passes on only what goes beyond it. If they ever
@@ -19,7 +22,7 @@ from redis.exceptions import RedisError
 
 from clients.errors import ConveyorError, JobFailed
 from clients.event_reader import outcome
-from clients.events import DoneEvent, Event, TokenEvent
+from clients.events import DoneEvent, Event, OutputChoice, TokenEvent
 from clients.gateway.errors import OpenAIError, from_conveyor
 from clients.gateway.translate import (Vocabulary, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs,
                                        finish_reason, usage_chunk)  # fmt: skip
@@ -63,16 +66,20 @@ class Relay:
 
     def feed(self, event: TokenEvent) -> tuple[str, list[dict]]:
         """The text and logprob entries of `event` the client has not seen yet."""
-        if event.reset:  # a rerun: it starts over from the first token
-            self.text, self.ids, self.logprobs = "", [], []
+        if event.reset:
+            self.restart()
         self.text += event.text
         self.ids += event.token_ids
         self.logprobs += checked_logprobs(event)
         return self._advance()
 
-    def finish(self, done: DoneEvent) -> tuple[str, list[dict]]:
-        """What remains of the final attempt's whole output (`done.text`)."""
-        self.text, self.ids = done.text, list(done.token_ids)
+    def restart(self) -> None:
+        """A rerun: the job starts over from the first token (what was sent stays sent)."""
+        self.text, self.ids, self.logprobs = "", [], []
+
+    def finish(self, text: str, token_ids: list[int]) -> tuple[str, list[dict]]:
+        """What remains of the final attempt's whole output (the done event's)."""
+        self.text, self.ids = text, list(token_ids)
         if len(self.text) < len(self.sent_text) or len(self.ids) < len(self.sent_ids):
             raise StreamDiverged("the job's final output is shorter than what was already sent")
         return self._advance()
@@ -99,7 +106,8 @@ class ChunkWriter:
     created: int
     include_usage: bool = False
     vocab: Vocabulary | None = None  # set when logprobs were asked for
-    text_offset: int = 0  # completions' logprobs: where the next token starts in the text
+    n: int = 1  # choices
+    text_offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs, per choice: next token's start
 
     @property
     def base(self) -> dict:
@@ -108,27 +116,34 @@ class ChunkWriter:
         return {**base, "usage": None} if self.include_usage else base
 
     def opening(self) -> list[dict]:
-        return [chat_chunk(self.base, {"role": "assistant", "content": ""})] if self.chat else []
+        if not self.chat:
+            return []
+        return [chat_chunk(self.base, {"role": "assistant", "content": ""}, index=i) for i in range(self.n)]
 
-    def delta(self, text: str, logprobs: list[dict], finish: str | None = None) -> dict | None:
+    def delta(self, text: str, logprobs: list[dict], finish: str | None = None, index: int = 0) -> dict | None:
         if not text and not logprobs and finish is None:
             return None
-        rendered = self._logprobs(logprobs)
+        rendered = self._logprobs(logprobs, index)
         if self.chat:
-            return chat_chunk(self.base, {"content": text} if text else {}, logprobs=rendered, finish=finish)
-        return completion_chunk(self.base, text, logprobs=rendered, finish=finish)
+            return chat_chunk(self.base, {"content": text} if text else {}, logprobs=rendered, finish=finish,
+                              index=index)
+        return completion_chunk(self.base, text, logprobs=rendered, finish=finish, index=index)
 
-    def closing(self, done: DoneEvent, text: str, logprobs: list[dict]) -> list[dict]:
-        chunks = [self.delta(text, logprobs, finish_reason(done.finish_reason))]
+    def closing(self, done: DoneEvent, relays: dict[int, "Relay"]) -> list[dict]:
+        """Each choice's last chunk (what remains of its output, its finish reason), then usage."""
+        outputs = done.outputs or [OutputChoice(index=0, text=done.text, token_ids=done.token_ids,
+                                                finish_reason=done.finish_reason)]
+        chunks = [self.delta(*relays.setdefault(output.index, Relay()).finish(output.text, output.token_ids),
+                             finish_reason(output.finish_reason), index=output.index) for output in outputs]
         return chunks + ([usage_chunk(self.base, done.usage)] if self.include_usage else [])
 
-    def _logprobs(self, entries: list[dict]) -> Any:
+    def _logprobs(self, entries: list[dict], index: int) -> Any:
         if self.vocab is None or not entries:
             return None
         if self.chat:
             return chat_logprobs(entries, self.vocab)
-        rendered = completion_logprobs(entries, self.vocab, self.text_offset)
-        self.text_offset += sum(len(token) for token in rendered["tokens"])
+        rendered = completion_logprobs(entries, self.vocab, self.text_offsets.get(index, 0))
+        self.text_offsets[index] = self.text_offsets.get(index, 0) + sum(len(token) for token in rendered["tokens"])
         return rendered
 
 
@@ -143,18 +158,22 @@ async def sse_events(first: Event, events: AsyncIterator[Event], writer: ChunkWr
 
     `finished` runs when the job reached its end; `abandon` when the stream stops before
     that (the client went away, the deadline passed, the rerun diverged)."""
-    relay, ended = Relay(), False
+    relays: dict[int, Relay] = {}  # by choice index
+    ended = False
     try:
         for chunk in writer.opening():
             yield sse(chunk)
         async for event in _chain(first, events):
             if isinstance(event, TokenEvent):
-                chunk = writer.delta(*relay.feed(event))
+                if event.reset:  # a rerun restarts every output, whichever event shows it first
+                    for relay in relays.values():
+                        relay.restart()
+                chunk = writer.delta(*relays.setdefault(event.index, Relay()).feed(event), index=event.index)
                 if chunk is not None:
                     yield sse(chunk)
                 continue
             ended = True
-            for line in _terminal_lines(event, writer, relay):
+            for line in _terminal_lines(event, writer, relays):
                 yield line
             break
     except (ConveyorError, StreamDiverged, BadLogprobs, RedisError) as exc:  # Timeout: the deadline passed
@@ -164,10 +183,10 @@ async def sse_events(first: Event, events: AsyncIterator[Event], writer: ChunkWr
         await (finished() if ended else abandon())
 
 
-def _terminal_lines(event: Event, writer: ChunkWriter, relay: Relay) -> list[str]:
+def _terminal_lines(event: Event, writer: ChunkWriter, relays: dict[int, Relay]) -> list[str]:
     try:
         outcome("", event)  # raises JobFailed for error and cancelled events
-        chunks = writer.closing(event, *relay.finish(event))
+        chunks = writer.closing(event, relays)
         return [sse(chunk) for chunk in chunks if chunk is not None] + [DONE_LINE]
     except (JobFailed, StreamDiverged) as exc:
         return [sse(_stream_error(exc).body()), DONE_LINE]

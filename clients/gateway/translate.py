@@ -2,9 +2,10 @@
 results -> OpenAI response objects and stream chunks. Pure functions: no I/O.
 
 A field is accepted only if the job honours it or it cannot change the output (`user`,
-`metadata`, `store`, ...); one that would change the output and is not supported (`n > 1`,
-`tools`, `logit_bias`, `echo`...) is a 400 naming it, and so is an unknown field (as
-OpenAI does: a new SDK option is never silently dropped).
+`metadata`, `store`, ...); one that would change the output and is not supported
+(`best_of > 1`, `tools`, `logit_bias`, `echo`...) is a 400 naming it, and so is an unknown
+field (as OpenAI does: a new SDK option is never silently dropped). `n` is the job's `n`:
+its outputs are `choices[i]`.
 """
 from __future__ import annotations
 
@@ -46,10 +47,10 @@ def _no_tool(value: Any) -> bool:
 
 # name -> "this value changes nothing"; any other value is unsupported (400)
 COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _one, "best_of": _one, "echo": _false, "suffix": _absent, "logit_bias": _absent,
+    "best_of": _one, "echo": _false, "suffix": _absent, "logit_bias": _absent,
 }  # fmt: skip
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _one, "logit_bias": _absent, "tools": _absent, "tool_choice": _no_tool, "functions": _absent,
+    "logit_bias": _absent, "tools": _absent, "tool_choice": _no_tool, "functions": _absent,
     "function_call": _no_tool, "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": _absent, "modalities": lambda v: v is None or v == ["text"], "prediction": _absent,
     "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent, "moderation": _absent,
@@ -59,7 +60,7 @@ NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tie
            "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options")  # fmt: skip
 # OpenAI's sampling fields and vLLM's extras: same names and meaning as the job's
 SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-            "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids")  # fmt: skip
+            "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "n")  # fmt: skip
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "logprobs", *SAMPLING, *NEUTRAL, *COMPLETION_UNSUPPORTED}
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *SAMPLING,
                *NEUTRAL, *CHAT_UNSUPPORTED}  # fmt: skip
@@ -249,36 +250,41 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def completion_body(result: JobResult, *, request_id: str, model: str, created: int,
-                    logprobs: dict | None = None) -> dict:  # fmt: skip
-    """A `text_completion` object; `logprobs` as completion_logprobs renders them."""
-    choice = {"index": 0, "text": result.text, "logprobs": logprobs,
-              "finish_reason": finish_reason(result.finish_reason)}  # fmt: skip
+                    logprobs: dict[int, dict] | None = None) -> dict:  # fmt: skip
+    """A `text_completion` object, one choice per job output; `logprobs`: by choice index,
+    as completion_logprobs renders them."""
+    choices = [{"index": output.index, "text": output.text, "logprobs": (logprobs or {}).get(output.index),
+                "finish_reason": finish_reason(output.finish_reason)} for output in result.outputs]  # fmt: skip
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_body(result.usage)}  # fmt: skip
+            "choices": choices, "usage": usage_body(result.usage)}  # fmt: skip
 
 
-def chat_body(result: JobResult, *, request_id: str, model: str, created: int, logprobs: list | None = None,
-              service_tier: str | None = None) -> dict:  # fmt: skip
-    """A `chat.completion` object; `logprobs` is the `content` list chat_logprobs renders."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-              "logprobs": None if logprobs is None else {"content": logprobs},
-              "finish_reason": finish_reason(result.finish_reason)}  # fmt: skip
+def chat_body(result: JobResult, *, request_id: str, model: str, created: int,
+              logprobs: dict[int, list] | None = None, service_tier: str | None = None) -> dict:  # fmt: skip
+    """A `chat.completion` object, one choice per job output; `logprobs`: by choice index,
+    the `content` list chat_logprobs renders."""
+    rendered = logprobs or {}
+    choices = [{"index": output.index, "message": {"role": "assistant", "content": output.text},
+                "logprobs": {"content": rendered[output.index]} if output.index in rendered else None,
+                "finish_reason": finish_reason(output.finish_reason)} for output in result.outputs]  # fmt: skip
     body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage_body(result.usage)}  # fmt: skip
+            "choices": choices, "usage": usage_body(result.usage)}  # fmt: skip
     if service_tier:
         body["service_tier"] = service_tier
     return body
 
 
-def completion_chunk(base: dict, text: str, *, logprobs: dict | None = None, finish: str | None = None) -> dict:
+def completion_chunk(base: dict, text: str, *, logprobs: dict | None = None, finish: str | None = None,
+                     index: int = 0) -> dict:  # fmt: skip
     """`base`: id, object ("text_completion"), created, model (+ usage None with include_usage)."""
-    return {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+    return {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_chunk(base: dict, delta: dict, *, logprobs: list | None = None, finish: str | None = None) -> dict:
+def chat_chunk(base: dict, delta: dict, *, logprobs: list | None = None, finish: str | None = None,
+               index: int = 0) -> dict:  # fmt: skip
     """`base`: id, object ("chat.completion.chunk"), created, model (+ usage None)."""
     rendered = None if logprobs is None else {"content": logprobs}
-    return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": rendered, "finish_reason": finish}]}
+    return {**base, "choices": [{"index": index, "delta": delta, "logprobs": rendered, "finish_reason": finish}]}
 
 
 def usage_chunk(base: dict, usage: Usage) -> dict:
