@@ -35,7 +35,7 @@ class LLMEngine:
         self.stop_rules = StopRules(self.spec.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.stop_rules)
         self.inputs = InputProcessor(self.tokenizer, self.spec.hf_config.vocab_size, self.max_model_len,
-                                     self.runner.num_blocks * config.block_size)
+                                     self.runner.num_blocks * config.block_size, self.spec.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
         self._in_flight: deque[tuple[StepPlan, Future]] = deque()  # overlapped steps, oldest first
@@ -96,10 +96,13 @@ class LLMEngine:
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Second half: apply sampled tokens, detokenize, end the sequences that a stop
         condition ended; outputs of the step."""
+        failed = self._failed(plan, result)  # before update: it forgets which sequences the step had
         updated = self.scheduler.update(plan, result)
         for seq in updated:
             stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id))
             self._finish_if_stopped(seq, stop_string)
+        for seq, reason in failed:
+            self._fail(seq, reason)
         ended, self._ended = self._ended, []
         return [self.outputs.output(seq) for seq in ended + updated]
 
@@ -108,6 +111,19 @@ class LLMEngine:
         reason = self.stop_rules.reason(seq, stop_string)
         if reason is not None:
             self.scheduler.finish(seq.seq_id, *reason)
+
+    def _failed(self, plan: StepPlan, result: StepResult) -> list[tuple[Sequence, str]]:
+        """The step's sequences the runner could not sample for (a structured output's dead end)."""
+        if not result.errors:
+            return []
+        return [(seq, result.errors[seq.seq_id]) for seq in self.scheduler.in_flight[plan.step_id]
+                if seq.seq_id in result.errors]
+
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        if not seq.is_finished:  # else it ended meanwhile (aborted, or by an earlier step's token)
+            self.scheduler.finish(seq.seq_id, "error")
+            seq.error = reason
+            self._ended.append(seq)
 
     @property
     def overlaps_steps(self) -> bool:

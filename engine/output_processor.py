@@ -56,7 +56,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), text=state.detokenizer.text[:state.detokenizer.emitted],
-            finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            finished=finished, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
             logprobs=state.logprobs, timestamps=timestamps_of(seq) if finished else None,
             num_preemptions=seq.num_preemptions,
             new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs)

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from engine import sampling_limits as limits
 from engine.errors import InvalidRequest
+from engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM): no logits / ~0 overflow
@@ -31,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # chosen token + this many top alternatives
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is read as its fields
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,6 +41,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +74,10 @@ class SamplingParams:
         _stop_strings(self.stop)
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequest("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
 
 
 def _stop_strings(stops: list) -> None:
