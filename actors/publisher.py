@@ -132,6 +132,9 @@ class PublisherActor(Actor):
             message = ABORT_MESSAGES.get(reason, f"job stopped: {reason}")
             return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
                                        metadata=delivery.metadata)
+        if output.finish_reason == "error":  # the engine could not go on (a structured output's dead end)
+            return "error", ErrorEvent(attempt=delivery.attempt, code="invalid_request",
+                                       message=output.error or "the job failed", metadata=delivery.metadata)
         metrics = output.metrics
         usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
                       total_tokens=len(output.prompt_token_ids) + len(output.token_ids))
