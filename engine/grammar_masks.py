@@ -31,7 +31,8 @@ class GrammarMasks:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self.bitmask: torch.Tensor | None = None  # rows grow to the largest step seen
-        self.batch = None  # xgrammar's multi-threaded filler, made on first use
+        self.words = None  # the bitmask as a numpy array
+        self.batch = None  # xgrammar's filler (threads: half the cores), made on first use
 
     def apply(self, logits: torch.Tensor, rows: list) -> list[int]:
         """Mask ``logits`` in place (banned tokens -> -inf); returns the masked row indices."""
@@ -40,7 +41,7 @@ class GrammarMasks:
             return live
         bitmask = self._bitmask(len(rows))
         self.batch = self.batch or xgr.BatchGrammarMatcher()
-        self.batch.batch_fill_next_token_bitmask([rows[i].grammar.matcher for i in live], bitmask, live)
+        self.batch.batch_fill_next_token_bitmask([rows[index].grammar.matcher for index in live], bitmask, live)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=live)
         return live
@@ -48,28 +49,24 @@ class GrammarMasks:
     def accept(self, rows: list, token_ids: list[int], live: list[int]) -> dict[int, str]:
         """Advance the masked rows' matchers by their sampled tokens; {row index: why it failed}."""
         failed = {}
-        if not live:
-            return failed
-        allowed = self._allowed(live, token_ids)
-        for index, ok in zip(live, allowed):
+        for index in live:
             row, token = rows[index], token_ids[index]
             state = row.grammar
-            if not ok or _banned_by_min_tokens(row, token):
+            if not self._allowed(index, token) or _banned_by_min_tokens(row, token):
                 failed[index] = DEAD_END  # every allowed token was -inf: nothing valid was left to sample
             elif not state.matcher.accept_token(token):
                 failed[index] = REJECTED.format(token=token)
             state.done = index in failed or state.matcher.is_terminated()
         return failed
 
-    def _allowed(self, live: list[int], token_ids: list[int]) -> list[bool]:
-        """Whether each masked row's token is set in its bitmask row."""
-        tokens = torch.tensor([token_ids[i] for i in live], dtype=torch.int64)
-        words = self.bitmask[torch.tensor(live), tokens >> 5].to(torch.int64)
-        return (((words >> (tokens & 31)) & 1) == 1).tolist()
+    def _allowed(self, index: int, token: int) -> bool:
+        """Whether ``token`` is set in bitmask row ``index``."""
+        return bool((int(self.words[index, token >> 5]) >> (token & 31)) & 1)
 
     def _bitmask(self, num_rows: int) -> torch.Tensor:
         if self.bitmask is None or self.bitmask.shape[0] < num_rows:
             self.bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+            self.words = self.bitmask.numpy()  # the same memory: single bits read without torch ops
         return self.bitmask
 
 
