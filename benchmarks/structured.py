@@ -30,6 +30,8 @@ RECORDS = {"type": "array", "minItems": 60, "items": {
     "required": ["name", "age", "city"], "additionalProperties": False}}  # fmt: skip
 TOPICS = ["engineers", "teachers", "painters", "doctors", "pilots", "chefs", "writers", "farmers"]
 MODES = ("constrained", "unconstrained")
+COLUMNS = ("batch", "clock", "mode", "median ms/token", "min", "max", "vs unconstrained", "+ms/token", "apply us/row",
+           "accept us/row", "timed share")
 
 
 class GrammarTimer:
@@ -63,15 +65,36 @@ def params_for(mode: str, tokens: int):
     return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
 
-def one_round(llm, mode: str, batch: int, tokens: int) -> float:
-    """Seconds per output token while decoding (first token to last), for the whole batch."""
+def one_round(llm, mode: str, batch: int, tokens: int) -> dict:
+    """Seconds per output token of the batch: wall clock while decoding (first token to last),
+    and CPU seconds of this process over the whole call (prefill included; on a shared box it
+    does not count the time other processes took the cores)."""
     chats = [[{"role": "user", "content": f"List some {topic} as JSON records."}] for topic in TOPICS[:batch]]
+    cpu = time.process_time()
     outputs = llm.chat(chats, params_for(mode, tokens), use_tqdm=False)
+    cpu = time.process_time() - cpu
     assert all(len(o.token_ids) == tokens and o.finish_reason == "length" for o in outputs), \
         [(o.finish_reason, len(o.token_ids), o.error) for o in outputs]
     first = max(o.timestamps.first_token for o in outputs)
     last = max(o.timestamps.finished for o in outputs)
-    return (last - first) / ((tokens - 1) * batch)
+    return {"wall": (last - first) / ((tokens - 1) * batch), "cpu": cpu / (tokens * batch)}
+
+
+def table_rows(batch: int, results: dict, grammar: list[dict]) -> list[dict]:
+    rows = []
+    for clock in ("wall", "cpu"):
+        medians = {mode: statistics.median(r[clock] for r in results[mode]) for mode in MODES}
+        for mode in MODES:
+            values = [r[clock] for r in results[mode]]
+            rows.append({"batch": batch, "clock": clock, "mode": mode, "median ms/token": 1e3 * medians[mode],
+                         "min": 1e3 * min(values), "max": 1e3 * max(values),
+                         "vs unconstrained": medians[mode] / medians["unconstrained"]})
+        rows[-2]["+ms/token"] = 1e3 * (medians["constrained"] - medians["unconstrained"])
+    for name in ("apply", "accept"):
+        rows[0][f"{name} us/row"] = 1e6 * statistics.median(g[name] for g in grammar)
+    wall = statistics.median(r["wall"] for r in results["unconstrained"])
+    rows[0]["timed share"] = statistics.median(g["apply"] + g["accept"] for g in grammar) / wall
+    return rows
 
 
 def main():
@@ -101,25 +124,13 @@ def main():
                 results[batch][mode].append(one_round(llm, mode, batch, args.tokens))
                 if mode == "constrained":
                     grammar[batch].append({name: s / timer.rows for name, s in timer.seconds.items()})
-    rows = []
-    for batch in args.batches:
-        medians = {mode: statistics.median(results[batch][mode]) for mode in MODES}
-        for mode in MODES:
-            values = results[batch][mode]
-            rows.append({"batch": batch, "mode": mode, "median ms/token": 1e3 * medians[mode],
-                         "min": 1e3 * min(values), "max": 1e3 * max(values),
-                         "vs unconstrained": medians[mode] / medians["unconstrained"]})
-        rows[-2]["+ms/token"] = 1e3 * (medians["constrained"] - medians["unconstrained"])
-        for name in ("apply", "accept"):
-            rows[-2][f"{name} us/row"] = 1e6 * statistics.median(g[name] for g in grammar[batch])
-        timed = statistics.median(g["apply"] + g["accept"] for g in grammar[batch])  # per row: per output token
-        rows[-2]["timed share"] = timed / medians["unconstrained"]
+    rows = [row for batch in args.batches for row in table_rows(batch, results[batch], grammar[batch])]
     print(f"\n{args.rounds} alternating rounds of {args.tokens} output tokens per request, greedy, {args.model} "
-          f"float32; ms per output token while decoding (the batch's tokens together)")
-    print(format_table(rows, ["batch", "mode", "median ms/token", "min", "max", "vs unconstrained", "+ms/token",
-                              "apply us/row", "accept us/row", "timed share"]))
-    print("apply: the bitmask pass (fill the rows, mask the logits); accept: check and advance each matcher;\n"
-          "timed share: apply + accept per row (= per output token) over the unconstrained time per token")
+          f"float32; ms per output token of the batch")
+    print(format_table(rows, COLUMNS))
+    print("wall: decoding, first token to last; cpu: this process's CPU time over the whole call (prefill too);\n"
+          "apply: the bitmask pass (fill the rows, mask the logits); accept: check and advance each matcher;\n"
+          "timed share: apply + accept per row (= per output token) over the unconstrained wall time per token")
     write_json(args.json, {"settings": vars(args), "cpu": describe_cpu(), "results": results, "grammar": grammar})
 
 
