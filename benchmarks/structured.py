@@ -61,7 +61,8 @@ class GrammarTimer:
 def params_for(mode: str, tokens: int):
     from engine import SamplingParams, StructuredOutputsParams
     if mode == "constrained":
-        return SamplingParams(temperature=0, max_tokens=tokens, structured_outputs=StructuredOutputsParams(json=RECORDS))
+        constraint = StructuredOutputsParams(json=RECORDS)
+        return SamplingParams(temperature=0, max_tokens=tokens, structured_outputs=constraint)
     return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
 

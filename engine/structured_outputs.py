@@ -58,7 +58,8 @@ class StructuredOutputsParams:
             schema = self.json
             _text(where, schema_text(schema))
         else:
-            raise InvalidRequest(where, f"must be a JSON schema (an object or its text), got {type(self.json).__name__}")
+            raise InvalidRequest(where, f"must be a JSON schema (an object or its text), "
+                                        f"got {type(self.json).__name__}")
         if not isinstance(schema, dict):
             raise InvalidRequest(where, f"must be a JSON object, got {type(schema).__name__}")
         return schema

@@ -232,9 +232,9 @@ def test_a_complete_grammar_stops_whatever_ignore_eos_and_min_tokens(llm, prompt
 
 
 def test_stop_strings_still_cut_a_structured_output(llm, prompts):
-    output = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=50, stop=[":"], structured_outputs=
-                          StructuredOutputsParams(json=SCHEMAS["numbers"], disable_any_whitespace=True)),
-                          use_tqdm=False)[0]  # fmt: skip
+    params = structured(json=SCHEMAS["numbers"], max_tokens=50)
+    params.stop = [":"]  # right after the first key
+    output = llm.generate(prompts[:1], params, use_tqdm=False)[0]
     assert (output.finish_reason, output.stop_reason, output.text) == ("stop", ":", '{"ratio"')
 
 
@@ -310,6 +310,24 @@ def test_params_are_checked_when_the_request_is_accepted(llm):
             llm.engine.make_sequence("x", [5, 6], params)
     as_dict = SamplingParams(structured_outputs={"choice": ["a", "b"]})
     assert as_dict.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+
+
+@pytest.mark.parametrize("structured_outputs, field, problem", [
+    ({"regex": "a" * 65_537}, "structured_outputs.regex", "65537 bytes, limit 65536"),
+    ({"json": {"description": "x" * 65_536}}, "structured_outputs.json", "bytes, limit 65536"),
+    ({"choice": ["x"] * 1025}, "structured_outputs.choice", "at most 1024 items"),
+    ({"choice": ["x" * 1025]}, "structured_outputs.choice[0]", "at most 1024 characters"),
+    ({"choice": ["x" * 1000] * 70}, "structured_outputs.choice", "70000 bytes in all, limit 65536"),
+    ({"regex": "a", "structural_tag": "{}"}, "structured_outputs.structural_tag", "Extra inputs are not permitted"),
+    ({"json": {"a": b"bytes"}}, "structured_outputs.json", "must be plain JSON"),
+    ({"grammar": "root ::= x", "json_object": True}, "structured_outputs", "exactly one of"),
+])  # fmt: skip
+def test_the_wire_bounds_structured_outputs(structured_outputs, field, problem):
+    from clients.errors import InvalidJob
+    from clients.protocol import validate_job
+    with pytest.raises(InvalidJob) as failure:
+        validate_job({"prompt": "hi", "structured_outputs": structured_outputs})
+    assert failure.value.field == field and problem in failure.value.message, failure.value.message
 
 
 # ---------------------------------------------------------------- over a real replica and the gateway

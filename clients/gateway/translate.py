@@ -50,8 +50,9 @@ COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }  # fmt: skip
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _one, "logit_bias": _absent, "tools": _absent, "tool_choice": _no_tool, "functions": _absent,
-    "function_call": _no_tool, "audio": _absent, "modalities": lambda v: v is None or v == ["text"], "prediction": _absent,
-    "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent, "moderation": _absent,
+    "function_call": _no_tool, "audio": _absent, "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _absent, "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent,
+    "moderation": _absent,
 }  # fmt: skip
 # accepted and not passed on: they do not change what is generated
 NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls",
