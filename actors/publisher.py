@@ -134,6 +134,9 @@ class PublisherActor(Actor):
             message = ABORT_MESSAGES.get(reason, f"job stopped: {reason}")
             return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
                                        metadata=delivery.metadata)
+        if output.finish_reason == "error":  # the engine could not go on (a structured output's dead end)
+            return "error", ErrorEvent(attempt=delivery.attempt, code="invalid_request",
+                                       message=output.error or "the job failed", metadata=delivery.metadata)
         metrics = output.metrics
         usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens,
                       total_tokens=len(output.prompt_token_ids) + output.num_output_tokens)

@@ -32,3 +32,7 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MIN_PENALTY, MAX_PENALTY = -2.0, 2.0  # presence_penalty, frequency_penalty
 MAX_LOGPROBS = 20
 MAX_N = 16  # outputs (samples) of one job
+# structured_outputs: a schema / regex / grammar text, or all choices together, in UTF-8 bytes
+MAX_STRUCTURED_BYTES = 64 * 1024
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024

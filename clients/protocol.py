@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import uuid
+import warnings
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -54,6 +55,9 @@ from clients.limits import (  # noqa: F401  (re-exported)
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_STOP_TOTAL_CHARS,
+    MAX_STRUCTURED_BYTES,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
     MAX_TEMPERATURE,
     MIN_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -80,6 +84,68 @@ class ChatMessage(BaseModel):
 
     role: str = Field(min_length=1, max_length=64)
     content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+with warnings.catch_warnings():  # the field `json` (vLLM's name) shadows BaseModel.json(), deprecated and unused
+    warnings.filterwarnings("ignore", message='Field name "json"', category=UserWarning)
+
+    class StructuredOutputs(BaseModel):
+        """vLLM's StructuredOutputsParams: exactly one constraint. Unknown keys are an error
+        here (each would change the output; ignoring one would silently loosen the constraint)."""
+
+        model_config = ConfigDict(strict=True, extra="forbid")
+
+        json: dict[str, Any] | str | None = None  # a JSON schema, as an object or its text
+        regex: str | None = None
+        choice: list[Annotated[str, Field(max_length=MAX_CHOICE_CHARS)]] | None = Field(
+            default=None, min_length=1, max_length=MAX_CHOICES
+        )
+        grammar: str | None = None  # EBNF (GBNF) as xgrammar reads it, start rule `root`
+        json_object: Literal[True] | None = None  # any JSON object
+        disable_any_whitespace: bool = False
+
+        _json_size = field_validator("json", mode="before")(lambda cls, value: _schema_size(value))
+        _text_size = field_validator("regex", "grammar")(lambda cls, value: _structured_size(value))
+        _choices_size = field_validator("choice")(lambda cls, value: _choices_size(value))
+        _exactly_one = model_validator(mode="after")(lambda self: _exactly_one_constraint(self))
+
+
+def _schema_size(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return _structured_size(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON schema: an object or its text (got {type(value).__name__})")
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"must be plain JSON ({exc})") from None
+    _structured_size(text)
+    return value
+
+
+def _structured_size(text: str | None) -> str | None:
+    size = 0 if text is None else len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_STRUCTURED_BYTES:
+        raise ValueError(f"is {size} bytes, limit {MAX_STRUCTURED_BYTES}")
+    return text
+
+
+def _choices_size(value: list[str] | None) -> list[str] | None:
+    total = sum(len(choice.encode("utf-8", "surrogatepass")) for choice in value or [])
+    if total > MAX_STRUCTURED_BYTES:
+        raise ValueError(f"the choices are {total} bytes in all, limit {MAX_STRUCTURED_BYTES}")
+    return value
+
+
+def _exactly_one_constraint(so: StructuredOutputs) -> StructuredOutputs:
+    given = [name for name in STRUCTURED_CONSTRAINTS if getattr(so, name) is not None]
+    if len(given) != 1:
+        raise ValueError(f"exactly one of {', '.join(STRUCTURED_CONSTRAINTS)} is required "
+                         f"(got {', '.join(given) or 'none'})")
+    return so
 
 
 class JobRequest(BaseModel):
@@ -110,6 +176,7 @@ class JobRequest(BaseModel):
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     n: int = Field(default=1, ge=1, le=MAX_N)  # outputs: sampled side by side, sharing the prompt's KV
+    structured_outputs: StructuredOutputs | None = None
 
     priority_class: Literal["interactive", "batch"] = "interactive"
     priority: Int32 = 0
@@ -185,8 +252,16 @@ class JobRequest(BaseModel):
         return None if self.messages is None else [m.model_dump() for m in self.messages]
 
     def sampling_params(self) -> dict[str, Any]:
-        """Keyword arguments for vLLM-style `SamplingParams(**job.sampling_params())`."""
-        return {name: _copy(getattr(self, name)) for name in (*SAMPLING_PARAM_NAMES, *DEFAULT_ONLY_DIGEST_FIELDS)}
+        """Keyword arguments for vLLM-style `SamplingParams(**job.sampling_params())`
+        (`structured_outputs` as a plain dict of its given fields, or None)."""
+        params = {name: _copy(getattr(self, name)) for name in (*SAMPLING_PARAM_NAMES, *DEFAULT_ONLY_DIGEST_FIELDS)}
+        params["structured_outputs"] = self.structured_outputs_given()
+        return params
+
+    def structured_outputs_given(self) -> dict[str, Any] | None:
+        """`structured_outputs` without its unset and default entries (None when absent)."""
+        so = self.structured_outputs
+        return None if so is None else so.model_dump(exclude_defaults=True)
 
 
 SAMPLING_PARAM_NAMES = (
@@ -290,6 +365,7 @@ def _check_version(payload: dict) -> None:
 # digest") defines it, with a JavaScript reference and test vectors.
 
 DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
+OPTIONAL_DIGEST_FIELDS = ("structured_outputs",)  # hashed only when given: older digests stay valid
 
 
 def payload_digest(job: JobRequest) -> str:
@@ -305,6 +381,8 @@ def digest_input(job: JobRequest) -> str:
     content["messages"] = job.chat_messages()
     content.update({name: getattr(job, name) for name, default in DEFAULT_ONLY_DIGEST_FIELDS.items()
                     if getattr(job, name) != default})
+    if job.structured_outputs is not None:
+        content["structured_outputs"] = job.structured_outputs_given()
     return canonical_json(content)
 
 

@@ -8,9 +8,10 @@ _EXPORTS = {
     "EngineConfig": "engine.config", "InvalidRequest": "engine.errors", "ModelLoadError": "engine.errors",
     "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "RequestMetrics": "engine.outputs",
     "RequestOutput": "engine.outputs", "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_outputs",
 }  # fmt: skip
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "RequestMetrics",
-           "InvalidRequest", "ModelLoadError"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "RequestMetrics", "InvalidRequest", "ModelLoadError"]
 
 
 def __getattr__(name: str):

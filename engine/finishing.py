@@ -13,6 +13,11 @@ condition of a sequence in one fixed order; the engine then ends it exactly once
 
 Before ``min_tokens``, EOS and stop token ids are also masked out of sampling
 (``min_tokens_stop_ids``), so rule 2 cannot fire early on a sampled token.
+
+Structured outputs: the grammar allows EOS only once the output is complete, and then only
+EOS, so for such a request EOS always ends it (2a holds whatever ``ignore_eos`` and
+``min_tokens`` say, and EOS is not banned before ``min_tokens``): nothing valid could follow.
+``min_tokens`` still bans the request's ``stop_token_ids``.
 """
 from engine.sequence import Sequence
 
@@ -47,11 +52,13 @@ class StopRules:
         """Token ids the sampler must not pick while ``min_tokens`` is not yet reached."""
         if seq.params.min_tokens == 0:
             return ()
-        eos = () if seq.params.ignore_eos else tuple(self.eos_token_ids)
+        eos = () if seq.params.ignore_eos or _structured(seq) else tuple(self.eos_token_ids)
         return eos + tuple(seq.params.stop_token_ids)
 
     def _token_reason(self, seq: Sequence) -> StopReason | None:
         params, token_id = seq.params, seq.token_ids[-1]
+        if _structured(seq) and token_id in self.eos_token_ids:
+            return ("stop", None)  # the grammar is complete (see the module docstring)
         if seq.num_output_tokens < params.min_tokens:
             return None
         if not params.ignore_eos and token_id in self.eos_token_ids:
@@ -64,3 +71,7 @@ class StopRules:
         if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return ("length", None)
         return None
+
+
+def _structured(seq: Sequence) -> bool:
+    return seq.params.structured_outputs is not None

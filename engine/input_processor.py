@@ -2,6 +2,7 @@
 import time
 
 from engine.errors import InvalidRequest
+from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
 from engine.sequence import PRIORITY_CLASSES, Sequence
 
@@ -9,11 +10,14 @@ MAX_PROMPT_CHARS = 4_000_000  # refuse to tokenize absurd inputs (the token limi
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_pool_tokens: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_pool_tokens: int,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_pool_tokens = max_pool_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._grammars: GrammarCompiler | None = None  # built from this tokenizer on first use
 
     def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -54,7 +58,8 @@ class InputProcessor:
     def with_tokenizer(self, tokenizer) -> "InputProcessor":
         """The same limits over another tokenizer instance (one per thread: a fast tokenizer
         used from two threads at once fails with "Already borrowed")."""
-        return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens)
+        return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens,
+                              self.eos_token_ids)
 
     def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
                       priority_class: str = "interactive", priority: int = 0,
@@ -71,7 +76,15 @@ class InputProcessor:
             raise InvalidRequest("prompt", f"{len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
                                            f"exceed {which} ({limit} tokens)")
         return Sequence(request_id, list(token_ids), params, max_tokens, priority_class, priority,
-                        arrival_time or time.time())
+                        arrival_time or time.time(), grammar=self.compile_grammar(params))
+
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured request (None for others); InvalidRequest."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.compile(params.structured_outputs)
 
     def _empty(self):
         raise InvalidRequest("prompt", "tokenizes to zero tokens")

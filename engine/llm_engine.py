@@ -38,7 +38,7 @@ class LLMEngine:
         self.stop_rules = StopRules(self.spec.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.stop_rules)
         self.inputs = InputProcessor(self.tokenizer, self.spec.hf_config.vocab_size, self.max_model_len,
-                                     self.runner.num_blocks * config.block_size)
+                                     self.runner.num_blocks * config.block_size, self.spec.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples = ParallelSampling(share_prefix=config.enable_prefix_caching)  # n > 1 requests
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
@@ -105,12 +105,15 @@ class LLMEngine:
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Second half: apply sampled tokens, detokenize, end the sequences that a stop
         condition ended; outputs of the step."""
+        failed = self._failed(plan, result)  # before update: it forgets which sequences the step had
         updated = self.scheduler.update(plan, result)
         self._feed_prompt_logprobs(result)
         for seq in updated:
             hold_last = self.stop_rules.stops_on_token(seq) and not seq.params.include_stop_str_in_output
             stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id), hold_last)
             self._finish_if_stopped(seq, stop_string)
+        for seq, reason in failed:
+            self._fail(seq, reason)
         ended, self._ended = self._ended, []
         return self.samples.fan_in([(seq, self.outputs.output(seq)) for seq in ended + updated])
 
@@ -125,6 +128,19 @@ class LLMEngine:
         reason = self.stop_rules.reason(seq, stop_string)
         if reason is not None:
             self.scheduler.finish(seq.seq_id, *reason)
+
+    def _failed(self, plan: StepPlan, result: StepResult) -> list[tuple[Sequence, str]]:
+        """The step's sequences the runner could not sample for (a structured output's dead end)."""
+        if not result.errors:
+            return []
+        return [(seq, result.errors[seq.seq_id]) for seq in self.scheduler.in_flight[plan.step_id]
+                if seq.seq_id in result.errors]
+
+    def _fail(self, seq: Sequence, reason: str) -> None:
+        if not seq.is_finished:  # else it ended meanwhile (aborted, or by an earlier step's token)
+            self.scheduler.finish(seq.seq_id, "error")
+            seq.error = reason
+            self._ended.append(seq)
 
     @property
     def overlaps_steps(self) -> bool:

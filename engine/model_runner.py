@@ -10,6 +10,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, PrefillSpan
 from engine.config import EngineConfig
+from engine.grammar_masks import GrammarMasks, GrammarState
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
 from engine.models.loader import ModelSpec, build_model, gguf_batch_copies
@@ -27,6 +28,7 @@ CUDA_KV_CACHE_FRACTION = 0.5  # of the memory free after the weights are loaded
 @dataclass
 class RunnerSeq(SamplingRow):
     block_table: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured outputs: its matcher (kept across preemption)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed)
+        self.grammar_masks = GrammarMasks(spec.hf_config.vocab_size)
         self.seqs: dict[str, RunnerSeq] = {}
 
     # ---- KV cache --------------------------------------------------------------------
@@ -104,12 +107,14 @@ class ModelRunner:
         hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [self.seqs[seq_id] for seq_id in batch.sampling_ids]
+        masked = self.grammar_masks.apply(logits, rows)
         token_ids, logprobs = self.sampler(logits, rows)
+        failed = self.grammar_masks.accept(rows, token_ids, masked)
         for row, token_id in zip(rows, token_ids):
-            row.token_ids.append(token_id)
-        return StepResult(batch.sampling_ids, token_ids,
-                          {batch.sampling_ids[i]: lp for i, lp in logprobs.items()},
-                          self._prompt_logprobs(batch, hidden))
+            row.token_ids.append(token_id)  # also a failed row's: a step already planned counts on it
+        result = _result(batch.sampling_ids, token_ids, logprobs, failed)
+        result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        return result
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict:
         scored = {}
@@ -136,7 +141,8 @@ class ModelRunner:
             if new.params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
             self.seqs[new.seq_id] = RunnerSeq(new.params, list(new.token_ids), len(new.token_ids),
-                                              new.min_tokens_stop_ids, generator)
+                                              new.min_tokens_stop_ids, generator,
+                                              grammar=GrammarState(new.grammar) if new.grammar else None)
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
         for item in plan.scheduled:
@@ -188,3 +194,11 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _result(seq_ids: list[str], token_ids: list[int], logprobs: dict, failed: dict[int, str]) -> StepResult:
+    """The step's tokens; a row whose structured output failed gets its error instead."""
+    kept = [index for index in range(len(seq_ids)) if index not in failed]
+    return StepResult([seq_ids[i] for i in kept], [token_ids[i] for i in kept],
+                      {seq_ids[i]: lp for i, lp in logprobs.items() if i not in failed},
+                      errors={seq_ids[i]: reason for i, reason in failed.items()})

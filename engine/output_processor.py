@@ -79,7 +79,7 @@ class OutputProcessor:
             request_id=seq.seq_id, prompt=state.prompt, prompt_token_ids=seq.prompt_token_ids,
             prompt_logprobs=state.prompt_logprobs, outputs=[completion], finished=finished,
             num_cached_tokens=seq.num_cached_tokens, timestamps=timestamps_of(seq) if finished else None,
-            num_preemptions=seq.num_preemptions)
+            num_preemptions=seq.num_preemptions, error=seq.error)
 
     @staticmethod
     def _completion(seq: Sequence, state: RequestState, finished: bool) -> CompletionOutput:

@@ -44,7 +44,8 @@ def make_children(seq: Sequence, share_prefix: bool) -> list[Sequence]:
     children = []
     for index in range(seq.params.n):
         child = Sequence(child_id(seq.seq_id, index), list(seq.token_ids), child_params(seq.params, index),
-                         seq.max_tokens, seq.priority_class, seq.priority, seq.arrival_time)
+                         seq.max_tokens, seq.priority_class, seq.priority, seq.arrival_time,
+                         grammar=seq.grammar)  # compiled once; each child's runner row gets its own matcher
         child.sample_index = index
         child.leader = children[0] if index and share_prefix else None
         children.append(child)
@@ -75,7 +76,8 @@ class ParentRequest:
             prompt_logprobs=self.latest[0].prompt_logprobs if self.latest[0] else None, outputs=completions,
             finished=finished, num_cached_tokens=max(output.num_cached_tokens or 0 for output in known),
             timestamps=_combined([output.timestamps for output in self.latest]) if finished else None,
-            num_preemptions=sum(output.num_preemptions for output in known))
+            num_preemptions=sum(output.num_preemptions for output in known),
+            error=next((output.error for output in known if output.error), None))
 
     def _completion(self, index: int, fresh: bool) -> CompletionOutput:
         output = self.latest[index]

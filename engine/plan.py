@@ -14,6 +14,7 @@ class NewSeqData:
     token_ids: list[int]
     params: SamplingParams
     min_tokens_stop_ids: tuple[int, ...] = ()  # token ids banned until min_tokens is reached
+    grammar: object | None = None  # structured outputs: the compiled grammar (engine/grammar_compiler.py)
 
 
 @dataclass
@@ -53,3 +54,4 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # seq id -> (first prompt position scored, the logprobs of the prompt tokens from there on)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed (no token for it)

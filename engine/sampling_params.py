@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 from engine import sampling_limits as limits
 from engine.errors import InvalidRequest
+from engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_N = limits.MAX_N
@@ -37,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob + this many top alternatives
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is read as its fields
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -45,6 +47,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +80,10 @@ class SamplingParams:
         _stop_strings(self.stop)
         for token_id in self.stop_token_ids:
             _integer("stop_token_ids", token_id, low=0, high=vocab_size - 1)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequest("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         self._validate_vllm_extras(vocab_size)
 
     def _validate_vllm_extras(self, vocab_size: int) -> None:

@@ -169,7 +169,7 @@ class Scheduler:
         seq.num_blocks_sent = len(seq.block_table)
         if not seq.known_to_runner:
             plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
-                                            self.stop_rules.min_tokens_stop_ids(seq)))
+                                            self.stop_rules.min_tokens_stop_ids(seq), seq.grammar))
             seq.known_to_runner = True
         seq.first_scheduled_time = seq.first_scheduled_time or now
         plan.scheduled.append(ScheduledSeq(seq.seq_id, start, num_new, new_block_ids))

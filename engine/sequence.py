@@ -37,6 +37,8 @@ class Sequence:
     admit_order: int = -1  # set each time the scheduler admits it
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why it ended with finish_reason 'error'
+    grammar: object | None = None  # structured outputs: its compiled grammar (engine/grammar_compiler.py)
     num_preemptions: int = 0
     known_to_runner: bool = False
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted

@@ -32,7 +32,7 @@ from clients.protocol import (
 VLLM_SAMPLING_PARAM_NAMES = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "min_tokens", "logprobs", "n",
+    "ignore_eos", "min_tokens", "logprobs", "n", "structured_outputs",
 }  # fmt: skip
 
 
@@ -73,7 +73,7 @@ def test_defaults_are_vllm_defaults():
         "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
         "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
         "seed": None, "stop": [], "stop_token_ids": [], "ignore_eos": False,
-        "min_tokens": 0, "logprobs": None, "n": 1,
+        "min_tokens": 0, "logprobs": None, "n": 1, "structured_outputs": None,
     }  # fmt: skip
     assert (job.v, job.priority_class, job.priority, job.result_ttl) == (1, "interactive", 0, 86400)
     assert len(job.job_id) == 32

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from clients import AsyncClient, Client, InvalidJob, QueueFull, decode_job
 from clients.keys import Keys
-from clients.protocol import (DEFAULT_ONLY_DIGEST_FIELDS, DIGEST_FIELDS, JobRequest, _js_number, digest_input,
-                              payload_digest)
+from clients.protocol import (DEFAULT_ONLY_DIGEST_FIELDS, DIGEST_FIELDS, OPTIONAL_DIGEST_FIELDS, JobRequest,
+                              _js_number, digest_input, payload_digest)
 from clients.job_record import SUBMIT_LUA
 from clients.submission import submit_args
 
@@ -92,6 +92,17 @@ def test_every_digest_field_changes_the_digest(change):
     assert digest_of({"prompt": "hi", **change}) != digest_of({"prompt": "hi"})
 
 
+def test_structured_outputs_count_only_when_given():
+    base = digest_of({"prompt": "hi"})
+    assert digest_of({"prompt": "hi", "structured_outputs": None}) == base
+    regex = digest_of({"prompt": "hi", "structured_outputs": {"regex": "a+"}})
+    assert regex != base
+    assert digest_of({"prompt": "hi", "structured_outputs": {"regex": "a+", "json": None,
+                                                             "disable_any_whitespace": False}}) == regex
+    assert digest_of({"prompt": "hi", "structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}) != regex
+    assert digest_of({"prompt": "hi", "structured_outputs": {"regex": "a*"}}) != regex
+
+
 def test_the_prompt_kind_is_part_of_the_digest():
     digests = {digest_of({"prompt": "1"}), digest_of({"prompt_token_ids": [1]}),
                digest_of({"messages": [{"role": "user", "content": "1"}]})}
@@ -101,8 +112,8 @@ def test_the_prompt_kind_is_part_of_the_digest():
 def test_digest_fields_are_the_documented_eighteen():
     assert len(DIGEST_FIELDS) == 18 and len(set(DIGEST_FIELDS)) == 18
     section = DOC[DOC.index("### Payload digest"):DOC.index("Not part of it")]
-    assert all(f"`{name}`" in section for name in (*DIGEST_FIELDS, *DEFAULT_ONLY_DIGEST_FIELDS))
-    rest = set(JobRequest.model_fields) - set(DIGEST_FIELDS) - set(DEFAULT_ONLY_DIGEST_FIELDS)
+    assert all(f"`{name}`" in section for name in (*DIGEST_FIELDS, *DEFAULT_ONLY_DIGEST_FIELDS, *OPTIONAL_DIGEST_FIELDS))
+    rest = set(JobRequest.model_fields) - set(DIGEST_FIELDS) - set(DEFAULT_ONLY_DIGEST_FIELDS) - set(OPTIONAL_DIGEST_FIELDS)
     not_part = DOC[DOC.index("Not part of it"):DOC.index("Canonical JSON")]
     assert all(f"`{name}`" in not_part for name in rest), rest
 
@@ -193,6 +204,11 @@ payloads = st.fixed_dictionaries(
         "logprobs": st.one_of(st.none(), st.integers(0, 20)),
         "model": st.one_of(st.none(), words),
         "n": st.integers(1, 16),
+        "structured_outputs": st.sampled_from([
+            None, {"regex": "a+"}, {"choice": ["x", "y"], "disable_any_whitespace": True},
+            {"json": {"type": "object", "properties": {"n": {"maximum": 1.5, "minimum": -0.0}}}, "regex": None},
+            {"json": '{"type": "string"}'}, {"json_object": True, "disable_any_whitespace": False},
+        ]),
     },
 )
 

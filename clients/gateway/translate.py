@@ -51,9 +51,9 @@ COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }  # fmt: skip
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _absent, "tools": _absent, "tool_choice": _no_tool, "functions": _absent,
-    "function_call": _no_tool, "response_format": lambda v: v is None or v == {"type": "text"},
-    "audio": _absent, "modalities": lambda v: v is None or v == ["text"], "prediction": _absent,
-    "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent, "moderation": _absent,
+    "function_call": _no_tool, "audio": _absent, "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _absent, "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent,
+    "moderation": _absent,
 }  # fmt: skip
 # accepted and not passed on: they do not change what is generated
 NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls",
@@ -61,9 +61,13 @@ NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tie
 # OpenAI's sampling fields and vLLM's extras: same names and meaning as the job's
 SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "n")  # fmt: skip
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "logprobs", *SAMPLING, *NEUTRAL, *COMPLETION_UNSUPPORTED}
+# the output's shape: OpenAI's response_format (json_object, json_schema), or vLLM's structured_outputs
+STRUCTURED = ("response_format", "structured_outputs")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "logprobs", *SAMPLING, *STRUCTURED, *NEUTRAL,
+                     *COMPLETION_UNSUPPORTED}  # fmt: skip
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *SAMPLING,
-               *NEUTRAL, *CHAT_UNSUPPORTED}  # fmt: skip
+               *STRUCTURED, *NEUTRAL, *CHAT_UNSUPPORTED}  # fmt: skip
 
 
 def _check_fields(body: Any, known: set[str], unsupported: dict[str, Callable[[Any], bool]]) -> None:
@@ -87,7 +91,7 @@ def job_from_completion(body: dict) -> dict:
     stream_flags(body)
     fields = {**_common(body), **_prompt(body.get("prompt")), "max_tokens": body.get("max_tokens"),
               "logprobs": body.get("logprobs")}  # fmt: skip
-    return _validated(fields, {"prompt_token_ids": "prompt"})
+    return _validated(fields, {"prompt_token_ids": "prompt", **_structured_params(body)})
 
 
 def job_from_chat(body: dict) -> dict:
@@ -101,7 +105,7 @@ def job_from_chat(body: dict) -> dict:
     fields = {**_common(body), "messages": _messages(body.get("messages")), "max_tokens": body.get(limit_name),
               "logprobs": _chat_logprobs(body)}  # fmt: skip
     top = "top_logprobs" if body.get("top_logprobs") is not None else "logprobs"
-    return _validated(fields, {"max_tokens": limit_name, "logprobs": top})
+    return _validated(fields, {"max_tokens": limit_name, "logprobs": top, **_structured_params(body)})
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -138,7 +142,39 @@ def _common(body: dict) -> dict:
     if fields["seed"] is None:  # a rerun after a replica crash must reproduce the same tokens
         fields["seed"] = secrets.randbits(63)
     return {"model": model, **fields, "priority_class": priority_of_tier(body.get("service_tier")),
-            "metadata": _metadata(body)}  # fmt: skip
+            "metadata": _metadata(body), "structured_outputs": _structured_outputs(body)}  # fmt: skip
+
+
+def _structured_outputs(body: dict) -> dict | None:
+    """The job's structured_outputs: vLLM's field as given (the job checks it), or OpenAI's
+    response_format: json_object -> any JSON object, json_schema -> its `schema`."""
+    response_format, given = body.get("response_format"), body.get("structured_outputs")
+    if given is not None:
+        if response_format not in (None, {"type": "text"}):
+            raise invalid("give response_format or structured_outputs, not both", param="structured_outputs")
+        return given
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise invalid(f"response_format.type must be one of {RESPONSE_FORMATS}, got {_short(kind)}",
+                      param="response_format.type", code="unsupported_value")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise invalid("response_format.json_schema.schema must be a JSON Schema object",
+                      param="response_format.json_schema.schema")
+    return {"json": spec["schema"]}
+
+
+def _structured_params(body: dict) -> dict[str, str]:
+    """Job field -> the request field it came from, for error messages."""
+    if body.get("structured_outputs") is not None or body.get("response_format") is None:
+        return {}
+    return {"structured_outputs": "response_format", "structured_outputs.json": "response_format.json_schema.schema"}
 
 
 def _metadata(body: dict) -> dict:
