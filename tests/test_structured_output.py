@@ -155,6 +155,20 @@ def test_json_object_is_an_object(llm, prompts):
         assert output.text.startswith("{")
 
 
+def test_every_sample_of_an_n_request_follows_the_constraint(llm, prompts):
+    """n > 1: the children share the compiled grammar, each with a matcher of its own."""
+    params = structured(7, json=SCHEMAS["tuple"])
+    params.n = 4
+    choices = structured(8, choice=CHOICES)
+    choices.n = 3
+    many, few = llm.generate(prompts[:2], [params, choices], use_tqdm=False)
+    assert len(many.outputs) == 4 and len(few.outputs) == 3
+    for sample in many.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        validate(sample.text, SCHEMAS["tuple"])
+    assert all(sample.text in CHOICES for sample in few.outputs)
+
+
 # ---------------------------------------------------------------- failures stay with their request
 
 
