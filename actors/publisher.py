@@ -134,7 +134,7 @@ class PublisherActor(Actor):
             message = ABORT_MESSAGES.get(reason, f"job stopped: {reason}")
             return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
                                        metadata=delivery.metadata)
-        if output.finish_reason == "error":  # the engine could not go on (a structured output's dead end)
+        if any(completion.finish_reason == "error" for completion in output.outputs):  # e.g. a grammar's dead end
             return "error", ErrorEvent(attempt=delivery.attempt, code="invalid_request",
                                        message=output.error or "the job failed", metadata=delivery.metadata)
         metrics = output.metrics
