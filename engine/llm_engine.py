@@ -1,9 +1,11 @@
 """The incremental engine: add / abort requests, ``step()``, and their outputs.
 
 One step is schedule -> run -> postprocess (append tokens, detokenize, then end the
-sequences a stop condition ended, checked in engine/finishing.py's order). The actors
-drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from separate tasks;
-this class wires them synchronously for the offline API.
+sequences a stop condition ended, checked in engine/finishing.py's order). A step that
+verified draft tokens (engine/spec_decode/) may give a sequence several tokens: each is
+appended and checked as if it were a step's only token, and those after a stop are
+dropped. The actors drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from
+separate tasks; this class wires them synchronously for the offline API.
 """
 import time
 from collections import deque
@@ -23,6 +25,7 @@ from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.drafter import spec_stats
 
 
 class LLMEngine:
@@ -100,6 +103,11 @@ class LLMEngine:
         for seq in updated:
             stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id))
             self._finish_if_stopped(seq, stop_string)
+            for token_id in result.extra_token_ids.get(seq.seq_id, ()):  # accepted drafts: one by one
+                if seq.is_finished:
+                    break  # a stop condition fired: the step's later tokens are dropped
+                self.scheduler.append_token(seq, token_id)
+                self._finish_if_stopped(seq, self.outputs.feed(seq))
         ended, self._ended = self._ended, []
         return [self.outputs.output(seq) for seq in ended + updated]
 
@@ -128,7 +136,7 @@ class LLMEngine:
             time.sleep(wait)
 
     def stats(self) -> dict:
-        return self.scheduler.kv_stats()
+        return {**self.scheduler.kv_stats(), **spec_stats(self.scheduler.drafter)}
 
 
 def resolve_max_model_len(config: EngineConfig, model_context: int) -> int:

@@ -15,6 +15,7 @@ from engine.models.layers import PagedAttention
 from engine.models.loader import ModelSpec, build_model, gguf_batch_copies
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.sampler import Sampler, SamplingRow
+from engine.spec_decode.verifier import verify
 from kernels.backend import prepare
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class ModelRunner:
         hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [self.seqs[seq_id] for seq_id in batch.sampling_ids]
+        drafts = {item.seq_id: item.draft_token_ids for item in plan.scheduled if item.draft_token_ids}
+        if drafts:  # speculative: a token at every verified position, the agreeing drafts kept
+            return verify(self.sampler, logits, batch.sampling_ids, rows, drafts)
         token_ids, logprobs = self.sampler(logits, rows)
         for row, token_id in zip(rows, token_ids):
             row.token_ids.append(token_id)
@@ -125,13 +129,15 @@ class ModelRunner:
                                               new.min_tokens_stop_ids, generator)
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
+        for seq_id, num_blocks in plan.trimmed_tables.items():
+            del self.seqs[seq_id].block_table[num_blocks:]
         for item in plan.scheduled:
             self.seqs[item.seq_id].block_table.extend(item.new_block_ids)
+            self.seqs[item.seq_id].token_ids.extend(item.draft_token_ids)  # verify() keeps the right ones
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> InputBatch:
-        # decodes (one new token) first: they share one batched attention call
-        ordered = sorted(scheduled, key=lambda s: s.num_new != 1)
-        num_decode = sum(1 for s in ordered if s.num_new == 1)
+        # decodes (one new token, or one and its drafts) first: they share one batched attention call
+        ordered = sorted(scheduled, key=lambda s: not _decodes(s))
         input_ids, positions, logits_indices, sampling_ids = [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         for item in ordered:
@@ -141,15 +147,17 @@ class ModelRunner:
             offset = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            if item.num_new == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
+            if _decodes(item):  # each verified draft too: a decode query over the cache up to itself
+                decode_tables += [seq.block_table] * item.num_new
+                decode_lens += range(start + 1, end + 1)
             else:
                 prefills.append(PrefillSpan(offset, offset + item.num_new, start,
                                             self._tensor(seq.block_table)))
-            if end == len(seq.token_ids):
-                logits_indices.append(offset + item.num_new - 1)
+            if end == len(seq.token_ids):  # logits at the last token and at each draft
+                last = offset + item.num_new
+                logits_indices += range(last - 1 - len(item.draft_token_ids), last)
                 sampling_ids.append(item.seq_id)
+        num_decode = len(decode_lens)
         positions_t = self._tensor(positions)
         meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
         if num_decode:
@@ -171,3 +179,7 @@ class ModelRunner:
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _decodes(item: ScheduledSeq) -> bool:
+    return item.num_new == 1 or bool(item.draft_token_ids)
