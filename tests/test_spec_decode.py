@@ -39,10 +39,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 
 def brute_force_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The definition: the longest n in [min_n, max_n] whose suffix n-gram ends earlier
-    somewhere (before the last token); the k tokens after its earliest such occurrence."""
+    somewhere (before the last token); the k tokens after its most recent such occurrence."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
-        for end in range(n - 1, len(tokens) - 1):
+        for end in range(len(tokens) - 2, n - 2, -1):
             if tokens[end - n + 1:end + 1] == suffix:
                 return tokens[end + 1:end + 1 + k]
     return []
@@ -67,7 +67,7 @@ def test_ngram_proposer_examples():
     proposer = NgramProposer(2, 3)
     # vLLM's docstring example: [4, 2, 3] finds no earlier match, [2, 3] does
     assert proposer.propose(np.array([1, 2, 3, 4, 2, 3]), 4) == [4, 2, 3]
-    assert proposer.propose(np.array([1, 2, 3, 9, 1, 2, 3, 8, 2, 3]), 2) == [9, 1]  # the earliest occurrence
+    assert proposer.propose(np.array([1, 2, 3, 9, 1, 2, 3, 8, 2, 3]), 2) == [8, 2]  # the most recent occurrence
     assert proposer.propose(np.array([7, 7, 7, 7]), 3) == [7]  # overlapping the suffix itself
     assert proposer.propose(np.array([1, 2, 3, 4]), 3) == []
     assert NgramProposer(1, 1).propose(np.array([5]), 3) == []

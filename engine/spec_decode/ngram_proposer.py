@@ -2,9 +2,10 @@
 
 The longest suffix n-gram (``min_n <= n <= max_n``) that also occurs earlier in the
 sequence (prompt and output alike) is found; the drafts are the up-to-k tokens that
-followed its earliest occurrence. That is vLLM's NgramProposer: its KMP search keeps the
-first occurrence among the longest matches. An occurrence may overlap the suffix (a
-sequence that repeats one token drafts more of it).
+followed its most recent earlier occurrence. An occurrence may overlap the suffix (a
+sequence that repeats one token drafts more of it). vLLM's NgramProposer takes the same
+longest match but its earliest occurrence; on SmolLM2 summaries of licence texts the most
+recent one had 9.6% more drafts accepted (536 vs 489 tokens over 9 jobs, docs/speculative.md).
 
 The search is vectorised over the whole sequence for its last token, then narrowed on the
 few candidate positions only, one token further back at a time: O(length) numpy work and
@@ -34,5 +35,5 @@ class NgramProposer:
             ends, n = longer, n + 1
         if n < self.min_n or not ends.size:
             return []
-        start = int(ends[0]) + 1  # the earliest occurrence, as vLLM
+        start = int(ends[-1]) + 1  # the most recent occurrence
         return tokens[start:start + k].tolist()
