@@ -31,6 +31,13 @@ class ReplicaMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive steps")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
         self.queue = histogram("request_queue_time_seconds", "Enqueue to first scheduled")
+        # speculative decoding (zeros without it): counters follow the engine's cumulative counts
+        self.spec_counters = {key: counter(key, doc) for key, doc in (
+            ("spec_decode_num_drafts", "Sequence-steps that verified draft tokens"),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted"))}
+        self.spec_acceptance = gauge("spec_decode_acceptance_rate", "Accepted / drafted tokens since start")
+        self._spec_counts = dict.fromkeys(self.spec_counters, 0)
         self._last_token_time: dict[str, float] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
@@ -43,11 +50,19 @@ class ReplicaMetrics:
         self.kv_fragmentation.set(stats["kv_fragmentation"])
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self.preemptions.set(stats["num_preemptions"])
+        self._record_speculation(stats)
         now = time.time()
         for output in outputs:
             self._record_tokens(output, now)
             if output.finished:
                 self._record_finish(output)
+
+    def _record_speculation(self, stats: dict) -> None:
+        for key, counter in self.spec_counters.items():
+            value = stats.get(key, 0)
+            counter.inc(value - self._spec_counts[key])
+            self._spec_counts[key] = value
+        self.spec_acceptance.set(stats.get("spec_decode_acceptance_rate", 0.0))
 
     def _record_tokens(self, output: RequestOutput, now: float) -> None:
         num_new = output.num_new_tokens  # all of an n > 1 request's outputs

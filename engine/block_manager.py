@@ -55,6 +55,19 @@ class BlockManager:
                 self.free_blocks[block_id] = None
         seq.block_table = []
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the tail blocks ``seq`` holds beyond its first ``num_tokens`` tokens (those
+        only rejected draft tokens used); returns the blocks it keeps."""
+        keep = self.blocks_for(num_tokens)
+        for block_id in seq.block_table[keep:]:
+            # a tail block grown this step: this sequence's alone, never published as a prefix
+            assert self.ref_counts[block_id] == 1 and self.block_hash[block_id] is None, block_id
+            self.ref_counts[block_id] = 0
+            self.free_blocks[block_id] = None
+            self.free_blocks.move_to_end(block_id, last=False)  # holds nothing cached: reused first
+        del seq.block_table[keep:]
+        return len(seq.block_table)
+
     # ---- prefix cache -------------------------------------------------------------------
     def reuse_cached_prefix(self, seq: Sequence) -> int:
         """For a sequence with nothing computed: take the cached blocks of its longest cached

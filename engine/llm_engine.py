@@ -1,9 +1,11 @@
 """The incremental engine: add / abort requests, ``step()``, and their outputs.
 
 One step is schedule -> run -> postprocess (append tokens, detokenize, then end the
-sequences a stop condition ended, checked in engine/finishing.py's order). The actors
-drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from separate tasks;
-this class wires them synchronously for the offline API.
+sequences a stop condition ended, checked in engine/finishing.py's order). A step that
+verified draft tokens (engine/spec_decode/) may give a sequence several tokens: each is
+appended and checked as if it were a step's only token, and those after a stop are
+dropped. The actors drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from
+separate tasks; this class wires them synchronously for the offline API.
 """
 import time
 from collections import deque
@@ -25,6 +27,7 @@ from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.spec_decode.drafter import spec_stats
 
 
 class LLMEngine:
@@ -109,9 +112,12 @@ class LLMEngine:
         updated = self.scheduler.update(plan, result)
         self._feed_prompt_logprobs(result)
         for seq in updated:
-            hold_last = self.stop_rules.stops_on_token(seq) and not seq.params.include_stop_str_in_output
-            stop_string = self.outputs.feed(seq, result.logprobs.get(seq.seq_id), hold_last)
-            self._finish_if_stopped(seq, stop_string)
+            self._feed_and_finish(seq, result.logprobs.get(seq.seq_id))
+            for token_id in result.extra_token_ids.get(seq.seq_id, ()):  # accepted drafts: one by one
+                if seq.is_finished:
+                    break  # a stop condition fired: the step's later tokens are dropped
+                self.scheduler.append_token(seq, token_id)
+                self._feed_and_finish(seq, None)
         for seq, reason in failed:
             self._fail(seq, reason)
         ended, self._ended = self._ended, []
@@ -122,6 +128,11 @@ class LLMEngine:
             seq = self.scheduler.seqs.get(seq_id)
             if seq is not None:
                 self.outputs.feed_prompt_logprobs(seq, start, entries)
+
+    def _feed_and_finish(self, seq: Sequence, logprobs) -> None:
+        """Detokenize the sequence's newest token, then end it if a stop condition holds."""
+        hold_last = self.stop_rules.stops_on_token(seq) and not seq.params.include_stop_str_in_output
+        self._finish_if_stopped(seq, self.outputs.feed(seq, logprobs, hold_last))
 
     def _finish_if_stopped(self, seq: Sequence, stop_string: str | None) -> None:
         """Every stop condition, checked once in StopRules' order; the one place a step ends a sequence."""
@@ -161,7 +172,7 @@ class LLMEngine:
             time.sleep(wait)
 
     def stats(self) -> dict:
-        return self.scheduler.kv_stats()
+        return {**self.scheduler.kv_stats(), **spec_stats(self.scheduler.drafter)}
 
 
 def prompt_text_of(tokenizer, prompt, messages, seq: Sequence) -> str | None:

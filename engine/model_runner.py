@@ -18,6 +18,7 @@ from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
 from engine.vllm_options import kv_budget_from_utilization
+from engine.spec_decode.verifier import verify
 from kernels.backend import prepare
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ class ModelRunner:
         hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         rows = [self.seqs[seq_id] for seq_id in batch.sampling_ids]
+        drafts = {item.seq_id: item.draft_token_ids for item in plan.scheduled if item.draft_token_ids}
+        if drafts:  # speculative: a token at every verified position, the agreeing drafts kept
+            result = verify(self.sampler, logits, batch.sampling_ids, rows, drafts, self.grammar_masks)
+            result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+            return result
         masked = self.grammar_masks.apply(logits, rows)
         token_ids, logprobs = self.sampler(logits, rows)
         failed = self.grammar_masks.accept(rows, token_ids, masked)
@@ -145,13 +151,15 @@ class ModelRunner:
                                               grammar=GrammarState(new.grammar) if new.grammar else None)
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
+        for seq_id, num_blocks in plan.trimmed_tables.items():
+            del self.seqs[seq_id].block_table[num_blocks:]
         for item in plan.scheduled:
             self.seqs[item.seq_id].block_table.extend(item.new_block_ids)
+            self.seqs[item.seq_id].token_ids.extend(item.draft_token_ids)  # verify() keeps the right ones
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> InputBatch:
-        # decodes (one new token) first: they share one batched attention call
-        ordered = sorted(scheduled, key=lambda s: s.num_new != 1)
-        num_decode = sum(1 for s in ordered if s.num_new == 1)
+        # decodes (one new token, or one and its drafts) first: they share one batched attention call
+        ordered = sorted(scheduled, key=lambda s: not _decodes(s))
         input_ids, positions, logits_indices, sampling_ids, prompt_spans = [], [], [], [], []
         decode_tables, decode_lens, prefills = [], [], []
         for item in ordered:
@@ -161,18 +169,20 @@ class ModelRunner:
             offset = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            if item.num_new == 1:
-                decode_tables.append(seq.block_table)
-                decode_lens.append(end)
+            if _decodes(item):  # each verified draft too: a decode query over the cache up to itself
+                decode_tables += [seq.block_table] * item.num_new
+                decode_lens += range(start + 1, end + 1)
             else:
                 prefills.append(PrefillSpan(offset, offset + item.num_new, start,
                                             self._tensor(seq.block_table)))
-            if end == len(seq.token_ids):
-                logits_indices.append(offset + item.num_new - 1)
+            if end == len(seq.token_ids):  # logits at the last token and at each draft
+                last = offset + item.num_new
+                logits_indices += range(last - 1 - len(item.draft_token_ids), last)
                 sampling_ids.append(item.seq_id)
             span = prompt_span(item, offset, seq.num_prompt_tokens) if seq.params.prompt_logprobs is not None else None
             if span is not None:
                 prompt_spans.append(span)
+        num_decode = len(decode_lens)
         positions_t = self._tensor(positions)
         meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
         if num_decode:
@@ -202,3 +212,7 @@ def _result(seq_ids: list[str], token_ids: list[int], logprobs: dict, failed: di
     return StepResult([seq_ids[i] for i in kept], [token_ids[i] for i in kept],
                       {seq_ids[i]: lp for i, lp in logprobs.items() if i not in failed},
                       errors={seq_ids[i]: reason for i, reason in failed.items()})
+
+
+def _decodes(item: ScheduledSeq) -> bool:
+    return item.num_new == 1 or bool(item.draft_token_ids)

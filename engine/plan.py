@@ -21,8 +21,9 @@ class NewSeqData:
 class ScheduledSeq:
     seq_id: str
     num_computed: int  # tokens already in the KV cache before this step
-    num_new: int  # tokens computed in this step
+    num_new: int  # tokens computed in this step (draft tokens included)
     new_block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative: verified after its last token
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # block tables were released
     finished_ids: list[str] = field(default_factory=list)  # the runner can forget them
+    trimmed_tables: dict[str, int] = field(default_factory=dict)  # seq id -> blocks kept (rejected drafts' released)
 
     @property
     def num_tokens(self) -> int:
@@ -48,10 +50,13 @@ class TokenLogprobs:
 
 @dataclass
 class StepResult:
-    """One sampled token per sequence that completed its prompt or decoded this step."""
+    """One sampled token per sequence that completed its prompt or decoded this step; one
+    that verified drafts may have more (``extra_token_ids``, the tokens after its first: the
+    rest of its accepted drafts, then the bonus or correction token)."""
     seq_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # seq id -> (first prompt position scored, the logprobs of the prompt tokens from there on)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # seq id -> why it failed (no token for it)
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -60,6 +60,13 @@ class Sampler:
                 noise[index].exponential_(generator=row.generator)
         return noise
 
+    def advance(self, generator: torch.Generator, num_rows: int, vocab: int) -> None:
+        """Draw from a row's ``generator`` as ``_exponential_noise`` does for ``num_rows`` rows
+        (speculative decoding rewinds a seeded row to one draw per token it keeps)."""
+        row = torch.empty(vocab, dtype=torch.float32, device=self.device)
+        for _ in range(num_rows):
+            row.exponential_(generator=generator)
+
     def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[-1]
         output_counts = self._counts([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab)

@@ -12,6 +12,12 @@ sequence that step in flight will certainly end is not scheduled again, and a se
 flight is never preempted: where room runs out the plan is simply smaller. Ranks: priority class (batch work ages into interactive), then the
 integer priority (lower first), then arrival (admission, for running sequences).
 
+With speculative decoding (``EngineConfig.speculative_config``) a decode may carry draft
+tokens (engine/spec_decode/drafter.py), from what the step leaves once running and admitted
+sequences have their tokens: drafts never preempt or delay a sequence. Their KV slots are
+released as soon as the step says which were rejected, and the accepted ones join the
+sequence (``append_token``) one at a time, after the stop checks of the one before.
+
 The scheduler never decides that a sequence is done: the engine's postprocess checks the
 stop conditions (engine/finishing.py) and calls ``finish``, the one way a sequence ends.
 """
@@ -25,6 +31,7 @@ from engine.finishing import StopRules
 from engine.parallel_sampling import waits_for_leader
 from engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
 from engine.sequence import PRIORITY_CLASSES, Sequence, SequenceStatus
+from engine.spec_decode.drafter import make_drafter
 
 
 class Scheduler:
@@ -43,6 +50,8 @@ class Scheduler:
         self._admit_counter = itertools.count()
         self._step_ids = itertools.count(1)
         self.in_flight: dict[int, list[Sequence]] = {}  # step id -> the sequences it scheduled
+        self.drafter = make_drafter(config.speculative_config, stop_rules.max_model_len)
+        self.trimmed_tables: dict[str, int] = {}  # for the next plan: block tables shortened since
 
     # ---- requests in and out -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -57,6 +66,9 @@ class Scheduler:
             return None
         (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.block_manager.free(seq)
+        self.trimmed_tables.pop(seq_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finished_time = time.time()
@@ -88,8 +100,11 @@ class Scheduler:
             self._schedule(seq, num_new, plan, now)
             budget -= num_new
         if not (out_of_room or plan.preempted_ids):
-            self._admit_waiting(budget, plan, now)
+            budget = self._admit_waiting(budget, plan, now)
+        if self.drafter is not None:
+            self._schedule_drafts(plan, budget)
         plan.finished_ids, self.finished_ids = self.finished_ids, []
+        plan.trimmed_tables, self.trimmed_tables = self.trimmed_tables, {}
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
@@ -102,7 +117,7 @@ class Scheduler:
             if seq.is_finished:
                 continue  # ended (aborted, or by a step before this one) while the step ran
             seq.num_inflight_tokens -= item.num_new
-            seq.num_computed_tokens += item.num_new
+            seq.num_computed_tokens += item.num_new - len(item.draft_token_ids)  # drafts: in append_token
             self.block_manager.register_full_blocks(seq)
             token_id = sampled.get(item.seq_id)
             if token_id is None:
@@ -110,8 +125,48 @@ class Scheduler:
             seq.num_pending_samples -= 1
             seq.token_ids.append(token_id)
             seq.first_token_time = seq.first_token_time or now
+            if item.draft_token_ids:
+                self._release_rejected(seq, item, len(result.extra_token_ids.get(item.seq_id, ())))
             updated.append(seq)
         return updated
+
+    def append_token(self, seq: Sequence, token_id: int) -> None:
+        """One more token of the step that just ended (an accepted draft's target, or the
+        token after the last accepted draft): the draft at the position before it was right,
+        so that position's KV, computed this step, now counts."""
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(token_id)
+        self.block_manager.register_full_blocks(seq)
+
+    # ---- speculative decoding --------------------------------------------------------
+    def _schedule_drafts(self, plan: StepPlan, budget: int) -> None:
+        """Draft tokens for this plan's decodes, within the budget and the free KV slots the
+        plan leaves (running sequences first, in rank order)."""
+        for item, seq in zip(plan.scheduled, self.in_flight[plan.step_id]):
+            if budget <= 0:
+                return
+            if item.num_new != 1 or item.num_computed + 1 != seq.num_tokens:
+                continue  # only a decode (a last prompt token included) is followed by drafts
+            room = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.config.block_size
+            drafts = self.drafter.drafts_for(seq, min(budget, room - seq.num_tokens))
+            if not drafts:
+                continue
+            self.block_manager.grow(seq, seq.num_tokens + len(drafts))
+            item.new_block_ids.extend(seq.block_table[seq.num_blocks_sent:])
+            seq.num_blocks_sent = len(seq.block_table)
+            item.num_new += len(drafts)
+            item.draft_token_ids = drafts
+            seq.num_inflight_tokens += len(drafts)
+            budget -= len(drafts)
+
+    def _release_rejected(self, seq: Sequence, item: ScheduledSeq, num_accepted: int) -> None:
+        """Count the drafts and give back the blocks only rejected drafts used: the sequence
+        keeps room for the tokens it has plus the accepted ones still to be appended."""
+        self.drafter.record(len(item.draft_token_ids), num_accepted)
+        kept = self.block_manager.trim(seq, seq.num_tokens + num_accepted)
+        if kept < seq.num_blocks_sent:
+            seq.num_blocks_sent = kept
+            self.trimmed_tables[seq.seq_id] = kept
 
     # ---- helpers ---------------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
@@ -135,11 +190,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(seq)
 
-    def _admit_waiting(self, budget: int, plan: StepPlan, now: float) -> None:
+    def _admit_waiting(self, budget: int, plan: StepPlan, now: float) -> int:
+        """Admit waiting sequences in rank order while budget and blocks last; the budget left."""
         ranked = sorted(self.waiting, key=lambda s: self._waiting_rank(s, now))
         for seq in self.policy.admissible(ranked, now):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
-                return
+                return budget
             if waits_for_leader(seq):
                 continue  # n > 1: it will share its leader's prompt blocks once they are computed
             if not seq.block_table:
@@ -149,7 +205,7 @@ class Scheduler:
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new, reserve):
                 self.block_manager.free(seq)  # hand the cached prefix back; retried next step
                 seq.num_computed_tokens = 0
-                return
+                return budget
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.num_cached_tokens is None:
@@ -158,6 +214,7 @@ class Scheduler:
             self.running.append(seq)
             self._schedule(seq, num_new, plan, now)
             budget -= num_new
+        return budget
 
     def _schedule(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> None:
         assert num_new > 0

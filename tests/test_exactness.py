@@ -17,6 +17,9 @@ REGIMES = {
     "overlapped": dict(async_scheduling=True),
     "overlapped_preemption": dict(async_scheduling=True, num_kv_blocks=64, block_size=4),
     "overlapped_chunked_prefill": dict(async_scheduling=True, max_num_batched_tokens=16),
+    # prompt-lookup drafts verified in one step (tests/test_spec_decode.py: accepted runs, stops, sampling)
+    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
 }
 
 
@@ -48,6 +51,8 @@ def test_greedy_matches_transformers(tiny_model, workload, regime):
         assert stats["num_preemptions"] > 0
     if regime.endswith("chunked_prefill"):
         assert stats["num_chunked_prefills"] > 0
+    if regime == "speculative":
+        assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_blocks
 

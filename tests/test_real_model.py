@@ -122,3 +122,33 @@ def test_greedy_is_identical_with_gguf_blocks_and_dequantized(llm):
         assert a.token_ids == b.token_ids, (a.text, b.text)
     single = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:2]]  # compiled decoder steps
     assert [o.token_ids for o in single] == [o.token_ids for o in native[:2]]
+
+
+DOCUMENT = (
+    "The harbour town of Kessel Bay depends on three things: the ferry, the fish market and the "
+    "lighthouse. The ferry crosses to the mainland four times a day in summer and twice a day in "
+    "winter. The fish market opens at five in the morning and closes at noon, and most of its catch "
+    "is sold to restaurants on the mainland. The lighthouse was built in 1872, was automated in 1961 "
+    "and now houses a small museum about the history of the harbour. In 2019 the town council voted "
+    "to replace the old ferry with an electric one, which began service in the spring of 2022 and "
+    "cut the cost of a crossing by a third."
+)
+
+
+def test_speculative_decoding_matches_transformers_greedy(llm, hf):
+    """Prompt-lookup drafts on a summarization prompt (the summary copies the document's
+    phrases): token-identical to transformers and to the engine without drafts, and drafts
+    are accepted."""
+    model, tokenizer = hf
+    spec = LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="128MiB", seed=0, quantization="gguf",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2})
+    chats = [[{"role": "user", "content": f"Summarize this text in three sentences.\n\n{DOCUMENT}"}],
+             [{"role": "user", "content": f"{DOCUMENT}\n\nWhen was the lighthouse built, and what is in it now?"}]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = spec.chat(chats, params, use_tqdm=False)
+    for out, plain in zip(outs, llm.chat(chats, params, use_tqdm=False)):
+        assert out.token_ids == plain.token_ids and out.text == plain.text
+        check_against_transformers(out, model, tokenizer)
+    stats = spec.engine.stats()
+    assert stats["spec_decode_acceptance_rate"] > 0.2, stats

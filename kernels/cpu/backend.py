@@ -1,6 +1,7 @@
 """``prepare(model)`` for CPU and the backend it returns."""
 from typing import Callable
 
+import torch
 from torch import nn
 
 from kernels.backend import Backend, DecoderLayout
@@ -24,22 +25,24 @@ def prepare(model: nn.Module, layout_of: Callable[[nn.Module], DecoderLayout | N
 
 
 class CpuBackend(Backend):
-    """Serves decode-only steps of at most ``CpuLinear.FEW_ROWS`` tokens with the compiled
-    whole-model decoder (kernels/csrc/decode_cpu.cpp): the same kernels as the model's layers
-    without ~270 Python calls per step."""
+    """Serves decode-only steps with the compiled whole-model decoder
+    (kernels/csrc/decode_cpu.cpp): the same kernels as the model's layers without ~270
+    Python calls per step, for as many tokens as its kernels are the layers' own:
+    ``CpuLinear.FEW_ROWS`` over float32 weights, ``CpuLinear.QUANT_MAX_ROWS`` over GGUF blocks
+    (whose few-row kernel serves the layers up to there too; a speculative step verifying
+    drafts is a few decode tokens per sequence)."""
     name = "cpu"
 
     def __init__(self, model: nn.Module, kernels, layout_of):
         self.model, self.kernels, self.layout_of = model, kernels, layout_of
         self.layout: DecoderLayout | None = None
         self.decoder = None  # the compiled decoder; False once found unavailable
+        self.max_tokens = CpuLinear.FEW_ROWS
 
     def decodes(self, num_tokens: int) -> bool:
-        if self.decoder is False or not 0 < num_tokens <= CpuLinear.FEW_ROWS:
-            return False
         if self.decoder is None:
             self.decoder = self._build_decoder()
-        return bool(self.decoder)
+        return bool(self.decoder) and 0 < num_tokens <= self.max_tokens
 
     def decode(self, input_ids, positions, slot_mapping, block_tables, context_lens):
         layout = self.layout
@@ -55,4 +58,7 @@ class CpuBackend(Backend):
         decoder = build_decoder(self.kernels, layout)
         if decoder:
             self.layout = layout
+            projections = [m for layer in layout.layers for m in layer[2:6]]
+            if all(m.fast_path[0].dtype is not torch.float32 for m in projections):
+                self.max_tokens = CpuLinear.QUANT_MAX_ROWS
         return decoder
