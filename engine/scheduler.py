@@ -142,6 +142,8 @@ class Scheduler:
     def _schedule_drafts(self, plan: StepPlan, budget: int) -> None:
         """Draft tokens for this plan's decodes, within the budget and the free KV slots the
         plan leaves (running sequences first, in rank order)."""
+        if not self.drafter.drafts_step(len(plan.scheduled)):
+            return
         for item, seq in zip(plan.scheduled, self.in_flight[plan.step_id]):
             if budget <= 0:
                 return

@@ -95,6 +95,7 @@ def test_speculative_config_follows_vllm_defaults_and_checks():
          "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ("{not json", "JSON"),
         ("[1, 2]", "dict"),
     ]:
@@ -127,9 +128,10 @@ def test_speculates_leaves_out_logprobs_and_structured_output_rows():
 # --------------------------------------------------------------------------- scheduler
 
 
-def spec_scheduler(num_blocks=64, **options):
+def spec_scheduler(num_blocks=64, spec=None, **options):
     config = EngineConfig(model="unused", block_size=4, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}, **options)
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+        **(spec or {})}, **options)
     return Scheduler(config, num_blocks, StopRules({1}, max_model_len=1024))
 
 
@@ -187,6 +189,18 @@ def test_drafts_only_take_free_slots_and_never_preempt():
     assert plan.preempted_ids == [] and scheduler.block_manager.num_free_blocks == 0
     finish_step(scheduler, plan)
     assert scheduler.seqs["a"].output_token_ids == [pattern(i) for i in range(7, 13)]
+
+
+def test_no_drafts_in_steps_larger_than_disable_by_batch_size():
+    scheduler = spec_scheduler(spec={"disable_by_batch_size": 1})
+    scheduler.add(repeating_seq("a", 6))
+    finish_step(scheduler, scheduler.schedule())
+    assert scheduler.schedule().scheduled[0].draft_token_ids  # alone: drafts
+    scheduler = spec_scheduler(spec={"disable_by_batch_size": 1})
+    scheduler.add(repeating_seq("a", 6))
+    scheduler.add(repeating_seq("b", 7))
+    finish_step(scheduler, scheduler.schedule())
+    assert [s.draft_token_ids for s in scheduler.schedule().scheduled] == [[], []]  # two: none
 
 
 def test_rejected_drafts_give_their_blocks_back_and_the_runner_is_told():

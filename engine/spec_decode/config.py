@@ -3,8 +3,11 @@
 
 vLLM's defaults and checks: ``method`` and ``num_speculative_tokens`` (>= 1) are required;
 with neither lookup bound set both are 5, with one set the other takes its value, and
-``prompt_lookup_min`` must not exceed ``prompt_lookup_max``. Unknown keys are refused by
-name (vLLM's other methods need a draft model, which this engine does not load).
+``prompt_lookup_min`` must not exceed ``prompt_lookup_max``. ``disable_by_batch_size``
+(vLLM's, from its first engine): no drafts in a step of more sequences than this, where
+verifying them costs more than it saves (a saturated CPU batch is compute-bound). Unknown
+keys are refused by name (vLLM's other methods need a draft model, which this engine does
+not load).
 """
 import json
 from dataclasses import dataclass, fields
@@ -13,6 +16,7 @@ METHODS = ("ngram",)
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, "arbitrarily chosen" there too
 MAX_SPECULATIVE_TOKENS = 128  # vLLM's MAX_SPEC_LEN
 MAX_PROMPT_LOOKUP = 1024
+MAX_BATCH_SIZE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -63,6 +68,8 @@ def _checked(options: dict) -> dict:
     options["prompt_lookup_max"] = low if high is None else high
     _positive(options, "prompt_lookup_min", MAX_PROMPT_LOOKUP)
     _positive(options, "prompt_lookup_max", MAX_PROMPT_LOOKUP)
+    if options.get("disable_by_batch_size") is not None:
+        _positive(options, "disable_by_batch_size", MAX_BATCH_SIZE)
     if options["prompt_lookup_min"] > options["prompt_lookup_max"]:
         raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
                          f"({options['prompt_lookup_max']}), got {options['prompt_lookup_min']}")

@@ -51,6 +51,11 @@ class Drafter:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
+    def drafts_step(self, batch_size: int) -> bool:
+        """Whether a step of ``batch_size`` sequences gets drafts (``disable_by_batch_size``)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch_size <= limit
+
     def drafts_for(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token; ``room``: what the step can hold."""
         limit = min(self.config.num_speculative_tokens, room, seq.max_tokens - seq.num_output_tokens - 1,

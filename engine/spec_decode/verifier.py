@@ -23,17 +23,16 @@ from engine.sampler import Sampler, SamplingRow
 
 
 class PositionRow:
-    """A SamplingRow as it is at one verified position: its first ``length`` tokens."""
+    """A SamplingRow as it is at one verified position: its first ``length`` tokens (all
+    else is the row's own)."""
     __slots__ = ("row", "length")
 
     def __init__(self, row: SamplingRow, length: int):
         self.row, self.length = row, length
 
-    params = property(lambda self: self.row.params)
-    num_prompt_tokens = property(lambda self: self.row.num_prompt_tokens)
-    min_tokens_stop_ids = property(lambda self: self.row.min_tokens_stop_ids)
-    generator = property(lambda self: self.row.generator)
-    grammar = property(lambda self: getattr(self.row, "grammar", None))  # drafted rows have none
+    def __getattr__(self, name: str):
+        return getattr(self.row, name)
+
     token_ids = property(lambda self: self.row.token_ids[:self.length])
     num_output_tokens = property(lambda self: self.length - self.row.num_prompt_tokens)
 
@@ -50,7 +49,7 @@ def verify(sampler: Sampler, logits, seq_ids: list[str], rows: list[SamplingRow]
         assert not draft or row.params.logprobs is None, "speculates() keeps logprobs rows out"
         assert not draft or getattr(row, "grammar", None) is None, "speculates() keeps structured rows out"
         base = len(row.token_ids) - len(draft)
-        positions += [PositionRow(row, base + j) for j in range(len(draft) + 1)]
+        positions += [PositionRow(row, base + j) for j in range(len(draft) + 1)] if draft else [row]
         counts.append(len(draft))
     rewinds = [_rewind_state(row, count) for row, count in zip(rows, counts)]
     masked = grammar_masks.apply(logits, positions) if grammar_masks is not None else []
