@@ -353,6 +353,42 @@ def test_stop_strings_are_capped_and_matched_incrementally(target, offline):
     target.assert_healthy("many long stop strings")
 
 
+# Raw entries for the job fields of structured outputs and parallel sampling: the first refused
+# by the wire's checks (dead-lettered, invalid_job), the rest valid on the wire but refused by
+# the engine before anything runs (invalid_request: compiling them would take minutes or GBs)
+STRUCTURED_ATTACKS = [
+    ({"regex": "a" * 65_537}, "invalid_job"),
+    ({"json": {"a": b"\x00bytes"}}, "invalid_job"),
+    ({"regex": "a", "structural_tag": "{}"}, "invalid_job"),
+    ({"regex": "a", "choice": ["a"]}, "invalid_job"),
+    ("json", "invalid_job"),
+    ({"json": json.loads('{"items":' * 40 + "{}" + "}" * 40)}, "invalid_request"),
+    ({"regex": "a{1,20000}"}, "invalid_request"),
+    ({"regex": "a\x00b"}, "invalid_request"),
+    ({"grammar": "root ::= "}, "invalid_request"),
+    ({"json": {"type": "object", "oneOf": [{}, {}]}}, "invalid_request"),
+]
+
+
+def test_hostile_structured_outputs_and_n_fail_alone(target):
+    """Each hostile constraint or n gets one error event for its own job; an honest structured
+    job on the same replica still runs, within the module's latency and memory bounds."""
+    attacks = [({"structured_outputs": so}, code) for so, code in STRUCTURED_ATTACKS]
+    attacks += [({"n": 99}, "invalid_job"), ({"n": 0}, "invalid_job"), ({"n": "4"}, "invalid_job")]
+    job_ids = []
+    for fields, _ in attacks:
+        job_ids.append(f"hostile-so-{uuid.uuid4().hex[:8]}")
+        target.xadd({"data": msgpack.packb({"job_id": job_ids[-1], "prompt": "hi", "max_tokens": 4, **fields})})
+    target.wait_consumed("the hostile structured entries")
+    honest = target.client.submit(prompt="hi", max_tokens=8, temperature=0,
+                                  structured_outputs={"choice": ["yes", "no"]})
+    assert honest.result(timeout=60).text in ("yes", "no")
+    for job_id, (fields, code) in zip(job_ids, attacks):
+        terminal = [e for e in target.events(job_id) if e.is_terminal]
+        assert [(e.type, e.code) for e in terminal] == [("error", code)], (fields, terminal)
+    target.assert_healthy("hostile structured outputs and n")
+
+
 def test_the_wire_states_the_engines_ranges():
     from clients import limits as wire
     from engine import sampling_limits as engine_limits
