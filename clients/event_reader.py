@@ -152,9 +152,7 @@ def outcome(job_id: str, event: TerminalEvent) -> JobResult:
         raise JobCancelled(job_id=job_id, attempt=event.attempt, metadata=event.metadata)
     assert isinstance(event, DoneEvent), event
     fields = event.model_dump(exclude={"type", "seq", "outputs"})
-    outputs = event.outputs or [OutputChoice(index=0, text=event.text, token_ids=event.token_ids,
-                                             finish_reason=event.finish_reason)]
-    return JobResult(job_id=job_id, **fields, outputs=outputs, entry_id=event.entry_id)
+    return JobResult(job_id=job_id, **fields, outputs=event.all_outputs(), entry_id=event.entry_id)
 
 
 MAX_BLOCK_MS = 2000  # below redis-py's default 5 s socket timeout; callers loop until the deadline

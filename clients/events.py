@@ -83,6 +83,11 @@ class DoneEvent(_Event):
     metadata: dict[str, Any] = Field(default_factory=dict)
     outputs: list[OutputChoice] | None = None  # n > 1: every output, in index order
 
+    def all_outputs(self) -> list[OutputChoice]:
+        """Every output in index order; an n = 1 job's one output from the flat fields."""
+        return self.outputs or [OutputChoice(index=0, text=self.text, token_ids=self.token_ids,
+                                             finish_reason=self.finish_reason)]
+
 
 class ErrorEvent(_Event):
     type: Literal["error"] = "error"

@@ -1,5 +1,5 @@
 """Per-request output state: incremental text, stop strings, logprobs, timestamps."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.logprob_format import LogprobFormatter
@@ -18,7 +18,6 @@ class RequestState:
     cumulative_logprob: float | None
     num_seen_tokens: int = 0  # output tokens already fed to the detokenizer
     num_reported_tokens: int = 0  # output tokens already returned as deltas
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class OutputProcessor:

@@ -154,8 +154,7 @@ class Scheduler:
             if not drafts:
                 continue
             self.block_manager.grow(seq, seq.num_tokens + len(drafts))
-            item.new_block_ids.extend(seq.block_table[seq.num_blocks_sent:])
-            seq.num_blocks_sent = len(seq.block_table)
+            item.new_block_ids.extend(self._unsent_blocks(seq))
             item.num_new += len(drafts)
             item.draft_token_ids = drafts
             seq.num_inflight_tokens += len(drafts)
@@ -224,8 +223,7 @@ class Scheduler:
             self.num_chunked_prefills += 1
         start = seq.num_scheduled_tokens
         self.block_manager.grow(seq, start + num_new)
-        new_block_ids = seq.block_table[seq.num_blocks_sent:]
-        seq.num_blocks_sent = len(seq.block_table)
+        new_block_ids = self._unsent_blocks(seq)
         if not seq.known_to_runner:
             plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
                                             self.stop_rules.min_tokens_stop_ids(seq), seq.grammar))
@@ -236,6 +234,13 @@ class Scheduler:
         seq.num_inflight_tokens += num_new
         if start + num_new == seq.num_tokens + seq.num_pending_samples:
             seq.num_pending_samples += 1  # this step samples its next token
+
+    @staticmethod
+    def _unsent_blocks(seq: Sequence) -> list[int]:
+        """The block-table entries the runner does not have yet, now counted as sent."""
+        new_block_ids = seq.block_table[seq.num_blocks_sent:]
+        seq.num_blocks_sent = len(seq.block_table)
+        return new_block_ids
 
     def _class_rank(self, seq: Sequence, now: float) -> int:
         rank = PRIORITY_CLASSES.index(seq.priority_class)

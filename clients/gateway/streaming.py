@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from clients.errors import ConveyorError, JobFailed
 from clients.event_reader import outcome
-from clients.events import DoneEvent, Event, OutputChoice, TokenEvent
+from clients.events import DoneEvent, Event, TokenEvent
 from clients.gateway.errors import OpenAIError, from_conveyor
 from clients.gateway.translate import (Vocabulary, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs,
                                        finish_reason, usage_chunk)  # fmt: skip
@@ -131,10 +131,9 @@ class ChunkWriter:
 
     def closing(self, done: DoneEvent, relays: dict[int, "Relay"]) -> list[dict]:
         """Each choice's last chunk (what remains of its output, its finish reason), then usage."""
-        outputs = done.outputs or [OutputChoice(index=0, text=done.text, token_ids=done.token_ids,
-                                                finish_reason=done.finish_reason)]
         chunks = [self.delta(*relays.setdefault(output.index, Relay()).finish(output.text, output.token_ids),
-                             finish_reason(output.finish_reason), index=output.index) for output in outputs]
+                             finish_reason(output.finish_reason), index=output.index)
+                  for output in done.all_outputs()]
         return chunks + ([usage_chunk(self.base, done.usage)] if self.include_usage else [])
 
     def _logprobs(self, entries: list[dict], index: int) -> Any:
