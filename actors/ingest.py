@@ -48,7 +48,7 @@ class IngestActor(Actor):
             credits, budget = await self._credits()
             entries = await self._read(credits, budget)
             # leased from the moment they are read: renewed, never reclaimed from under us
-            await self.ledger.send(EntriesRead([(entry.stream, entry.entry_id) for entry in entries]))
+            await self.ledger.send(EntriesRead(entries))
             for entry in entries:
                 await self._take_in(entry)
             if entries:
@@ -91,8 +91,8 @@ class IngestActor(Actor):
                 await self._take_in(mail.result().entry)
 
     async def _take_in(self, entry: ReadEntry) -> None:
-        await self.accept(entry)
-        await self.ledger.send(EntryDone(entry.stream, entry.entry_id))
+        if not await self.accept(entry):  # a refused entry's bytes count until the publisher has written it
+            await self.ledger.send(EntryDone(entry.stream, entry.entry_id))
 
     async def _read(self, credits: int, budget: int) -> list[ReadEntry]:
         try:
@@ -102,25 +102,25 @@ class IngestActor(Actor):
             await asyncio.sleep(UNREADABLE_STREAM_BACKOFF_S)
             return []
 
-    async def accept(self, entry: ReadEntry) -> None:
-        """One delivered entry (new, or reclaimed from a dead replica)."""
+    async def accept(self, entry: ReadEntry) -> bool:
+        """One delivered entry (new, or reclaimed from a dead replica). True when it went to
+        the publisher as refused (the publisher tells the ledger once it is written)."""
         try:
             job = self._decode(entry)
         except ProtocolError as exc:
             await self._refuse(entry, exc.job_id, exc.code or "invalid_job", exc.message)
-            return
+            return True
         if not await self.ledger.ask(MayStart(job.job_id, entry)):  # its job runs here: kept until it ends
-            return
+            return False
         try:
             attempt, cancelled = await self.streams.start_attempt(job.job_id, entry.entry_id, job.result_ttl,
                                                                   payload_digest(job))
         except ResponseError as exc:  # the job's own keys are unusable (e.g. its hash is a string)
             await self._refuse(entry, job.job_id, "bad_job_record", f"the job's record cannot be used: {exc}",
                                notify=False)
-            return
+            return True
         if attempt in (DUPLICATE, CONFLICT):
-            await self._drop_second_submission(entry, job, attempt == CONFLICT)
-            return
+            return await self._drop_second_submission(entry, job, attempt == CONFLICT)
         delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
                             job.deadline, entry.size)
         await self.ledger.send(Track(delivery))
@@ -128,13 +128,14 @@ class IngestActor(Actor):
         if ended is not None:
             await self.publisher.send(JobEnded(delivery, *ended[:3], dead_letter_reason=ended[3],
                                                raw_fields=entry.fields if ended[1] == "max_deliveries" else None))
-            return
+            return False
         try:
             seq = await asyncio.to_thread(self._make_sequence, job, entry.entry_id)
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
-            return
+            return False
         await self.scheduler.send(NewJob(delivery, job, seq))
+        return False
 
     def _decode(self, entry: ReadEntry) -> JobRequest:
         if not entry.truncated:
@@ -149,14 +150,16 @@ class IngestActor(Actor):
         await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job_id, code, message, entry.fields,
                                                entry.size, entry.truncated, notify))
 
-    async def _drop_second_submission(self, entry: ReadEntry, job: JobRequest, conflict: bool) -> None:
-        """Another entry for a job that already has one: the job's own record is left alone."""
+    async def _drop_second_submission(self, entry: ReadEntry, job: JobRequest, conflict: bool) -> bool:
+        """Another entry for a job that already has one: the job's own record is left alone.
+        True when it went to the publisher (as ``accept``)."""
         if conflict:
             message = f"job_id {job.job_id!r} reused with a different payload"
             await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job.job_id, "conflict", message,
                                                    entry.fields, entry.size, notify=False))
-        else:
-            await self.streams.drop_entry(entry.stream, entry.entry_id)
+            return True
+        await self.streams.drop_entry(entry.stream, entry.entry_id)
+        return False
 
     def _reject_reason(self, job: JobRequest, attempt: int, cancelled: bool):
         """(event type, code, message, dead-letter reason) for a job that must not run."""

@@ -39,7 +39,9 @@ class JobLedger(Actor):
         self.scheduler: Actor | None = None  # aborts of cancelled jobs go there
         self.held: dict[str, Delivery] = {}  # job id -> delivery
         self.bytes_held = 0  # sum of the held deliveries' entry sizes
-        self.intake: set[tuple[str, str]] = set()  # (stream, entry id) read, not yet taken in
+        # (stream, entry id) read, not yet taken in (or refused, not yet dead-lettered) -> its bytes
+        self.intake: dict[tuple[str, str], int] = {}
+        self.bytes_taking_in = 0  # sum of intake's bytes
         self.parked: dict[str, list[ReadEntry]] = {}  # job id held -> its other entries, until released
         self.reserved = (0, 0)  # (credits, bytes) granted to the read ingest is making
         self.credit_request: asyncio.Future | None = None  # ingest's, until it can be granted
@@ -91,7 +93,7 @@ class JobLedger(Actor):
         return self.capacity - len(self.held) - len(self.intake) - parked - self.reserved[0]
 
     def _free_bytes(self) -> int:
-        return self.config.max_bytes_in_flight - self.bytes_held - self.reserved[1]
+        return self.config.max_bytes_in_flight - self.bytes_held - self.bytes_taking_in - self.reserved[1]
 
     def _grant_credits(self) -> None:
         request = self.credit_request
@@ -109,7 +111,8 @@ class JobLedger(Actor):
 
     async def _entries_read(self, message: EntriesRead) -> None:
         self.reserved = (0, 0)
-        self.intake.update(message.entries)
+        for entry in message.entries:
+            self._take_in(entry)
 
     async def _may_start(self, message: MayStart) -> None:
         """An entry of a job held here (e.g. requeued while its old attempt finishes) waits for
@@ -126,7 +129,12 @@ class JobLedger(Actor):
         self.bytes_held += delivery.size
 
     async def _entry_done(self, message: EntryDone) -> None:
-        self.intake.discard((message.stream, message.entry_id))
+        self.bytes_taking_in -= self.intake.pop((message.stream, message.entry_id), 0)
+
+    def _take_in(self, entry: ReadEntry) -> None:
+        key = (entry.stream, entry.entry_id)
+        self.bytes_taking_in += entry.bytes_read - self.intake.get(key, 0)
+        self.intake[key] = entry.bytes_read
 
     async def _release(self, message: Release) -> None:
         delivery = message.delivery
@@ -136,7 +144,7 @@ class JobLedger(Actor):
         self.bytes_held -= delivery.size
         self.cancelled.discard(delivery.job_id)
         for entry in self.parked.pop(delivery.job_id, []):
-            self.intake.add((entry.stream, entry.entry_id))
+            self._take_in(entry)
             await self.ingest.send(Reclaimed(entry))
         if not self.held:
             for reply in self.drains:
@@ -178,7 +186,7 @@ class JobLedger(Actor):
             ours = self._entries()
             for entry in await self.streams.read_ids(stream, [i for i in claimed if (stream, i) not in ours]):
                 log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry.entry_id)
-                self.intake.add((stream, entry.entry_id))
+                self._take_in(entry)
                 await self.ingest.send(Reclaimed(entry))  # its mailbox is unbounded: never waits
 
     async def _hand_back(self, message: HandBack) -> None:
@@ -189,6 +197,7 @@ class JobLedger(Actor):
         await self.streams.hand_back(await self._pending_ids_by_stream(), running)
         log.info("handed back %d unfinished jobs and %d entries not yet taken in", len(running), len(self.intake))
         self.intake.clear()
+        self.bytes_taking_in = 0
         self.parked.clear()
         self.held.clear()
         self.bytes_held = 0
@@ -206,7 +215,7 @@ class JobLedger(Actor):
     def _entries(self) -> set[tuple[str, str]]:
         """Every entry this replica holds: running jobs', those being taken in, and parked ones."""
         parked = {(entry.stream, entry.entry_id) for entries in self.parked.values() for entry in entries}
-        return {(d.stream, d.entry_id) for d in self.held.values()} | self.intake | parked
+        return {(d.stream, d.entry_id) for d in self.held.values()} | self.intake.keys() | parked
 
     def _ids_by_stream(self) -> dict[str, list[str]]:
         by_stream: dict[str, list[str]] = {}

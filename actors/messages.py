@@ -34,6 +34,13 @@ class ReadEntry:
     truncated: bool
     fields: dict = field(compare=False)
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this replica holds for it: the whole entry, or only the stub of a truncated one."""
+        if not self.truncated:
+            return self.size
+        return sum(len(key) + len(value) for key, value in self.fields.items())
+
 
 # ---- to the scheduler ---------------------------------------------------------------
 @dataclass
@@ -101,8 +108,8 @@ class WantCredits:
 
 @dataclass
 class EntriesRead:
-    """Ingest read these (stream, entry id)s with its grant: leased from now on."""
-    entries: list[tuple[str, str]]
+    """Ingest read these entries with its grant: leased, and their bytes counted, from now on."""
+    entries: list[ReadEntry]
 
 
 @dataclass
@@ -123,7 +130,8 @@ class Track:
 
 @dataclass
 class EntryDone:
-    """Ingest is done taking this entry in (tracked, refused or dropped)."""
+    """Ingest is done taking this entry in (tracked or dropped), or the publisher has
+    dead-lettered a refused one: its bytes no longer count here."""
     stream: str
     entry_id: str
 

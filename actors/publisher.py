@@ -6,7 +6,7 @@ from redis.exceptions import ResponseError
 
 from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import Delivery, EntryRefused, JobEnded, Release, StepOutputs
+from actors.messages import Delivery, EntryDone, EntryRefused, JobEnded, Release, StepOutputs
 from actors.streams import Streams
 from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, OutputChoice, Timings, TokenEvent, Usage,
                             encode_event)
@@ -113,6 +113,7 @@ class PublisherActor(Actor):
         if any(isinstance(reply, ResponseError) for reply in replies):
             self.warnings.warning("refusal", "refusing entry %s: %s", message.entry_id,
                                   shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
+        await self.ledger.send(EntryDone(message.stream, message.entry_id))  # its bytes are ours no more
 
     def _token(self, delivery: Delivery, output: CompletionOutput) -> TokenEvent:
         seq = self.next_seq.get(delivery.job_id, 0)

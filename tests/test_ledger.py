@@ -55,12 +55,16 @@ def delivery(job_id: str, size: int = 10, stream: str = "s", entry_id: str | Non
     return Delivery(stream, entry_id or f"1-{job_id}", job_id, attempt=1, size=size)
 
 
+def read(entry_id: str, size: int = 0, stream: str = "s") -> ReadEntry:
+    return ReadEntry(stream, entry_id, size, False, {})
+
+
 def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_ingest(redis_url, namespace):
     async def scenario(ledger, ingest, scheduler, streams):
         first = WantCredits()
         await ledger.send(first)
         assert await granted(first) == (2, 1000)  # everything free, reserved for this read
-        await ledger.send(EntriesRead([("s", "1-a"), ("s", "1-b")]))
+        await ledger.send(EntriesRead([read("1-a"), read("1-b")]))
         await ledger.send(Track(delivery("a", size=400)))
         await ledger.send(EntryDone("s", "1-a"))
         second = WantCredits()
@@ -68,7 +72,7 @@ def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_inges
         assert await still_waiting(second)  # a held, b still being taken in: no credit
         await ledger.send(EntryDone("s", "1-b"))  # b refused: its credit is free again
         assert await granted(second) == (1, 600)
-        await ledger.send(EntriesRead([("s", "1-c")]))
+        await ledger.send(EntriesRead([read("1-c")]))
         await ledger.send(Track(delivery("c", size=600)))
         await ledger.send(EntryDone("s", "1-c"))
         third = WantCredits()
@@ -93,6 +97,28 @@ def test_bytes_alone_hold_the_grant_back(redis_url, namespace):
     run(redis_url, namespace, scenario)
 
 
+def test_entries_being_taken_in_or_refused_hold_their_bytes_until_done(redis_url, namespace):
+    """A refused entry's payload stays in memory until the publisher has dead-lettered it
+    (it then sends EntryDone): until then its bytes count, or a flood of large invalid
+    entries would pile up in the publisher's mailbox unbounded by --max-bytes-in-flight."""
+    async def scenario(ledger, ingest, scheduler, streams):
+        first = WantCredits()
+        await ledger.send(first)
+        assert await granted(first) == (2, 1000)
+        await ledger.send(EntriesRead([read("1-big", size=1000)]))
+        second = WantCredits()
+        await ledger.send(second)
+        assert await still_waiting(second)  # a credit is free, but its bytes are all in the refused entry
+        await ledger.send(EntryDone("s", "1-big"))
+        assert await granted(second) == (2, 1000)
+        truncated = ReadEntry("s", "1-huge", 50_000_000, True, {b"data": b"x" * 90})
+        await ledger.send(EntriesRead([truncated]))  # only its stub is in memory: 94 bytes count
+        third = WantCredits()
+        await ledger.send(third)
+        assert await granted(third) == (1, 906)
+    run(redis_url, namespace, scenario)
+
+
 def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credit(redis_url, namespace):
     async def scenario(ledger, ingest, scheduler, streams):
         stream = streams.request_streams[0]
@@ -106,7 +132,7 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
         assert row["consumer"] == b"ledger-test"
         request = WantCredits()
         await ledger.send(request)
-        assert await granted(request) == (1, 1000)  # the reclaimed entry holds one credit
+        assert await granted(request) == (1, 1000 - message.entry.size)  # the reclaimed entry holds a credit
         await ledger.send(EntriesRead([]))
         await asyncio.sleep(0.5)  # more reclaim rounds: renewed as ours, not sent again
         assert ingest.mailbox.empty()
@@ -126,7 +152,7 @@ def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url
         assert not request.reply.done() and ingest.mailbox.empty()  # a held, the requeued entry parked
         await ledger.send(Release(delivery("a", size=10)))
         assert (await asyncio.wait_for(ingest.mailbox.get(), WAIT_S)) == Reclaimed(requeued)
-        assert await granted(request) == (1, 1000)  # the requeued entry still takes one (in intake again)
+        assert await granted(request) == (1, 995)  # the requeued entry still takes one (in intake again)
     run(redis_url, namespace, scenario)
 
 
