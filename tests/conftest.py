@@ -57,6 +57,14 @@ def raw(redis_client):
     return redis_client
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny random Llama that the replica, fault and front-door tests run, built once
+    per session (nothing writes to it). test_exactness.py overrides it with every arch."""
+    from model_factory import build_tiny_model
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama"))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """For modules of tiny-model engines: their ops are far too small for intra-op threads, and

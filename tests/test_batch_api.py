@@ -25,7 +25,6 @@ from clients.gateway.batch_store import BatchKeys, BatchStore
 from clients.keys import Keys
 from fault_harness import JobLedger, wait_until
 from gateway_harness import GatewayProcess, GatewayThread, openai_client
-from model_factory import build_tiny_model
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
@@ -39,11 +38,6 @@ DONE = ("completed", "failed", "cancelled", "expired")
 GATEWAY_WITH_BATCH = ("import sys\nfrom clients.gateway import server, batch_routes\nserve = server.serve\n"
                       "server.serve = lambda settings, extra_routers=(): serve(settings, (batch_routes.router,))\n"
                       "from clients.cli import main\nsys.exit(main(['gateway', *sys.argv[1:]]))")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("batch_llama"))
 
 
 @pytest.fixture(scope="module")

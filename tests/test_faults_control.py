@@ -20,16 +20,10 @@ from actors.messages import HeldJobs, ReadEntry, Reclaimed
 from clients import Client
 from clients.errors import ConveyorError, JobCancelled, JobFailed
 from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
-from model_factory import build_tiny_model
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
 LONG = 1000  # tokens: ~2 s on the tiny model, long enough to act on a running job
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("control_llama"))
 
 
 @pytest.fixture(scope="module")

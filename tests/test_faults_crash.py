@@ -19,11 +19,6 @@ LEASE_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("faults_llama"))
-
-
-@pytest.fixture(scope="module")
 def slow_model(tmp_path_factory):
     """Still random and tiny, but ~5x the per-token cost of tiny_model: long jobs on CPU."""
     return build_tiny_model("llama", tmp_path_factory.mktemp("faults_llama_slow"), hidden_size=384,

@@ -23,14 +23,8 @@ from clients.errors import ProtocolError, QueueFull
 from clients.keys import Keys
 from clients.protocol import JobRequest, decode_job
 from fault_harness import JobLedger, check_attempt_sequences, record, spawner_fixture, wait_until
-from model_factory import build_tiny_model
 
 MB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("input_llama"))
 
 
 @pytest.fixture

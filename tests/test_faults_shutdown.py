@@ -14,16 +14,10 @@ from clients import Client
 from clients.keys import Keys
 from fault_harness import (JobLedger, check_attempt_sequences, pending_details, pending_owners, record,
                            spawner_fixture, wait_until)
-from model_factory import build_tiny_model
 
 GRACE_S = 2.0
 LEASE_S = 4.0
 HANDED_BACK_IDLE_MS = 10**9  # streams.HAND_BACK_IDLE_MS is ten years; anything this idle was handed back
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("shutdown_llama"))
 
 
 @pytest.fixture

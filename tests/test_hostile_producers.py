@@ -27,7 +27,6 @@ from clients.events import decode_event
 from clients.keys import Keys
 from engine import LLM, SamplingParams
 from fault_harness import make_spawner, stop_all, wait_until
-from model_factory import build_tiny_model
 from scratch import scratch_namespace
 
 MB = 1024 * 1024
@@ -91,11 +90,6 @@ class Target:
         """Until every entry of the request streams has been answered and removed."""
         wait_until(lambda: self.raw.xlen(self.keys.interactive) == 0 and self.raw.xlen(self.keys.batch) == 0,
                    timeout, what)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("hostile_llama"))
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,10 @@ from clients import Client
 from clients.errors import JobFailed
 from clients.keys import Keys
 from engine import LLM, SamplingParams
-from model_factory import build_tiny_model, mixed_prompts
+from model_factory import mixed_prompts
 from replica_harness import ReplicaThread
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
 
 
 @pytest.fixture(scope="module")

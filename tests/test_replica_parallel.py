@@ -11,18 +11,13 @@ import redis
 from clients import AsyncClient, Client, InvalidJob, JobCancelled, JobFailed
 from clients.keys import Keys
 from engine import LLM, SamplingParams
-from model_factory import build_tiny_model, mixed_prompts
+from model_factory import mixed_prompts
 from replica_harness import ReplicaThread
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 SAMPLED = dict(n=3, temperature=0.9, top_p=0.95, seed=11, max_tokens=12)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("llama_parallel"))
 
 
 @pytest.fixture(scope="module")

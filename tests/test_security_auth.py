@@ -37,7 +37,6 @@ from clients.connection import RedisSettings, redact, resolve_settings
 from clients.errors import JobCancelled
 from clients.keys import Keys
 from fault_harness import CONVEYOR, REPO_ROOT, ServeProcess, stop_all, wait_until
-from model_factory import build_tiny_model
 
 ADMIN_PASSWORD = secrets.token_urlsafe(18)
 REPLICA_PASSWORD = secrets.token_urlsafe(18)
@@ -197,11 +196,6 @@ class EmbeddedServe(ServeProcess):
             except ProcessLookupError:
                 pass
             self.process.wait(10)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("security_llama"))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from engine import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams
 from engine import grammar_compiler
 from fault_harness import wait_until
 from gateway_harness import GatewayThread, openai_client
-from model_factory import _load, build_tiny_model, mixed_prompts
+from model_factory import _load, mixed_prompts
 from replica_harness import ReplicaThread
 
 MODEL = "tiny-structured"
@@ -75,11 +75,6 @@ REGIMES = {
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     yield
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model("llama", tmp_path_factory.mktemp("structured_llama"))
 
 
 @pytest.fixture(scope="module")
