@@ -67,9 +67,12 @@ class ValkeyCluster:
         raise AssertionError(f"no master serves slot {slot}")
 
     def kill_master(self, node: EmbeddedValkey, timeout: float = 30.0) -> None:
-        """kill -9 a master, then wait until its replica took over (cluster_state:ok again)."""
+        """kill -9 a master, then wait until its replica took over its slots (no live node
+        names the dead one as a master any more) and cluster_state:ok."""
+        dead_port = node.port
         node.kill()
-        time.sleep(self.node_timeout_ms / 1000)
+        self._wait(lambda: all(dead_port not in _master_ports(n) for n in self.nodes if n.is_running()),
+                   timeout, f"a replica to take over the slots of {dead_port}")
         self.wait_ok(timeout)
 
     def stop(self) -> None:
@@ -136,6 +139,10 @@ def _safely(predicate) -> bool:
 def _replicate(replica: EmbeddedValkey, master_id: str) -> bool:
     _client(replica).execute_command("CLUSTER", "REPLICATE", master_id)
     return True
+
+
+def _master_ports(node: EmbeddedValkey) -> set[int]:
+    return {int(master[1]) for _first, _last, master, *_ in _client(node).execute_command("CLUSTER", "SLOTS")}
 
 
 def _state_ok(node: EmbeddedValkey) -> bool:
