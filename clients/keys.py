@@ -41,7 +41,12 @@ def default_redis_url() -> str:
 def default_partitions(cluster: bool) -> int:
     """$CONVEYOR_PARTITIONS, else 1 on a single server and DEFAULT_CLUSTER_PARTITIONS in cluster mode."""
     value = os.environ.get("CONVEYOR_PARTITIONS")
-    return int(value) if value else (DEFAULT_CLUSTER_PARTITIONS if cluster else 1)
+    if not value:
+        return DEFAULT_CLUSTER_PARTITIONS if cluster else 1
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"CONVEYOR_PARTITIONS must be an integer, got {value!r}") from None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
 from clients import AsyncClient, Client
+from clients.cli import main as cli_main
 from clients.connection import RedisSettings
 from clients.dead_letters import requeue
 from clients.keys import Keys
@@ -101,7 +102,7 @@ def test_partitioned_layout_keeps_each_job_in_its_streams_slot():
     assert (plain.job("a"), plain.requests("batch"), plain.limits) == ("ns:job:a", "ns:requests:batch", "ns:limits")
 
 
-def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, settings):
+def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, settings, capsys):
     namespace = unique_namespace("cl")
     keys = settings.keys(namespace)
     with Client(namespace=namespace, connection=settings) as client:
@@ -134,6 +135,16 @@ def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, setting
         assert [(f.dead_id, "not the partition" in why) for f, why in failed] == [(stray.decode(), True)]
         assert [e[0] for e in client.redis.xrange(keys.dead)] == [stray] and good != stray
         assert client.redis.xrange(keys.requests("batch", home))[0][1] == {b"json": payload}
+
+    # the CLI: submit (no wait) and status with --redis-cluster
+    flags = ["--redis-url", cluster.url, "--redis-cluster", "--partitions", str(PARTITIONS), "--namespace", namespace]
+    assert cli_main(["submit", "from the cli", "--no-wait", *flags]) == 0
+    job_id = capsys.readouterr().out.strip()
+    with Client(namespace=namespace, connection=settings) as client:
+        assert client.job(job_id).status().status == "queued"
+    assert cli_main(["status", "--json", *flags]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["requests"]["interactive"]["length"] == 2 * PARTITIONS + 1
 
     async def async_side():
         async with AsyncClient(namespace=namespace, connection=settings) as aclient:
