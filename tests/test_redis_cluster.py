@@ -102,6 +102,22 @@ def test_partitioned_layout_keeps_each_job_in_its_streams_slot():
     assert (plain.job("a"), plain.requests("batch"), plain.limits) == ("ns:job:a", "ns:requests:batch", "ns:limits")
 
 
+def test_replica_reads_every_partition_interactive_first_starting_in_turn():
+    import redis.asyncio as aioredis
+    from actors.streams import Streams
+
+    keys = Keys.of("ns", cluster=True, partitions=PARTITIONS)
+    streams = Streams(aioredis.Redis(), keys, "c", "m", max_entry_bytes=1000)  # no I/O until used
+    first, second = streams._groups_in_turn(), streams._groups_in_turn()
+    assert [g[0] for g in first] == [keys.requests(c, p) for c in ("interactive", "batch") for p in (0, 1, 2)]
+    assert [g[0] for g in second] == [keys.requests(c, p) for c in ("interactive", "batch") for p in (1, 2, 0)]
+    assert all(len({slot(k) for k in group}) == 1 for group in first)  # one read script, one slot
+    assert first[0] == (keys.requests("interactive", 0), keys.model_requests("m", "interactive", 0))
+    single = Streams(aioredis.Redis(), Keys("ns"), "c", "m", max_entry_bytes=1000)
+    assert single._groups_in_turn() == [("ns:requests:interactive", "ns:requests:interactive:m",
+                                         "ns:requests:batch", "ns:requests:batch:m")]  # as before: one script
+
+
 def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, settings, capsys):
     namespace = unique_namespace("cl")
     keys = settings.keys(namespace)
