@@ -28,6 +28,7 @@ from engine import LLM, SamplingParams
 from fault_harness import (TERMINAL, JobLedger, check_attempt_sequences, record, spawner_fixture, start_all,
                            unique_namespace, wait_until)
 from gateway_harness import GatewayThread
+from replica_harness import ReplicaThread
 from model_factory import build_tiny_model
 
 PARTITIONS = 3
@@ -170,6 +171,23 @@ def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, setting
             return job.enqueued, [j.enqueued for j in many], (await aclient.job("async-one").status()).status
     enqueued, many, status_now = asyncio.run(async_side())
     assert enqueued and all(many) and status_now == "queued"
+
+
+def test_partitioned_layout_on_a_single_server(redis_url, namespace, tiny_model, monkeypatch):
+    """CONVEYOR_PARTITIONS=2 without a cluster: both sides use the tagged layout, jobs run."""
+    monkeypatch.setenv("CONVEYOR_PARTITIONS", "2")
+    keys = Keys.of(namespace)
+    assert keys.partitioned and not keys.cluster
+    with ReplicaThread(tiny_model, redis_url, namespace, max_num_seqs=4), Client(redis_url, namespace) as client:
+        assert client.keys == keys
+        ids = job_ids_per_partition(keys, "single", 2)
+        jobs = client.submit_many([{"job_id": i, "prompt": f"about {i}", "max_tokens": 6, "temperature": 0}
+                                   for i in ids], progress=False)
+        texts = {job.job_id: job.result(timeout=60).text for job in jobs}
+        assert client.redis.exists(keys.job(ids[0])) and client.redis.exists(f"{namespace}:job:{ids[0]}") == 0
+    offline = LLM(tiny_model, max_num_seqs=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    assert texts == {i: offline.generate([f"about {i}"], params, use_tqdm=False)[0].text for i in ids}
 
 
 @pytest.mark.slow
