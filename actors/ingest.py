@@ -110,6 +110,10 @@ class IngestActor(Actor):
         except ProtocolError as exc:
             await self._refuse(entry, exc.job_id, exc.code or "invalid_job", exc.message)
             return True
+        misplaced = self._misplaced(entry, job.job_id)
+        if misplaced:
+            await self._refuse(entry, job.job_id, "wrong_partition", misplaced)
+            return True
         if not await self.ledger.ask(MayStart(job.job_id, entry)):  # its job runs here: kept until it ends
             return False
         try:
@@ -142,6 +146,17 @@ class IngestActor(Actor):
             return decode_job(entry.fields, entry.entry_id)
         message = f"entry is {entry.size} bytes, limit {self.streams.max_entry_bytes}"
         raise ProtocolError(message, code="too_large", job_id=_salvaged_job_id(entry.fields))
+
+    def _misplaced(self, entry: ReadEntry, job_id: str) -> str | None:
+        """Why a job's entry is on another partition's stream than its own, else None: its
+        record lives in its own partition's slot, which one script cannot touch with this stream's."""
+        keys = self.streams.keys
+        own, here = keys.partition_of(job_id), keys.partition_of_stream(entry.stream)
+        if own == here:
+            return None
+        return (f"job_id {job_id!r} belongs to partition {own} of {keys.partitions} (crc32(job_id) % partitions), "
+                f"but the entry is on partition {here}'s stream; add it to {keys.job_request_stream(job_id, 'batch')} "
+                f"or its interactive / model sibling")
 
     async def _refuse(self, entry: ReadEntry, job_id: str | None, code: str, message: str,
                       notify: bool = True) -> None:

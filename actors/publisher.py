@@ -56,7 +56,7 @@ class PublisherActor(Actor):
             for delivery, event in tokens:
                 self.streams.queue_token_event(pipe, delivery, event)
             for delivery, status, event in finishes:
-                finish_at.append(len(pipe.command_stack))
+                finish_at.append(len(pipe))  # commands queued so far
                 await self.streams.queue_finish(pipe, delivery, status, event)
         replies = await self.streams.write(queue, "publish step")
         unstored = [(delivery, replies[index]) for (delivery, _, _), index in zip(finishes, finish_at)
@@ -92,7 +92,7 @@ class PublisherActor(Actor):
                 self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id, message.dead_letter_reason,
                                                message.raw_fields, keep_payload=message.raw_fields is not None,
                                                job_id=delivery.job_id, size=delivery.size)
-            finish_at[:] = [len(pipe.command_stack)]
+            finish_at[:] = [len(pipe)]
             await self.streams.queue_finish(pipe, delivery, message.event_type, event)
         replies = await self.streams.write(queue, "publish ended job")
         if isinstance(replies[finish_at[0]], ResponseError):

@@ -17,7 +17,6 @@ from actors.cancel_watcher import CancelWatcher
 from actors.publisher import PublisherActor
 from actors.scheduler_actor import SchedulerActor
 from actors.streams import Streams
-from clients.keys import Keys
 from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
 from engine import LLMEngine
 
@@ -33,7 +32,7 @@ class Replica:
         self.config = config
         self.model_name = config.served_model_name or Path(engine.spec.name).name
         # credentials and TLS: clients/connection.py
-        self.streams = Streams(config.redis.async_client(), Keys(config.namespace), config.consumer,
+        self.streams = Streams(config.redis.async_client(), config.redis.keys(config.namespace), config.consumer,
                                self.model_name, max_entry_bytes=MAX_ENTRY_BYTES)
         capacity = config.max_in_flight or 2 * engine.config.max_num_seqs
         self.gpu = GPUActor(engine.runner)

@@ -9,11 +9,20 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from clients.redis_cluster import FAILOVER_ERRORS
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# a lost connection, or a cluster slot between masters (failover): wait and retry
+CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *FAILOVER_ERRORS)
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
+
+
+def closed_transport(exc: BaseException) -> bool:
+    """uvloop's error for a write on a connection the server closed (redis-py's cluster
+    pipeline lets it through when a master dies mid-send): a lost connection, not a bug."""
+    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
 
 
 async def retrying(operation: Callable[[], Awaitable[T]], what: str,
@@ -32,7 +41,9 @@ async def retrying(operation: Callable[[], Awaitable[T]], what: str,
             if failures:
                 log.warning("%s: Redis is back after %d failed attempts", what, failures)
             return result
-        except CONNECTION_ERRORS as exc:
+        except (*CONNECTION_ERRORS, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and not closed_transport(exc):
+                raise
             failures += 1
             if failures == 1 or failures % 20 == 0:
                 log.warning("%s: Redis unavailable (%s); retrying", what, exc)

@@ -15,8 +15,9 @@ from redis.exceptions import ResponseError
 from actors.messages import Delivery, ReadEntry
 from actors.resilience import retrying
 from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
-from clients.keys import GROUP, Keys
+from clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from clients.model_info import ModelInfo, publish_model_info_async
+from clients.redis_cluster import queue_script
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000
@@ -83,9 +84,10 @@ class Streams:
         self.keys = keys
         self.consumer = consumer
         self.max_entry_bytes = max_entry_bytes
-        # the default streams and this model's own, interactive ones first
-        self.request_streams = (keys.interactive, keys.model_requests(model_name, "interactive"),
-                                keys.batch, keys.model_requests(model_name, "batch"))
+        # per read: groups of streams, each read by one script (so in one slot), in order
+        self.read_groups = _read_groups(keys, model_name)
+        self.request_streams = tuple(stream for group in self.read_groups for stream in group)
+        self.first_partition = 0  # rotates: every partition is read first in turn
         self.finish_script = client.register_script(FINISH_LUA)
         self.start_script = client.register_script(START_LUA)
         self.reject_script = client.register_script(REJECT_LUA)
@@ -120,11 +122,28 @@ class Streams:
                     raise
 
     async def read_new(self, count: int, byte_budget: int) -> list[ReadEntry]:
-        """Up to ``count`` new entries and about ``byte_budget`` bytes, interactive first."""
-        args = [GROUP, self.consumer, count, max(1, byte_budget), self.max_entry_bytes, DEAD_LETTER_PREFIX_BYTES]
-        rows = await self.resilient(lambda: self.read_script(keys=list(self.request_streams), args=args),
-                                    "read jobs")
-        return _entries(rows, self.request_streams)
+        """Up to ``count`` new entries and about ``byte_budget`` bytes, interactive first: every
+        partition's interactive streams (the first one rotating, so all are served alike),
+        then every partition's batch streams."""
+        entries: list[ReadEntry] = []
+        for group in self._groups_in_turn():
+            budget = byte_budget - sum(entry.bytes_read for entry in entries)
+            if len(entries) >= count or budget <= 0:
+                break
+            args = [GROUP, self.consumer, count - len(entries), max(1, budget), self.max_entry_bytes,
+                    DEAD_LETTER_PREFIX_BYTES]
+            rows = await self.resilient(lambda: self.read_script(keys=list(group), args=args), "read jobs")
+            entries += _entries(rows, group)
+        return entries
+
+    def _groups_in_turn(self) -> list[tuple[str, ...]]:
+        partitions = self.keys.partitions
+        if partitions == 1:
+            return list(self.read_groups)
+        first, self.first_partition = self.first_partition, (self.first_partition + 1) % partitions
+        turn = [(first + i) % partitions for i in range(partitions)]
+        by_class = [self.read_groups[c * partitions:(c + 1) * partitions] for c in range(len(PRIORITY_CLASSES))]
+        return [groups[p] for groups in by_class for p in turn]
 
     async def read_ids(self, stream: str, entry_ids: list[str]) -> list[ReadEntry]:
         """The entries ``entry_ids`` of ``stream`` (shaped like read_new's); deleted ones are left out."""
@@ -147,14 +166,14 @@ class Streams:
         return int(attempt), cancel == b"1"
 
     async def queue_finish(self, pipe, delivery: Delivery, status: str, event: dict[str, bytes]) -> None:
-        await self.finish_script(
-            keys=[self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream],
-            args=[delivery.attempt, status, event["type"], event["data"], delivery.result_ttl, GROUP,
-                  delivery.entry_id, repr(time.time())], client=pipe)
+        await queue_script(
+            self.finish_script, [self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream],
+            [delivery.attempt, status, event["type"], event["data"], delivery.result_ttl, GROUP,
+             delivery.entry_id, repr(time.time())], pipe)
 
     async def queue_reject(self, pipe, job_id: str, entry_id: str, event_data: bytes) -> None:
-        await self.reject_script(keys=[self.keys.job(job_id), self.keys.out(job_id)],
-                                 args=[entry_id, event_data, REJECT_TTL_S, repr(time.time())], client=pipe)
+        await queue_script(self.reject_script, [self.keys.job(job_id), self.keys.out(job_id)],
+                           [entry_id, event_data, REJECT_TTL_S, repr(time.time())], pipe)
 
     def queue_token_event(self, pipe, delivery: Delivery, event: dict[str, bytes]) -> None:
         pipe.xadd(self.keys.out(delivery.job_id), event)
@@ -209,8 +228,8 @@ class Streams:
             for stream, ids in ids_by_stream.items():
                 pipe.xclaim(stream, GROUP, self.consumer, 0, ids, idle=HAND_BACK_IDLE_MS, justid=True)
             for delivery in running:
-                await self.hand_back_script(keys=[self.keys.job(delivery.job_id)],
-                                            args=[delivery.attempt, delivery.entry_id, repr(time.time())], client=pipe)
+                await queue_script(self.hand_back_script, [self.keys.job(delivery.job_id)],
+                                   [delivery.attempt, delivery.entry_id, repr(time.time())], pipe)
         await self.write(queue, "hand back")
 
     # ---- cancels (the cancel watcher) ---------------------------------------------------
@@ -234,13 +253,27 @@ class Streams:
                              "publish model info")
 
     async def publish_limits(self, limits: dict, ttl_s: int) -> None:
+        """One copy per partition: the submit script reads the one in its job's slot."""
         async def queue(pipe):
-            pipe.hset(self.keys.limits, mapping=limits)
-            pipe.expire(self.keys.limits, ttl_s)
+            for key in self.keys.all_limits:
+                pipe.hset(key, mapping=limits)
+                pipe.expire(key, ttl_s)
         await self.write(queue, "publish limits")
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _read_groups(keys: Keys, model_name: str) -> tuple[tuple[str, ...], ...]:
+    """The request streams this replica reads, grouped by what one read script may touch:
+    on a single server one group (the default streams and this model's own, interactive
+    first); partitioned, one group per class and partition (each one slot), class-major."""
+    if not keys.partitioned:
+        return ((keys.interactive, keys.model_requests(model_name, "interactive"),
+                 keys.batch, keys.model_requests(model_name, "batch")),)
+    return tuple((keys.requests(c, p), keys.model_requests(model_name, c, p))
+                 for c in PRIORITY_CLASSES for p in range(keys.partitions))
+
 
 def _kept_fields(fields: dict, keep_payload: bool, size: int | None, stub: bool) -> dict:
     if keep_payload:

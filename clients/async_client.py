@@ -13,6 +13,7 @@ from clients import client_core as core
 from clients.connection import RedisSettings, client_settings
 from clients.event_reader import JobResult, JobStatus
 from clients.events import Event, TokenEvent
+from clients.redis_cluster import queue_script
 
 
 class AsyncClient(core.ClientState):
@@ -26,9 +27,12 @@ class AsyncClient(core.ClientState):
         *,
         connection: RedisSettings | None = None,
         redis_client: aioredis.Redis | None = None,
+        partitions: int | None = None,
     ) -> None:
-        connected = redis_client or client_settings(redis_url, connection).async_client()
-        super().__init__(connected, namespace, owns_redis=redis_client is None)
+        settings = None if redis_client is not None else client_settings(redis_url, connection)
+        connected = redis_client or settings.async_client()
+        super().__init__(connected, namespace, owns_redis=redis_client is None,
+                         partitions=partitions or (settings.partitions if settings else None))
 
     async def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> AsyncJob:
         return await self._run(core.submit(self.keys, {"prompt": prompt, **fields}, max_queue_len, self._new_job))
@@ -92,7 +96,7 @@ class AsyncClient(core.ClientState):
 
     async def _queue(self, step: core.Call | core.Script, pipe: Any) -> None:
         if isinstance(step, core.Script):
-            await self._script(step)(step.keys, step.args, client=pipe)  # loads the script if needed
+            await queue_script(self._script(step), step.keys, step.args, pipe)
         else:
             getattr(pipe, step.method)(*step.args, **step.kwargs)  # queued, nothing to await
 

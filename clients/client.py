@@ -13,6 +13,7 @@ from clients import client_core as core
 from clients.connection import RedisSettings, client_settings
 from clients.event_reader import JobResult, JobStatus
 from clients.events import Event, TokenEvent
+from clients.redis_cluster import queue_script_sync
 
 
 class Client(core.ClientState):
@@ -21,6 +22,8 @@ class Client(core.ClientState):
     Connects to `redis_url` (credentials and TLS from the environment, see
     clients/connection.py), or with `connection` (RedisSettings: password, ACL user, TLS
     files), or through `redis_client`, which must use `decode_responses=False`.
+    A cluster connection (`RedisSettings(cluster=True)`, a `RedisCluster` client) uses the
+    cluster key layout with `partitions` request streams per class (clients/keys.py).
     """
 
     def __init__(
@@ -30,9 +33,12 @@ class Client(core.ClientState):
         *,
         connection: RedisSettings | None = None,
         redis_client: redis.Redis | None = None,
+        partitions: int | None = None,
     ) -> None:
-        connected = redis_client or client_settings(redis_url, connection).client()
-        super().__init__(connected, namespace, owns_redis=redis_client is None)
+        settings = None if redis_client is not None else client_settings(redis_url, connection)
+        connected = redis_client or settings.client()
+        super().__init__(connected, namespace, owns_redis=redis_client is None,
+                         partitions=partitions or (settings.partitions if settings else None))
 
     def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> Job:
         """Validate, then enqueue one job (idempotent per job_id). See JobRequest for fields."""
@@ -100,7 +106,9 @@ class Client(core.ClientState):
 
     def _call(self, step: core.Call | core.Script, target: Any) -> Any:
         if isinstance(step, core.Script):
-            return self._script(step)(step.keys, step.args, client=target)
+            if target is self.redis:
+                return self._script(step)(step.keys, step.args, client=target)
+            return queue_script_sync(self._script(step), step.keys, step.args, target)
         return getattr(target, step.method)(*step.args, **step.kwargs)
 
 

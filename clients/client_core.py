@@ -24,7 +24,8 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent
-from clients.keys import PRIORITY_CLASSES, Keys, default_namespace
+from clients.keys import PRIORITY_CLASSES, Keys
+from clients.redis_cluster import is_cluster
 from clients.queue_status import model_names, queue_status_commands, queue_status_from
 from clients.job_record import CANCEL_LUA, SUBMIT_LUA
 from clients.submission import (
@@ -119,13 +120,14 @@ class Run:
 
 
 class ClientState:
-    """What both clients hold: the connection (`redis`), the namespace's `keys` and the
-    two registered scripts. Registering a script does no I/O."""
+    """What both clients hold: the connection (`redis`), the namespace's `keys` (the
+    cluster layout on a cluster client) and the two registered scripts. Registering a
+    script does no I/O."""
 
-    def __init__(self, redis: Any, namespace: str | None, owns_redis: bool) -> None:
+    def __init__(self, redis: Any, namespace: str | None, owns_redis: bool, partitions: int | None = None) -> None:
         self._owns_redis = owns_redis
         self.redis = redis
-        self.keys = Keys(namespace or default_namespace())
+        self.keys = Keys.of(namespace, cluster=is_cluster(redis), partitions=partitions)
         self._submit_script = redis.register_script(SUBMIT_LUA)
         self._cancel_script = redis.register_script(CANCEL_LUA)
 

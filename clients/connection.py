@@ -12,6 +12,12 @@ Options (a flag of `conveyor serve|submit|status|dead|summarize`, its environmen
                                (without it, the system's CAs); needs a rediss:// URL
     --redis-cert / --redis-key $REDIS_CERT / $REDIS_KEY: client certificate for mutual TLS
     --data-dir DIR             $CONVEYOR_DATA_DIR, else ./conveyor-data: see below
+    --redis-cluster            $REDIS_CLUSTER=1: the URL is one node of a Redis/Valkey Cluster;
+                               connect with redis-py's cluster clients and use the hash-tagged
+                               key layout (clients/keys.py, docs/protocol.md "Key layouts")
+    --partitions N             $CONVEYOR_PARTITIONS: request stream partitions per class (default
+                               1 on a single server, 4 in cluster mode); every producer and
+                               replica of a namespace must use the same number
 
 Precedence, highest first: an explicit value (a flag, or a keyword of `resolve_settings`),
 then the password file, then the environment, then the URL's own `user:password@`. Only
@@ -37,8 +43,10 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as async_cluster
+import redis.cluster as sync_cluster
 
-from clients.keys import DEFAULT_REDIS_URL
+from clients.keys import DEFAULT_REDIS_URL, Keys
 
 DEFAULT_DATA_DIR = "conveyor-data"
 # Files the embedded Valkey (actors/embedded_valkey.py) keeps in its data directory.
@@ -59,6 +67,8 @@ class RedisSettings:
     ca_cert: str | None = None
     cert: str | None = None
     key: str | None = None
+    cluster: bool = False  # `url` is a node of a cluster: redis-py's cluster clients
+    partitions: int | None = None  # request stream partitions (None: the mode's default)
 
     def __post_init__(self) -> None:
         bare_url, user, password = split_credentials(self.url)
@@ -72,19 +82,26 @@ class RedisSettings:
     def tls(self) -> bool:
         return self.url.startswith("rediss://")
 
-    def client(self, **options: Any) -> redis.Redis:
+    def client(self, **options: Any) -> redis.Redis | sync_cluster.RedisCluster:
         """A synchronous redis-py client (bytes responses unless `options` say otherwise)."""
-        return redis.Redis.from_url(self.url, **self._connection_kwargs(), **options)
+        kind = sync_cluster.RedisCluster if self.cluster else redis.Redis
+        return kind.from_url(self.url, **self._connection_kwargs(), **options)
 
-    def async_client(self, **options: Any) -> aioredis.Redis:
-        return aioredis.Redis.from_url(self.url, **self._connection_kwargs(), **options)
+    def async_client(self, **options: Any) -> aioredis.Redis | async_cluster.RedisCluster:
+        kind = async_cluster.RedisCluster if self.cluster else aioredis.Redis
+        return kind.from_url(self.url, **self._connection_kwargs(), **options)
+
+    def keys(self, namespace: str | None = None) -> Keys:
+        """The key layout of `namespace` on this server (cluster mode: hash-tagged, partitioned)."""
+        return Keys.of(namespace, cluster=self.cluster, partitions=self.partitions)
 
     def describe(self) -> str:
         """One line for logs: the URL, the user, TLS; never the password."""
         who = f" as {self.username}" if self.username else ""
         auth = ", password set" if self.password else ""
         tls = f", TLS (CA {self.ca_cert or 'system'}{', client cert' if self.cert else ''})" if self.tls else ""
-        return f"{redact(self.url)}{who}{auth}{tls}"
+        cluster = ", cluster" if self.cluster else ""
+        return f"{redact(self.url)}{who}{auth}{tls}{cluster}"
 
     def __str__(self) -> str:
         return self.describe()
@@ -112,6 +129,7 @@ def _check_tls(settings: RedisSettings) -> None:
 def resolve_settings(url: str | None = None, *, username: str | None = None, password: str | None = None,
                      password_file: str | Path | None = None, ca_cert: str | None = None,
                      cert: str | None = None, key: str | None = None, data_dir: str | Path | None = None,
+                     cluster: bool | None = None, partitions: int | None = None,
                      env: Mapping[str, str] | None = None) -> RedisSettings:
     """Apply the precedence of the module docstring: explicit > file > environment > URL,
     then the embedded server's password file in `data_dir` (only when given)."""
@@ -129,7 +147,22 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
         ca_cert=_first(ca_cert, env.get("REDIS_CA_CERT")),
         cert=_first(cert, env.get("REDIS_CERT")),
         key=_first(key, env.get("REDIS_KEY")),
+        cluster=cluster if cluster is not None else _truthy(env.get("REDIS_CLUSTER")),
+        partitions=partitions or _int_or_none(env.get("CONVEYOR_PARTITIONS"), "CONVEYOR_PARTITIONS"),
     )
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _int_or_none(value: str | None, name: str) -> int | None:
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def client_settings(redis_url: str | None, connection: RedisSettings | None) -> RedisSettings:
@@ -233,6 +266,11 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, data_dir: bool 
                         help="client certificate for mutual TLS (env REDIS_CERT)")
     parser.add_argument("--redis-key", default=None, metavar="PATH",
                         help="client certificate's private key (env REDIS_KEY)")
+    parser.add_argument("--redis-cluster", action="store_true", default=None,
+                        help="the URL is a node of a Redis/Valkey Cluster (env REDIS_CLUSTER=1)")
+    parser.add_argument("--partitions", type=int, default=None,
+                        help="request stream partitions per class, the same for every producer and replica "
+                             "(default 1, 4 with --redis-cluster; env CONVEYOR_PARTITIONS)")
     if data_dir:
         parser.add_argument("--data-dir", default=None,
                             help="embedded Valkey's directory, whose password is used for its URL "
@@ -253,6 +291,8 @@ def settings_from_args(args: argparse.Namespace, url: str | None = None) -> Redi
         cert=args.redis_cert,
         key=args.redis_key,
         data_dir=getattr(args, "data_dir", None) or default_data_dir(),
+        cluster=getattr(args, "redis_cluster", None),
+        partitions=getattr(args, "partitions", None),
     )
 
 
@@ -262,8 +302,9 @@ def check_credentials(settings: RedisSettings) -> str | None:
 
     Only those are judged here: they will not mend by waiting, while an unreachable
     server may come up later (the replica retries), and an ACL user without PING is fine."""
-    client = settings.client(socket_connect_timeout=5, socket_timeout=5)
+    client = None
     try:
+        client = settings.client(socket_connect_timeout=5, socket_timeout=5)  # a cluster client connects here
         client.ping()
     except redis.AuthenticationError as exc:
         hint = "" if settings.password else " (no password given: --redis-password-file or $REDIS_PASSWORD)"
@@ -272,10 +313,11 @@ def check_credentials(settings: RedisSettings) -> str | None:
         if isinstance(_root_cause(exc), ssl.SSLCertVerificationError):
             return f"TLS certificate of Redis at {settings.describe()} failed verification: {_root_cause(exc)}"
         return None
-    except redis.RedisError:
+    except (redis.RedisError, sync_cluster.RedisClusterException):  # e.g. no cluster node reachable yet
         return None
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return None
 
 

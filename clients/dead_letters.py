@@ -65,6 +65,8 @@ def requeue(redis, keys: Keys, dead_ids: list[str] | None = None
             skipped.append(letter)
         elif not _is_request_stream(keys, letter.stream):
             failed.append((letter, f"stream: {letter.stream[:200]!r} is not a request stream of this namespace"))
+        elif letter.job_id is not None and keys.partition_of_stream(letter.stream) != keys.partition_of(letter.job_id):
+            failed.append((letter, f"stream: {letter.stream[:200]!r} is not the partition of job {letter.job_id!r}"))
         else:
             try:
                 new_ids.append(_requeue_one(redis, keys, letter))
@@ -87,11 +89,15 @@ def _selected(redis, keys: Keys, dead_ids: list[str] | None) -> Iterator[DeadLet
 
 
 def _requeue_one(redis, keys: Keys, letter: DeadLetter) -> str:
-    """One atomic step (REQUEUE_LUA): a new entry, the letter gone, the job hash queued."""
+    """One atomic step (REQUEUE_LUA): a new entry, the letter gone, the job hash queued.
+    Partitioned layout: the letter is deleted in a second step (another slot)."""
     job_hash = [keys.job(letter.job_id)] if letter.job_id is not None else []
     pairs = [item for name, value in letter.fields.items() for item in (name, value)]
-    entry_id = redis.eval(REQUEUE_LUA, 2 + len(job_hash), letter.stream, keys.dead, *job_hash,
+    dead = letter.stream if keys.partitioned else keys.dead
+    entry_id = redis.eval(REQUEUE_LUA, 2 + len(job_hash), letter.stream, dead, *job_hash,
                           letter.dead_id, repr(time.time()), *pairs)
+    if keys.partitioned:
+        redis.xdel(keys.dead, letter.dead_id)
     return _text(entry_id)
 
 

@@ -172,14 +172,17 @@ return 1
 # Requeue a dead letter: its fields go back on its request stream as a new entry, with a
 # fresh delivery budget; a job hash that exists names the new entry. None is created here
 # (the replica creates it, with a TTL), and a key that is not a hash is left alone.
-# KEYS: request stream, dead stream, job hash (optional). ARGV: dead letter id, now,
+# KEYS: request stream, dead stream, job hash (optional). In the partitioned layout the dead
+# stream lives in another slot than the request stream: KEYS[2] is then the request stream
+# again, and the caller deletes the letter afterwards (a letter requeued twice after a crash
+# in between runs once: the second entry is a duplicate). ARGV: dead letter id, now,
 # field, value, ... (at most MAX_REQUEUE_FIELDS pairs: Lua's unpack has a bound). Returns
 # the new entry id.
 MAX_REQUEUE_FIELDS = 3000
 REQUEUE_LUA = """
 if #ARGV - 2 > 2 * %d then return redis.error_reply('ERR fields: more than %d, too many to requeue') end
 local entry = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-redis.call('XDEL', KEYS[2], ARGV[1])
+if KEYS[2] ~= KEYS[1] then redis.call('XDEL', KEYS[2], ARGV[1]) end
 if KEYS[3] and redis.call('TYPE', KEYS[3]).ok == 'hash' then
   redis.call('HDEL', KEYS[3], 'finished_attempt')
   redis.call('HSET', KEYS[3], 'status', 'queued', 'attempt', '0', 'updated', ARGV[2], 'entry', entry)

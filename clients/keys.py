@@ -1,15 +1,29 @@
-"""Redis key names of one Conveyor namespace (and the connection defaults)."""
+"""Redis key names of one Conveyor namespace (and the connection defaults).
+
+Two layouts (docs/protocol.md "Key layouts"):
+
+- single server, one partition (the default): `<ns>:requests:<class>`, `<ns>:job:<id>`, ...
+- partitioned (cluster mode, or `partitions > 1`): every key a script or MULTI touches
+  together carries one hash tag. Partition `k` of the request streams, and the hash, out
+  stream and limits copy of every job whose id hashes to `k`, live under `<ns>:{p<k>}:`;
+  the namespace-wide model info under `<ns>:{<ns>}:`. A job's partition is
+  `crc32(job_id) % partitions` (zlib's CRC-32 of the id's UTF-8 bytes), so any producer can
+  find it, and a job's entry must go to its own partition's stream.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
 
 GROUP = "engines"
 PRIORITY_CLASSES = ("interactive", "batch")
 DEFAULT_NAMESPACE = "conveyor"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
+DEFAULT_CLUSTER_PARTITIONS = 4  # request stream partitions per class in cluster mode
+MAX_PARTITIONS = 1024
 # No `:` (ns "a" would own the keys of ns "a:requests"), no glob characters (ACL key
 # patterns `~<ns>:*` and SCAN MATCH), no braces (hash tags): so no two namespaces' keys collide.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -24,20 +38,59 @@ def default_redis_url() -> str:
     return os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
+def default_partitions(cluster: bool) -> int:
+    """$CONVEYOR_PARTITIONS, else 1 on a single server and DEFAULT_CLUSTER_PARTITIONS in cluster mode."""
+    value = os.environ.get("CONVEYOR_PARTITIONS")
+    if not value:
+        return DEFAULT_CLUSTER_PARTITIONS if cluster else 1
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"CONVEYOR_PARTITIONS must be an integer, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class Keys:
-    """All keys of namespace `ns`; request streams are read by consumer group GROUP."""
+    """All keys of namespace `ns`; request streams are read by consumer group GROUP.
+    `partitions` request streams per class; `cluster` (or partitions > 1): the hash-tagged layout."""
 
     ns: str = field(default_factory=default_namespace)
+    partitions: int = 1
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ns, str) or not NAMESPACE_PATTERN.fullmatch(self.ns):
             raise ValueError(f"namespace must be {NAMESPACE_RULE}, got {self.ns!r}")
+        if not isinstance(self.partitions, int) or not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be an integer from 1 to {MAX_PARTITIONS}, got {self.partitions!r}")
 
-    def requests(self, priority_class: str) -> str:
+    @classmethod
+    def of(cls, ns: str | None = None, *, cluster: bool = False, partitions: int | None = None) -> Keys:
+        """The keys of `ns` as clients and replicas of a deployment agree on them."""
+        return cls(ns or default_namespace(), partitions or default_partitions(cluster), cluster)
+
+    @property
+    def partitioned(self) -> bool:
+        return self.cluster or self.partitions > 1
+
+    def partition_of(self, job_id: str) -> int:
+        """The partition of a job: its streams' slot holds its hash, out stream and limits copy."""
+        return zlib.crc32(job_id.encode()) % self.partitions if self.partitioned else 0
+
+    def _prefix(self, partition: int) -> str:
+        return f"{self.ns}:{{p{partition}}}" if self.partitioned else self.ns
+
+    def requests(self, priority_class: str, partition: int = 0) -> str:
         if priority_class not in PRIORITY_CLASSES:
             raise ValueError(f"priority_class must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
-        return f"{self.ns}:requests:{priority_class}"
+        return f"{self._prefix(partition)}:requests:{priority_class}"
+
+    def partition_of_stream(self, stream: str) -> int | None:
+        """The partition a request stream key names (0 in the single-server layout)."""
+        if not self.partitioned:
+            return 0
+        found = _PARTITION_TAG.match(stream[len(self.ns):]) if stream.startswith(self.ns) else None
+        return int(found.group(1)) if found else None
 
     @property
     def interactive(self) -> str:
@@ -49,48 +102,64 @@ class Keys:
 
     @property
     def all_requests(self) -> tuple[str, ...]:
-        return tuple(self.requests(c) for c in PRIORITY_CLASSES)
+        """Every default request stream: all classes, each in every partition."""
+        return tuple(self.requests(c, p) for c in PRIORITY_CLASSES for p in range(self.partitions))
 
-    def model_requests(self, model: str, priority_class: str) -> str:
+    def model_requests(self, model: str, priority_class: str, partition: int = 0) -> str:
         """Request stream of jobs naming `model`: only replicas serving that model read it."""
         if not model:
             raise ValueError("model must be a non-empty name")
-        return f"{self.requests(priority_class)}:{model}"
+        return f"{self.requests(priority_class, partition)}:{model}"
 
     def all_model_requests(self, model: str) -> tuple[str, ...]:
-        return tuple(self.model_requests(model, c) for c in PRIORITY_CLASSES)
+        return tuple(self.model_requests(model, c, p) for c in PRIORITY_CLASSES for p in range(self.partitions))
 
-    def request_stream(self, priority_class: str, model: str | None = None) -> str:
+    def request_stream(self, priority_class: str, model: str | None = None, partition: int = 0) -> str:
         """Where a job goes: its model's own stream when it names one, else the default."""
-        return self.model_requests(model, priority_class) if model else self.requests(priority_class)
+        if model:
+            return self.model_requests(model, priority_class, partition)
+        return self.requests(priority_class, partition)
+
+    def job_request_stream(self, job_id: str, priority_class: str, model: str | None = None) -> str:
+        """The stream a producer adds job `job_id` to: its class, its model, its partition."""
+        return self.request_stream(priority_class, model, self.partition_of(job_id))
 
     def model_requests_pattern(self, priority_class: str) -> str:
-        """SCAN MATCH pattern of every model's request stream of one class."""
+        """SCAN MATCH pattern of every model's request stream of one class (every partition)."""
+        if self.partitioned:
+            return _glob_escape(f"{self.ns}:{{p") + "*" + _glob_escape(f"}}:requests:{priority_class}:") + "*"
         return _glob_escape(f"{self.requests(priority_class)}:") + "*"
 
     def model_of_stream(self, stream: str, priority_class: str) -> str | None:
         """The model named by a per-model request stream key, else None."""
-        prefix = f"{self.requests(priority_class)}:"
+        partition = self.partition_of_stream(stream)
+        if partition is None or partition >= self.partitions:
+            return None
+        prefix = f"{self.requests(priority_class, partition)}:"
         if not stream.startswith(prefix):
             return None
         return stream[len(prefix):] or None
 
     def model_info(self, name: str) -> str:
         """Hash describing a served model for light clients (see clients/model_info.py)."""
-        return f"{self.ns}:model:{name}"
+        return f"{self._namespace_prefix}:model:{name}"
 
     @property
     def models(self) -> str:
-        """Set of the names whose model info was published."""
-        return f"{self.ns}:models"
+        """Set of the names whose model info was published (one slot with model_info: one MULTI)."""
+        return f"{self._namespace_prefix}:models"
+
+    @property
+    def _namespace_prefix(self) -> str:
+        return f"{self.ns}:{{{self.ns}}}" if self.partitioned else self.ns
 
     def out(self, job_id: str) -> str:
         """Per-job output stream of events."""
-        return f"{self.ns}:out:{job_id}"
+        return f"{self._prefix(self.partition_of(job_id))}:out:{job_id}"
 
     def job(self, job_id: str) -> str:
         """Per-job status hash."""
-        return f"{self.ns}:job:{job_id}"
+        return f"{self._prefix(self.partition_of(job_id))}:job:{job_id}"
 
     @property
     def dead(self) -> str:
@@ -101,10 +170,21 @@ class Keys:
         """Pub/sub channel carrying the ids of jobs whose cancellation was requested."""
         return f"{self.ns}:cancel"
 
+    def limits_of(self, partition: int = 0) -> str:
+        """Hash of the operator limits replicas publish (field max_queue_len: the queue bound);
+        one copy per partition, so the submit script reads the one in its job's slot."""
+        return f"{self._prefix(partition)}:limits"
+
     @property
     def limits(self) -> str:
-        """Hash of the operator limits replicas publish (field max_queue_len: the queue bound)."""
-        return f"{self.ns}:limits"
+        return self.limits_of(0)
+
+    @property
+    def all_limits(self) -> tuple[str, ...]:
+        return tuple(self.limits_of(p) for p in range(self.partitions))
+
+
+_PARTITION_TAG = re.compile(r":\{p(\d{1,4})\}:")
 
 
 def _glob_escape(text: str) -> str:

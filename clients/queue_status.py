@@ -38,14 +38,16 @@ def queue_status_from(keys: Keys, models: list[str], replies: list[Any]) -> dict
     dead_len = next(answers)
     return {
         "namespace": keys.ns,
-        "requests": {c: streams[keys.requests(c)] for c in PRIORITY_CLASSES},
+        "requests": {c: _combined([streams[keys.requests(c, p)] for p in range(keys.partitions)])
+                     for c in PRIORITY_CLASSES},
         "models": {m: _model_status(keys, m, streams, max_lens[m]) for m in models},
         "dead_letter": {"stream": keys.dead, "length": _int(dead_len)},
     }
 
 
 def _model_status(keys: Keys, model: str, streams: dict[str, dict], max_model_len: Any) -> dict[str, Any]:
-    requests = {c: streams[keys.model_requests(model, c)] for c in PRIORITY_CLASSES}
+    requests = {c: _combined([streams[keys.model_requests(model, c, p)] for p in range(keys.partitions)])
+                for c in PRIORITY_CLASSES}
     queued = sum(info["length"] for info in requests.values())
     served = any(info["consumers"] for info in requests.values())
     published = isinstance(max_model_len, bytes)
@@ -55,6 +57,29 @@ def _model_status(keys: Keys, model: str, streams: dict[str, dict], max_model_le
         "requests": requests,
         "queued": queued,
         "unserved": queued > 0 and not (published and served),
+    }
+
+
+def _combined(partitions: list[dict[str, Any]]) -> dict[str, Any]:
+    """One class's status over its partitions (one partition: that stream's status itself)."""
+    if len(partitions) == 1:
+        return partitions[0]
+    consumers: dict[str, dict] = {}
+    for info in partitions:
+        for consumer in info["consumers"]:
+            seen = consumers.setdefault(consumer["name"], {**consumer, "pending": 0})
+            seen["pending"] += consumer["pending"]
+            seen["idle_s"] = min(seen["idle_s"], consumer["idle_s"])
+    lags = [info["lag"] for info in partitions]
+    return {
+        "stream": partitions[0]["stream"].replace("{p0}", "{p*}", 1),  # every partition's, summed
+        "streams": [info["stream"] for info in partitions],
+        "length": sum(info["length"] for info in partitions),
+        "group": all(info["group"] for info in partitions),
+        "pending": sum(info["pending"] for info in partitions),
+        "lag": None if None in lags else sum(lags),
+        "consumers": list(consumers.values()),
+        "partitions": partitions,
     }
 
 

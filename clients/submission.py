@@ -43,8 +43,9 @@ def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple
     """KEYS and ARGV of SUBMIT_LUA for `job` (a job naming a model goes to that model's stream)."""
     data = encode_job(job)["data"]
     args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0, payload_digest(job)]
-    stream = keys.request_stream(job.priority_class, job.model)
-    return [keys.job(job.job_id), stream, keys.out(job.job_id), keys.limits], args
+    stream = keys.job_request_stream(job.job_id, job.priority_class, job.model)
+    limits = keys.limits_of(keys.partition_of(job.job_id))
+    return [keys.job(job.job_id), stream, keys.out(job.job_id), limits], args
 
 
 # SUBMIT_LUA replies (0: job id already known, not enqueued)
@@ -70,9 +71,10 @@ def check_chunk(codes: list[int], chunk: list[JobRequest], keys: Keys, max_queue
 def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list,
                operator: bool = False) -> QueueFull:
     """QueueFull naming the bound that was hit: the caller's max_queue_len or the operator's."""
-    stream = keys.request_stream(job.priority_class, job.model)
+    stream = keys.job_request_stream(job.job_id, job.priority_class, job.model)
     if operator:
-        message = (f"{stream} is full at the server's queue bound (max_queue_len in {keys.limits}, "
+        message = (f"{stream} is full at the server's queue bound (max_queue_len in "
+                   f"{keys.limits_of(keys.partition_of(job.job_id))}, "
                    f"set by the replicas' operator); try again later")
     else:
         message = f"{stream} holds {max_queue_len} or more entries (the caller's max_queue_len={max_queue_len})"

@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 
 import msgpack
 import redis
+from redis.cluster import RedisCluster
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -68,7 +69,8 @@ class ServeProcess:
     def __init__(self, model: str, redis_url: str, namespace: str, consumer: str, log_dir: Path, *,
                  lease_s: float | None = None, grace_s: float | None = None,
                  max_deliveries: int | None = None, num_kv_blocks: int = 256,
-                 args: Iterable[str] = (), env: dict[str, str] | None = None) -> None:
+                 args: Iterable[str] = (), env: dict[str, str] | None = None, keys: Keys | None = None) -> None:
+        self.keys = keys or Keys(namespace)  # a cluster layout: the replica runs with --redis-cluster
         self.model = model
         self.redis_url = redis_url
         self.namespace = namespace
@@ -78,6 +80,8 @@ class ServeProcess:
         for flag, value in (("--lease-s", lease_s), ("--grace-s", grace_s), ("--max-deliveries", max_deliveries)):
             if value is not None:
                 flags += [flag, str(value)]
+        if self.keys.cluster:
+            flags += ["--redis-cluster", "--partitions", str(self.keys.partitions)]
         self.command = [str(CONVEYOR), "serve", *flags, *args]
         self.env = {
             **os.environ,
@@ -87,6 +91,8 @@ class ServeProcess:
             "CONVEYOR_NUM_KV_BLOCKS": str(num_kv_blocks),
             "OMP_NUM_THREADS": "1",  # tiny tensors; several replicas share two cores
             "PYTHONUNBUFFERED": "1",
+            # this checkout's code, not the editable install's (a git worktree shares the venv)
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
             **(env or {}),
         }
         self.env.pop("REDIS_URL", None)
@@ -102,9 +108,9 @@ class ServeProcess:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServeProcess:
         """Ready = registered as a consumer of the interactive stream (it has issued XREADGROUP)."""
-        client = redis.Redis.from_url(self.redis_url)
+        client = (RedisCluster if self.keys.cluster else redis.Redis).from_url(self.redis_url)
         try:
-            wait_until(lambda: self._check_alive() and self.consumer in consumers(client, self.namespace),
+            wait_until(lambda: self._check_alive() and self.consumer in consumers(client, self.namespace, self.keys),
                        timeout, f"replica {self.consumer} to start reading")
         finally:
             client.close()
@@ -187,9 +193,9 @@ def start_all(replicas: Iterable[ServeProcess], timeout: float = READY_TIMEOUT_S
     return replicas
 
 
-def consumers(client: redis.Redis, namespace: str) -> set[str]:
+def consumers(client: redis.Redis, namespace: str, keys: Keys | None = None) -> set[str]:
     try:
-        infos = client.xinfo_consumers(Keys(namespace).interactive, GROUP)
+        infos = client.xinfo_consumers((keys or Keys(namespace)).interactive, GROUP)
     except redis.ResponseError:  # no stream or group yet
         return set()
     return {_text(info["name"]) for info in infos}
@@ -257,9 +263,9 @@ class JobRecord:
 class JobLedger:
     """Reads back jobs' outcomes in pipelined batches."""
 
-    def __init__(self, client: redis.Redis, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, namespace: str, keys: Keys | None = None) -> None:
         self.redis = client
-        self.keys = Keys(namespace)
+        self.keys = keys or Keys(namespace)
 
     def statuses(self, job_ids: list[str]) -> list[str | None]:
         out = []

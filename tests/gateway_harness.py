@@ -76,7 +76,7 @@ class GatewayThread(_Gateway):
     """uvicorn + create_app in a daemon thread; `settings` are GatewaySettings fields."""
 
     def __init__(self, redis_url: str, namespace: str | None = None, *, keys: dict[str, str] | None = None,
-                 extra_routers: Iterable[Any] = (), **settings: Any) -> None:
+                 extra_routers: Iterable[Any] = (), connection: Any = None, **settings: Any) -> None:
         from clients.connection import resolve_settings
         from clients.gateway.server import make_server
         from clients.gateway.settings import GatewaySettings
@@ -86,7 +86,8 @@ class GatewayThread(_Gateway):
         self._socket.bind(("127.0.0.1", 0))  # bound before start: no race for the port
         self.port = self._socket.getsockname()[1]
         options = {"namespace": namespace} if namespace else {}
-        self.settings = GatewaySettings(redis=resolve_settings(redis_url), host="127.0.0.1", port=self.port,
+        redis = connection or resolve_settings(redis_url)  # connection: a RedisSettings (e.g. cluster=True)
+        self.settings = GatewaySettings(redis=redis, host="127.0.0.1", port=self.port,
                                         api_keys=key_list(keys), keys_file=None, log_level="warning",
                                         **options, **settings)  # fmt: skip
         self.server = make_server(self.settings, extra_routers)

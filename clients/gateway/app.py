@@ -66,7 +66,8 @@ def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: GatewaySettings = app.state.settings
     redis = settings.redis.async_client(socket_connect_timeout=5)
-    app.state.namespaces = Namespaces(redis, settings.replica_idle_s, settings.model_cache_s)
+    app.state.namespaces = Namespaces(redis, settings.replica_idle_s, settings.model_cache_s,
+                                      settings.redis.partitions)
     log.info("gateway on Redis %s, %s", settings.redis.describe(),
              f"{len(app.state.keyring)} API keys" if app.state.keyring.enabled
              else f"no API keys: every request uses namespace {settings.namespace!r}")

@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 from clients.limits import MAX_JSON_BYTES
+from clients.redis_cluster import is_cluster, queue_script
 
 FILE_TTL_S = 7 * 86_400  # uploaded files
 BATCH_TTL_S = 30 * 86_400  # batches, their results and output files
@@ -99,33 +100,36 @@ return 0
 
 
 class BatchKeys:
-    """Key names of the Batch API in one namespace (see the module docstring)."""
+    """Key names of the Batch API in one namespace (see the module docstring). `tagged`
+    (cluster mode): all of them under the namespace's hash tag `{<ns>}`, one slot, so its
+    scripts and MULTIs (a batch with its list and results, a file with its content) may run."""
 
-    def __init__(self, ns: str) -> None:
+    def __init__(self, ns: str, tagged: bool = False) -> None:
         self.ns = ns
+        self.prefix = f"{ns}:{{{ns}}}" if tagged else ns
 
     def file(self, file_id: str) -> str:
-        return f"{self.ns}:file:{file_id}"
+        return f"{self.prefix}:file:{file_id}"
 
     def file_content(self, file_id: str) -> str:
-        return f"{self.ns}:file:{file_id}:content"
+        return f"{self.prefix}:file:{file_id}:content"
 
     def batch(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}"
+        return f"{self.prefix}:batch:{batch_id}"
 
     def results(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}:results"
+        return f"{self.prefix}:batch:{batch_id}:results"
 
     def lease(self, batch_id: str) -> str:
-        return f"{self.ns}:batch:{batch_id}:lease"
+        return f"{self.prefix}:batch:{batch_id}:lease"
 
     @property
     def batches(self) -> str:
-        return f"{self.ns}:batches"
+        return f"{self.prefix}:batches"
 
     @property
     def active(self) -> str:
-        return f"{self.ns}:batches:active"
+        return f"{self.prefix}:batches:active"
 
 
 class FileTooLarge(ValueError):
@@ -183,7 +187,7 @@ class BatchStore:
 
     def __init__(self, redis: Any, ns: str) -> None:
         self.redis = redis
-        self.keys = BatchKeys(ns)
+        self.keys = BatchKeys(ns, tagged=is_cluster(redis))
         self._transition = redis.register_script(TRANSITION_LUA)
         self._record = redis.register_script(RECORD_LUA)
         self._create_batch = redis.register_script(CREATE_BATCH_LUA)
@@ -293,7 +297,7 @@ class BatchStore:
         """Queue the store of one output line on `pipe` (stored once; counted once)."""
         value = (OK if ok else FAILED) + json.dumps(line, separators=(",", ":")).encode()
         args = [index, value, "completed" if ok else "failed", usage[0], usage[1], BATCH_TTL_S]
-        await self._record(keys=[self.keys.batch(batch_id), self.keys.results(batch_id)], args=args, client=pipe)
+        await queue_script(self._record, [self.keys.batch(batch_id), self.keys.results(batch_id)], args, pipe)
 
     async def recorded_indexes(self, batch_id: str) -> set[int]:
         return {int(i) for i in await self.redis.hkeys(self.keys.results(batch_id))}

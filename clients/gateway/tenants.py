@@ -272,8 +272,9 @@ class Namespaces:
     """One AsyncClient and ModelDirectory per namespace, all on one Redis client (one
     connection pool). Namespaces come only from the configured keys: the cache is bounded."""
 
-    def __init__(self, redis: Any, replica_idle_s: float, cache_s: float) -> None:
+    def __init__(self, redis: Any, replica_idle_s: float, cache_s: float, partitions: int | None = None) -> None:
         self.redis = redis
+        self.partitions = partitions  # of the cluster layout (the redis client says whether it is one)
         self.replica_idle_s = replica_idle_s
         self.cache_s = cache_s
         self._clients: dict[str, AsyncClient] = {}
@@ -281,7 +282,8 @@ class Namespaces:
 
     def client(self, namespace: str) -> AsyncClient:
         if namespace not in self._clients:
-            self._clients[namespace] = AsyncClient(namespace=namespace, redis_client=self.redis)
+            self._clients[namespace] = AsyncClient(namespace=namespace, redis_client=self.redis,
+                                                     partitions=self.partitions)
         return self._clients[namespace]
 
     def models(self, namespace: str) -> ModelDirectory:
