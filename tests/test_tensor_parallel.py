@@ -8,6 +8,8 @@ bounded time, offline and in a replica (whose jobs another replica then reclaims
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -21,7 +23,14 @@ from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_p
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # each rank one thread: two ranks, two cores
 NUM_PROMPTS = 12
-REGIMES = {"ample_kv": {}, "preemption": dict(num_kv_blocks=64, block_size=4)}  # as tests/test_exactness.py
+REGIMES = {  # as tests/test_exactness.py
+    "ample_kv": {},
+    "preemption": dict(num_kv_blocks=64, block_size=4),
+    "overlapped_preemption": dict(async_scheduling=True, num_kv_blocks=64, block_size=4),
+    # drafts travel in the plan; what verification keeps of them comes back in the next one's tails
+    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+}
 HIDDEN, LAYERS = 64, 2  # the tiny models' (tests/model_factory.py)
 RANK_EXIT_BOUND_S = 15.0
 
@@ -50,8 +59,10 @@ def test_tp2_greedy_matches_transformers(tiny_model, workload, regime):
         assert output.error is None
         assert output.token_ids == want, f"request {output.request_id} differs"
     assert stats["num_running"] == stats["num_waiting"] == 0
-    if regime == "preemption":
+    if regime.endswith("preemption"):
         assert stats["num_preemptions"] > 0
+    if regime == "speculative":
+        assert stats["spec_decode_num_draft_tokens"] > 0
     # every forward: one all-reduce after attention and one after the MLP per layer
     assert stats["tp_num_all_reduces"] > 0 and stats["tp_num_all_reduces"] % (2 * LAYERS) == 0
     assert worker.poll() == 0, "the worker rank should have stopped cleanly on close()"
@@ -110,6 +121,48 @@ def test_killed_rank_ends_offline_generation_with_a_clear_error(tmp_path):
     closing = time.monotonic()
     llm.close()
     assert time.monotonic() - closing < 5
+
+
+def test_hung_rank_fails_the_step_after_the_timeout(tmp_path, monkeypatch):
+    """SIGSTOP: the rank keeps its sockets open but answers nothing; a step outlasting
+    CONVEYOR_TP_TIMEOUT_S gets it killed and fails instead of waiting for ever."""
+    monkeypatch.setenv("CONVEYOR_TP_TIMEOUT_S", "3")
+    llm = LLM(build_tiny_model("llama", tmp_path / "llama"), tensor_parallel_size=2)
+    worker = llm.engine.runner.workers.processes[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RankFailed, match=r"rank 1 .* exited with code -9 \(killed: a step outlasted"):
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert 3 <= time.monotonic() - started < RANK_EXIT_BOUND_S
+    finally:
+        worker.kill()  # (a no-op once reaped)
+        llm.close()
+
+
+def test_follower_ranks_exit_when_rank_0_is_killed(tmp_path):
+    model = build_tiny_model("llama", tmp_path / "llama")
+    script = ("import sys, time; from engine import LLM; llm = LLM(sys.argv[1], tensor_parallel_size=2); "
+              "print(llm.engine.runner.workers.processes[0].pid, flush=True); time.sleep(600)")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, "-c", script, model], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker_pid = int(driver.stdout.readline())
+        driver.kill()
+        driver.wait(10)
+        wait_until(lambda: not _alive(worker_pid), RANK_EXIT_BOUND_S, "the follower rank to exit")
+    finally:
+        driver.kill()
+        if _alive(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 # ---- under the replica's actors ----------------------------------------------------------

@@ -8,9 +8,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-# a collective of the forward that waits longer than this means a rank hangs (not died:
-# a dead rank's closed socket fails the collective at once)
-COMPUTE_TIMEOUT_S = float(os.environ.get("CONVEYOR_TP_TIMEOUT_S", 60))
+DEFAULT_COMPUTE_TIMEOUT_S = 60.0
+STORE_TIMEOUT_S = 300  # the ranks building their groups: each has imported torch and read the config
+STORE_RUNTIME_TIMEOUT_S = 2
 IDLE_TIMEOUT = timedelta(days=3650)  # a follower waits for the next plan as long as the driver is idle
 STOP = -1  # a plan length that means: no more steps
 
@@ -23,8 +23,11 @@ class TPGroup:
         self.rank, self.size, self.device = rank, size, device
         self.store = store  # rank 0's hosts the rendezvous: kept alive as long as the group
         self.compute = _process_group(dist.PrefixStore("compute", store), rank, size, device,
-                                      timedelta(seconds=COMPUTE_TIMEOUT_S))
+                                      timedelta(seconds=compute_timeout_s()))
         self.plans = _process_group(dist.PrefixStore("plans", store), rank, size, torch.device("cpu"), IDLE_TIMEOUT)
+        # set up: a failed collective's error path also waits on the store (measured: a 3 s
+        # all-reduce timeout raised after ~300 s under the setup timeout)
+        store.set_timeout(timedelta(seconds=STORE_RUNTIME_TIMEOUT_S))
         self.bytes_all_reduced = 0  # this rank's tensors summed over the group (payload, not wire bytes)
         self.num_all_reduces = 0
         self.plan_bytes = 0  # step messages, length headers included
@@ -74,6 +77,12 @@ class TPGroup:
                 "tp_plan_bytes": self.plan_bytes, "tp_num_plans": self.num_plans}
 
 
+def compute_timeout_s() -> float:
+    """A collective of the forward waiting longer than this means a rank hangs (one that
+    died fails it at once: its socket closes)."""
+    return float(os.environ.get("CONVEYOR_TP_TIMEOUT_S", DEFAULT_COMPUTE_TIMEOUT_S))
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """One CUDA device per rank (cuda:rank); the CPU is shared."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
@@ -90,7 +99,7 @@ def join_store(port: int, size: int) -> dist.TCPStore:
 
 
 def _store(port: int, size: int, is_host: bool) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, size, is_host, timeout=timedelta(seconds=max(COMPUTE_TIMEOUT_S, 300)),
+    return dist.TCPStore("127.0.0.1", port, size, is_host, timeout=timedelta(seconds=STORE_TIMEOUT_S),
                          wait_for_workers=False)
 
 

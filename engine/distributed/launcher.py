@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from engine.distributed.group import TPGroup, host_store
+from engine.distributed.group import TPGroup, compute_timeout_s, host_store
+from engine.distributed.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 JOIN_POLL_S = 0.1
@@ -36,6 +37,7 @@ class Workers:
         for rank, process in enumerate(self.processes, start=1):
             log.info("tensor-parallel rank %d of %d: pid %d", rank, size, process.pid)
         self._finalizer = weakref.finalize(self, _terminate, list(self.processes))
+        self.watchdog = StepWatchdog(self.processes, compute_timeout_s())
         self._wait_joined(store)
         self.group = TPGroup(store, 0, size, device)
 
@@ -52,14 +54,17 @@ class Workers:
             raise RankFailed(f"tensor parallel: {dead}; this engine stops (its jobs go back to the queue)")
 
     def _dead(self) -> str:
-        return "; ".join(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+        hung = " (killed: a step outlasted CONVEYOR_TP_TIMEOUT_S)" if self.watchdog.fired else ""
+        return "; ".join(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}{hung}"
                          for rank, p in enumerate(self.processes, start=1) if p.poll() is not None)
 
     @contextlib.contextmanager
     def watch(self):
-        """Around one step: a rank found dead, or a collective that failed or timed out,
-        raises RankFailed naming the rank (the worker's own stderr says why it ended)."""
+        """Around one step: a rank found dead, or a collective that failed or timed out
+        (the watchdog kills ranks that hang), raises RankFailed naming the rank (the
+        worker's own stderr says why it ended)."""
         self.check_alive()
+        self.watchdog.start_step()
         try:
             yield
         except RuntimeError as exc:
@@ -71,9 +76,12 @@ class Workers:
                 raise RankFailed(f"tensor parallel: {dead or 'a collective failed'} ({str(exc)[:300]}); "
                                  f"this engine stops (its jobs go back to the queue)") from exc
             raise
+        finally:
+            self.watchdog.end_step()
 
     def close(self) -> None:
         """Ask the ranks to stop (when all still live), then make sure they have."""
+        self.watchdog.close()
         if not self._dead():
             with contextlib.suppress(RuntimeError):
                 self.group.send_step(None)
