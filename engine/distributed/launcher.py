@@ -38,8 +38,13 @@ class Workers:
             log.info("tensor-parallel rank %d of %d: pid %d", rank, size, process.pid)
         self._finalizer = weakref.finalize(self, _terminate, list(self.processes))
         self.watchdog = StepWatchdog(self.processes, compute_timeout_s())
-        self._wait_joined(store)
-        self.group = TPGroup(store, 0, size, device)
+        try:
+            self._wait_joined(store)
+            self.group = TPGroup(store, 0, size, device)
+        except BaseException:
+            self.watchdog.close()
+            self._finalizer()
+            raise
 
     def _wait_joined(self, store) -> None:
         """Until every rank reached the store (a rank that fails to start ends the wait)."""
