@@ -141,7 +141,10 @@ def _usage_error(message: str) -> int:
 
 async def _serve(engine, config) -> int:
     from actors.replica import Replica
-    return await Replica(engine, config).run()
+    try:
+        return await Replica(engine, config).run()
+    finally:
+        engine.close()  # the other tensor-parallel ranks, if any
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -10,6 +10,8 @@ from actors.base import Actor
 from engine.model_runner import ModelRunner
 from engine.plan import StepPlan, StepResult
 
+RANK_WATCH_INTERVAL_S = 0.5
+
 
 class GPUActor(Actor):
     name = "gpu"
@@ -24,7 +26,15 @@ class GPUActor(Actor):
         return asyncio.get_running_loop().run_in_executor(self.executor, self.runner.execute, plan)
 
     async def run(self) -> None:
-        await asyncio.Event().wait()  # the thread does the work; this task only marks the actor alive
+        """The thread does the work; this task marks the actor alive and, with tensor-parallel
+        ranks, checks they live: one that died crashes the actor, so the replica stops (its
+        jobs' leases lapse and another replica reclaims them) even while no step runs."""
+        workers = self.runner.workers
+        if workers is None:
+            await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(RANK_WATCH_INTERVAL_S)
+            workers.check_alive()
 
     async def stop(self) -> None:
         await super().stop()

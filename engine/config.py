@@ -19,6 +19,9 @@ class EngineConfig:
     # none: dequantize every weight to dtype, the path before)
     quantization: str = "auto"
     device: str = "auto"
+    # ranks the model is split over (attention heads and MLP, Megatron-style), one process
+    # each, rank 0 in this one (docs/architecture.md "Tensor parallel"); 1: no split
+    tensor_parallel_size: int = 1
     block_size: int = 16
     num_kv_blocks: int | None = None  # wins over kv_cache_memory
     kv_cache_memory: int | str | None = None  # bytes or "1GiB"; auto: 1 GiB CPU, 50% free CUDA
@@ -49,6 +52,9 @@ class EngineConfig:
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_batch_size is None:
             self.max_batch_size = self.max_num_seqs
         if self.gpu_memory_utilization is not None:

@@ -35,6 +35,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Frees what outlives a Python reference: the other tensor-parallel ranks' processes
+        (they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """``prompts``: one prompt or a list (engine/prompt_inputs.py: strings, token-id lists,

@@ -172,7 +172,13 @@ class LLMEngine:
             time.sleep(wait)
 
     def stats(self) -> dict:
-        return {**self.scheduler.kv_stats(), **spec_stats(self.scheduler.drafter)}
+        return {**self.scheduler.kv_stats(), **spec_stats(self.scheduler.drafter), **self.runner.tp_stats()}
+
+    def close(self) -> None:
+        """Stops the model thread and the other tensor-parallel ranks, if any."""
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
+        self.runner.close()
 
 
 def prompt_text_of(tokenizer, prompt, messages, seq: Sequence) -> str | None:

@@ -10,10 +10,14 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, PrefillSpan
 from engine.config import EngineConfig
+from engine.distributed.group import TPGroup, rank_device
+from engine.distributed.launcher import Workers
+from engine.distributed.shard import check_shardable, shard_model
+from engine.distributed.step_message import Tail, encode_step, sampled_tails
 from engine.grammar_masks import GrammarMasks, GrammarState
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
-from engine.models.loader import ModelSpec, build_model, gguf_batch_copies
+from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_copies
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
@@ -55,20 +59,45 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int):
+    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int, tp: TPGroup | None = None):
+        """``tp``: a follower rank's group (engine/distributed/worker.py); rank 0 starts the
+        other ranks itself when ``config.tensor_parallel_size`` > 1."""
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
-        self.backend = prepare(self.model, self.device, decoder_layout,
-                               batch_copies=gguf_batch_copies(config.quantization))
+        self.workers: Workers | None = None  # rank 0 of a tensor-parallel group: the other ranks
+        self.tp = tp or self._start_workers(spec)
+        if self.tp is not None:
+            self.device = rank_device(self.device, self.tp.rank)
+        if self.tp is None:
+            self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
+            self.backend = prepare(self.model, self.device, decoder_layout,
+                                   batch_copies=gguf_batch_copies(config.quantization))
+        else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
+            self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
+            shard_model(self.model, self.tp.rank, self.tp.size, self.tp)
+            self.backend = prepare(self.model, self.device)
+        self._tails: list[Tail] = []  # rank 0: what the last step sampled, sent with the next plan
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed)
         self.grammar_masks = GrammarMasks(spec.hf_config.vocab_size)
         self.seqs: dict[str, RunnerSeq] = {}
+
+    def _start_workers(self, spec: ModelSpec) -> TPGroup | None:
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return None
+        check_shardable(ARCHITECTURES[spec.model_type][0], spec.hf_config, size, self.config.quantization)
+        self.workers = Workers(self.config, self.max_model_len, rank_device(self.device, 0))
+        return self.workers.group
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do without them)."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- KV cache --------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -78,6 +107,8 @@ class ModelRunner:
         # never more than every running sequence at full length could use
         useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
         num_blocks = self.config.num_kv_blocks or max(1, min(useful, self._kv_budget_bytes() // per_block))
+        if self.tp is not None:  # every rank's pool has the same block ids
+            num_blocks = self.tp.agree_min(num_blocks)
         shape = (len(self.attention_layers), first.num_kv_heads, num_blocks, self.block_size, first.head_dim)
         # zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -99,8 +130,31 @@ class ModelRunner:
         return CPU_KV_CACHE_BYTES
 
     # ---- one step --------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.workers is None:
+            return self._execute(plan)
+        with self.workers.watch():  # rank 0: the plan to the others first, who run the same forward
+            self.tp.send_step(encode_step(plan, self._tails))
+            result = self._execute(plan)
+        self._tails = sampled_tails(plan, [*result.seq_ids, *result.errors], self.seqs)
+        return result
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, tails: list[Tail]) -> None:
+        """A follower rank's step: rank 0's sampled tokens, the plan's deltas, the forward
+        (its all-reduces are the only result); no logits, no sampling."""
+        for seq_id, start, token_ids in tails:
+            del self.seqs[seq_id].token_ids[start:]
+            self.seqs[seq_id].token_ids.extend(token_ids)
+        self._apply_deltas(plan)
+        if plan.scheduled:
+            self._forward(self._prepare(plan.scheduled))
+
+    def tp_stats(self) -> dict:
+        return self.tp.stats() if self.tp is not None else {}
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
         self._apply_deltas(plan)
         if not plan.scheduled:
             return StepResult()

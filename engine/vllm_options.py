@@ -3,7 +3,7 @@ onto Conveyor's EngineConfig are translated, the ones that cannot change anythin
 accepted (each with the reason it is a no-op), and the rest are refused with a message
 that names the option and why. Names with the same meaning in both (dtype, seed,
 max_model_len, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
-quantization) pass through, with vLLM's spellings of their values normalised."""
+quantization, tensor_parallel_size) pass through, with vLLM's spellings of their values normalised."""
 import logging
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,6 @@ def translate(options: dict) -> dict:
         if name in options:
             log.info("%s=%r accepted with no effect: %s", name, options.pop(name), reason)
     _refuse_unsupported(options)
-    options.pop("tensor_parallel_size", None)
     if "kv_cache_memory_bytes" in options:
         options["kv_cache_memory"] = options.pop("kv_cache_memory_bytes")
     if options.get("dtype") in DTYPE_ALIASES:
@@ -39,10 +38,6 @@ def _refuse_unsupported(options: dict) -> None:
         raise ValueError("trust_remote_code=True: Conveyor never runs code shipped with a model; it builds "
                          "the architectures it supports itself (pass False or leave it out)")
     options.pop("trust_remote_code", None)
-    size = options.get("tensor_parallel_size", 1)
-    if size != 1:
-        raise ValueError(f"tensor_parallel_size={size!r}: not in this build (one engine runs on one device); "
-                         f"run more replicas on the same queue instead")
 
 
 def kv_budget_from_utilization(utilization: float, total_bytes: int, free_bytes: int) -> int:

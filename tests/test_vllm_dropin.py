@@ -108,8 +108,8 @@ def test_llm_takes_vllms_options_and_refuses_with_a_reason(llm, model_dir):
     assert llm.get_tokenizer() is llm.tokenizer and llm.get_tokenizer().decode([5])
     with pytest.raises(ValueError, match=r"trust_remote_code=True: .*never runs code"):
         LLM(model_dir, trust_remote_code=True)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: not in this build"):
-        LLM(model_dir, tensor_parallel_size=2)
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_size=3: .*num_attention_heads \(4\)"):
+        LLM(model_dir, tensor_parallel_size=3)  # TP=2 itself: tests/test_tensor_parallel.py
     with pytest.raises(ValueError, match=r"gpu_memory_utilization: must be in \(0, 1\]"):
         LLM(model_dir, gpu_memory_utilization=1.5)
     with pytest.raises(ModelLoadError, match="tokenizer: .* is not a local directory"):

@@ -1,0 +1,5 @@
+"""Tensor parallelism (``tensor_parallel_size`` > 1): one process per rank over
+torch.distributed (gloo on CPU, NCCL on CUDA). Rank 0 is the engine's own ModelRunner: it
+drives the scheduler and sends each step plan to the other ranks (``worker.py``), which run
+the same forward on their shard (``shard.py``); ``group.py`` is the communication,
+``step_message.py`` the plan on the wire, ``launcher.py`` starts and watches the ranks."""

@@ -1,0 +1,111 @@
+"""The ranks' communication: one gloo (or NCCL) process group for the forward's
+all-reduces, with a timeout, and one for step plans, which may wait as long as the
+replica is idle. Built on a TCPStore that rank 0 hosts, not on torch.distributed's global
+default group, so several engines (and tests) can live in one process."""
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_COMPUTE_TIMEOUT_S = 60.0
+STORE_TIMEOUT_S = 300  # the ranks building their groups: each has imported torch and read the config
+STORE_RUNTIME_TIMEOUT_S = 2
+IDLE_TIMEOUT = timedelta(days=3650)  # a follower waits for the next plan as long as the driver is idle
+STOP = -1  # a plan length that means: no more steps
+
+
+class TPGroup:
+    """One rank's end of the group: ``all_reduce`` (the forward), ``send_step`` (rank 0) and
+    ``receive_step`` (the others); counts the bytes each moves."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device):
+        self.rank, self.size, self.device = rank, size, device
+        self.store = store  # rank 0's hosts the rendezvous: kept alive as long as the group
+        self.compute = _process_group(dist.PrefixStore("compute", store), rank, size, device,
+                                      timedelta(seconds=compute_timeout_s()))
+        self.plans = _process_group(dist.PrefixStore("plans", store), rank, size, torch.device("cpu"), IDLE_TIMEOUT)
+        # set up: a failed collective's error path also waits on the store (measured: a 3 s
+        # all-reduce timeout raised after ~300 s under the setup timeout)
+        store.set_timeout(timedelta(seconds=STORE_RUNTIME_TIMEOUT_S))
+        self.bytes_all_reduced = 0  # this rank's tensors summed over the group (payload, not wire bytes)
+        self.num_all_reduces = 0
+        self.plan_bytes = 0  # step messages, length headers included
+        self.num_plans = 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` over the ranks in place (every rank gets the same sum)."""
+        self.compute.allreduce([tensor]).wait()
+        self.bytes_all_reduced += tensor.numel() * tensor.element_size()
+        self.num_all_reduces += 1
+        return tensor
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (on the plan group: ranks may arrive far apart)."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.plans.allreduce([tensor], opts).wait()
+        return int(tensor.item())
+
+    def send_step(self, message: bytes | None) -> None:
+        """Rank 0: the next step's message to every rank (None: stop)."""
+        length = STOP if message is None else len(message)
+        self._broadcast(torch.tensor([length], dtype=torch.int64))
+        if message is not None:
+            self._broadcast(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+        self.plan_bytes += 8 + max(length, 0)
+        self.num_plans += 1
+
+    def receive_step(self) -> bytes | None:
+        """The other ranks: the next step's message, or None when rank 0 stops."""
+        length = torch.empty(1, dtype=torch.int64)
+        self._broadcast(length)
+        if int(length.item()) == STOP:
+            return None
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._broadcast(payload)
+        return payload.numpy().tobytes()
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.plans.broadcast([tensor], opts).wait()
+
+    def stats(self) -> dict:
+        return {"tp_bytes_all_reduced": self.bytes_all_reduced, "tp_num_all_reduces": self.num_all_reduces,
+                "tp_plan_bytes": self.plan_bytes, "tp_num_plans": self.num_plans}
+
+
+def compute_timeout_s() -> float:
+    """A collective of the forward waiting longer than this means a rank hangs (one that
+    died fails it at once: its socket closes)."""
+    return float(os.environ.get("CONVEYOR_TP_TIMEOUT_S", DEFAULT_COMPUTE_TIMEOUT_S))
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """One CUDA device per rank (cuda:rank); the CPU is shared."""
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def host_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous on a free loopback port (``.port``): host it before the other
+    ranks start, then build the group (which waits for all of them)."""
+    return _store(0, size, is_host=True)
+
+
+def join_store(port: int, size: int) -> dist.TCPStore:
+    return _store(port, size, is_host=False)
+
+
+def _store(port: int, size: int, is_host: bool) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, size, is_host, timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def _process_group(store, rank: int, size: int, device: torch.device, timeout: timedelta):
+    if device.type == "cuda":  # untested here: no GPU on the development machine
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -1,0 +1,30 @@
+"""A follower rank's process: joins rank 0's group, builds its shard of the model and its KV
+cache (a ModelRunner of its own), then runs each step plan rank 0 sends until told to stop.
+It never samples: rank 0 sends the tokens it sampled along with the next plan."""
+import pickle
+import sys
+
+import torch
+
+from engine.distributed.group import TPGroup, join_store, rank_device
+from engine.distributed.step_message import decode_step
+from engine.model_runner import ModelRunner, resolve_device
+from engine.models.loader import load_spec
+
+
+def run_worker(config, rank: int, port: int, max_model_len: int, num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+    store = join_store(port, config.tensor_parallel_size)
+    store.set(f"joined/{rank}", "1")
+    group = TPGroup(store, rank, config.tensor_parallel_size, rank_device(resolve_device(config.device), rank))
+    runner = ModelRunner(config, load_spec(config.model), max_model_len, tp=group)
+    try:
+        while (message := group.receive_step()) is not None:
+            runner.follow(*decode_step(message))
+    except RuntimeError as exc:  # rank 0 is gone (its socket closed) or a collective timed out
+        print(f"conveyor tensor-parallel rank {rank}: stopping: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # started by engine/distributed/launcher.py, arguments pickled on stdin
+    run_worker(**pickle.loads(sys.stdin.buffer.read()))
