@@ -20,9 +20,12 @@ MAX_BACKOFF_S = 2.0
 
 
 def closed_transport(exc: BaseException) -> bool:
-    """uvloop's error for a write on a connection the server closed (redis-py's cluster
-    pipeline lets it through when a master dies mid-send): a lost connection, not a bug."""
-    return isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
+    """A write on a connection torn down under it, which redis-py lets through when a
+    cluster master dies mid-send: uvloop's "handler is closed", or (redis-py 7, while it
+    reconnects) its writer already gone. A lost connection, not a bug."""
+    if isinstance(exc, RuntimeError):
+        return "handler is closed" in str(exc)
+    return isinstance(exc, AttributeError) and str(exc).startswith("'NoneType' object has no attribute 'write")
 
 
 async def retrying(operation: Callable[[], Awaitable[T]], what: str,
@@ -41,8 +44,8 @@ async def retrying(operation: Callable[[], Awaitable[T]], what: str,
             if failures:
                 log.warning("%s: Redis is back after %d failed attempts", what, failures)
             return result
-        except (*CONNECTION_ERRORS, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError) and not closed_transport(exc):
+        except (*CONNECTION_ERRORS, RuntimeError, AttributeError) as exc:
+            if isinstance(exc, (RuntimeError, AttributeError)) and not closed_transport(exc):
                 raise
             failures += 1
             if failures == 1 or failures % 20 == 0:

@@ -47,3 +47,23 @@ class ReplicaThread:
 
     def __exit__(self, *exc_info):
         self.stop()
+
+
+def run_producers(produce, count: int, timeout: float) -> None:
+    """``produce(index)`` for ``count`` producers on their own threads at once; fails with
+    every producer's exception (a thread's exception would otherwise be lost)."""
+    errors: list[Exception] = []
+
+    def guarded(index: int) -> None:
+        try:
+            produce(index)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads), f"a producer still runs after {timeout} s"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from engine import LLM, SamplingParams
 from fault_harness import (TERMINAL, JobLedger, check_attempt_sequences, record, spawner_fixture, start_all,
                            unique_namespace, wait_until)
 from gateway_harness import GatewayThread
-from replica_harness import ReplicaThread
 from model_factory import build_tiny_model
+from replica_harness import ReplicaThread, run_producers
 
 PARTITIONS = 3
 LEASE_S = 3.0
@@ -206,23 +205,14 @@ def test_two_replicas_several_producers_and_a_master_killed(cluster, settings, s
 
     # several producers, jobs spread over every partition, through both replicas
     results: dict[str, str] = {}
-    errors: list[Exception] = []
 
     def producer(index: int) -> None:
-        try:
-            with Client(namespace=namespace, connection=settings) as client:
-                jobs = [client.submit(**spec(f"p{index}-{n}")) for n in range(4)]
-                for job in jobs:
-                    results[job.job_id] = job.result(timeout=90).text
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+        with Client(namespace=namespace, connection=settings) as client:
+            jobs = [client.submit(**spec(f"p{index}-{n}")) for n in range(4)]
+            for job in jobs:
+                results[job.job_id] = job.result(timeout=90).text
 
-    threads = [threading.Thread(target=producer, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not errors, errors
+    run_producers(producer, 3, timeout=120)
     assert len(results) == 12
     for job_id, text in results.items():
         assert text == offline.generate([spec(job_id)["prompt"]], params, use_tqdm=False)[0].text, job_id

@@ -1,7 +1,6 @@
 """A real replica (tiny model, real Valkey) driven through the Redis front door."""
 import asyncio
 import json
-import threading
 import time
 
 import msgpack
@@ -13,7 +12,7 @@ from clients.errors import JobFailed
 from clients.keys import Keys
 from engine import LLM, SamplingParams
 from model_factory import mixed_prompts
-from replica_harness import ReplicaThread
+from replica_harness import ReplicaThread, run_producers
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 
@@ -50,28 +49,19 @@ def offline_expectation(llm, spec):
 
 def test_fifty_jobs_from_three_producers_match_offline(replica, redis_url, namespace, offline):
     results = {}
-    errors = []
 
     def producer(index):
-        try:
-            client = Client(redis_url, namespace=namespace)
-            specs = job_specs(17 if index < 2 else 16, seed=index)
-            jobs = [(client.submit(**spec), spec) for spec in specs]
-            for job, spec in jobs:
-                deltas, seqs = [], []
-                for event in job.stream(timeout=60):
-                    deltas.append(event.text)
-                    seqs.append(event.seq)
-                results[job.job_id] = (spec, job.result(timeout=60), "".join(deltas), seqs)
-        except Exception as exc:  # surfaced below
-            errors.append(exc)
+        client = Client(redis_url, namespace=namespace)
+        specs = job_specs(17 if index < 2 else 16, seed=index)
+        jobs = [(client.submit(**spec), spec) for spec in specs]
+        for job, spec in jobs:
+            deltas, seqs = [], []
+            for event in job.stream(timeout=60):
+                deltas.append(event.text)
+                seqs.append(event.seq)
+            results[job.job_id] = (spec, job.result(timeout=60), "".join(deltas), seqs)
 
-    threads = [threading.Thread(target=producer, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
-    assert not errors, errors
+    run_producers(producer, 3, timeout=180)
     assert len(results) == 50
     for spec, result, streamed, seqs in results.values():
         expected = offline_expectation(offline, spec)
