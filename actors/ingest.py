@@ -116,6 +116,10 @@ class IngestActor(Actor):
             return True
         if not await self.ledger.ask(MayStart(job.job_id, entry)):  # its job runs here: kept until it ends
             return False
+        return await self._start(entry, job)
+
+    async def _start(self, entry: ReadEntry, job: JobRequest) -> bool:
+        """Count the attempt on the job's record, then hand the job on (as ``accept``)."""
         try:
             attempt, cancelled = await self.streams.start_attempt(job.job_id, entry.entry_id, job.result_ttl,
                                                                   payload_digest(job))
@@ -128,18 +132,22 @@ class IngestActor(Actor):
         delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
                             job.deadline, entry.size)
         await self.ledger.send(Track(delivery))
-        ended = self._reject_reason(job, attempt, cancelled)
+        await self._hand_on(entry, job, delivery, cancelled)
+        return False
+
+    async def _hand_on(self, entry: ReadEntry, job: JobRequest, delivery: Delivery, cancelled: bool) -> None:
+        """A started job to the scheduler, or its end (cancelled, too late, invalid) to the publisher."""
+        ended = self._reject_reason(job, delivery.attempt, cancelled)
         if ended is not None:
             await self.publisher.send(JobEnded(delivery, *ended[:3], dead_letter_reason=ended[3],
                                                raw_fields=entry.fields if ended[1] == "max_deliveries" else None))
-            return False
+            return
         try:
             seq = await asyncio.to_thread(self._make_sequence, job, entry.entry_id)
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
-            return False
+            return
         await self.scheduler.send(NewJob(delivery, job, seq))
-        return False
 
     def _decode(self, entry: ReadEntry) -> JobRequest:
         if not entry.truncated:
