@@ -126,14 +126,16 @@ class Streams:
         partition's interactive streams (the first one rotating, so all are served alike),
         then every partition's batch streams."""
         entries: list[ReadEntry] = []
+        budget = byte_budget
         for group in self._groups_in_turn():
-            budget = byte_budget - sum(entry.bytes_read for entry in entries)
             if len(entries) >= count or budget <= 0:
                 break
             args = [GROUP, self.consumer, count - len(entries), max(1, budget), self.max_entry_bytes,
                     DEAD_LETTER_PREFIX_BYTES]
             rows = await self.resilient(lambda: self.read_script(keys=list(group), args=args), "read jobs")
-            entries += _entries(rows, group)
+            read = _entries(rows, group)
+            budget -= sum(entry.bytes_read for entry in read)
+            entries += read
         return entries
 
     def _groups_in_turn(self) -> list[tuple[str, ...]]:

@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as async_cluster
 import redis.cluster as sync_cluster
 
-from clients.keys import DEFAULT_REDIS_URL, Keys
+from clients.keys import DEFAULT_REDIS_URL, Keys, partitions_setting
 
 DEFAULT_DATA_DIR = "conveyor-data"
 # Files the embedded Valkey (actors/embedded_valkey.py) keeps in its data directory.
@@ -148,21 +148,12 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
         cert=_first(cert, env.get("REDIS_CERT")),
         key=_first(key, env.get("REDIS_KEY")),
         cluster=cluster if cluster is not None else _truthy(env.get("REDIS_CLUSTER")),
-        partitions=partitions or _int_or_none(env.get("CONVEYOR_PARTITIONS"), "CONVEYOR_PARTITIONS"),
+        partitions=partitions or partitions_setting(env.get("CONVEYOR_PARTITIONS")),
     )
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _int_or_none(value: str | None, name: str) -> int | None:
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def client_settings(redis_url: str | None, connection: RedisSettings | None) -> RedisSettings:

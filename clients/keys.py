@@ -38,15 +38,22 @@ def default_redis_url() -> str:
     return os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
 
 
-def default_partitions(cluster: bool) -> int:
-    """$CONVEYOR_PARTITIONS, else 1 on a single server and DEFAULT_CLUSTER_PARTITIONS in cluster mode."""
-    value = os.environ.get("CONVEYOR_PARTITIONS")
+def partitions_setting(value: str | None) -> int | None:
+    """A $CONVEYOR_PARTITIONS value as an integer (None when unset)."""
     if not value:
-        return DEFAULT_CLUSTER_PARTITIONS if cluster else 1
+        return None
     try:
         return int(value)
     except ValueError:
         raise ValueError(f"CONVEYOR_PARTITIONS must be an integer, got {value!r}") from None
+
+
+def default_partitions(cluster: bool) -> int:
+    """$CONVEYOR_PARTITIONS, else 1 on a single server and DEFAULT_CLUSTER_PARTITIONS in cluster mode."""
+    value = partitions_setting(os.environ.get("CONVEYOR_PARTITIONS"))
+    if value is None:
+        return DEFAULT_CLUSTER_PARTITIONS if cluster else 1
+    return value
 
 
 @dataclass(frozen=True)
