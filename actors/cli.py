@@ -81,12 +81,24 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
                              "(env CONVEYOR_MAX_QUEUE_LEN)")
     parser.add_argument("--max-bytes-in-flight", type=int, default=None,
                         help="bytes of request entries held at once (default 64 MiB; env CONVEYOR_MAX_BYTES_IN_FLIGHT)")
+    parser.add_argument("--engine-process", type=_flag_type(bool), default=_env_flag("CONVEYOR_ENGINE_PROCESS", True),
+                        help="run the engine core in a process of its own (default true; false: on a thread "
+                             "of the replica's process; env CONVEYOR_ENGINE_PROCESS)")
 
 
-def build_engine(args: argparse.Namespace):
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.lower() in ("1", "true", "yes", "on")
+
+
+def build_engine(args: argparse.Namespace, own_process: bool = False):
+    """The LLMEngine, or with ``own_process`` the handle of an engine core process running it."""
     from engine import EngineConfig, LLMEngine
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if getattr(args, f.name, None) is not None}
+    if own_process:
+        from actors.engine_core import EngineCoreProcess
+        return EngineCoreProcess(EngineConfig(**options))
     return LLMEngine(EngineConfig(**options))
 
 
@@ -112,7 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if refused:
         return _usage_error(refused)
     print(f"REDIS_URL={connection.redact(settings.url)}", flush=True)
-    return _run_loop(_serve(build_engine(args), replica_config(args, settings)))
+    return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, settings)))
 
 
 def _serve_embedded(args: argparse.Namespace) -> int:
@@ -129,7 +141,7 @@ def _serve_embedded(args: argparse.Namespace) -> int:
         print(f"embedded Valkey (AOF in {args.data_dir}) at {server.url}, password in {server.password_path}",
               flush=True)
         print(f"REDIS_URL={server.url}", flush=True)
-        return _run_loop(_serve(build_engine(args), replica_config(args, server.settings)))
+        return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, server.settings)))
     finally:
         server.stop()
 
@@ -144,7 +156,7 @@ async def _serve(engine, config) -> int:
     try:
         return await Replica(engine, config).run()
     finally:
-        engine.close()  # the other tensor-parallel ranks, if any
+        engine.close()  # the engine core's process, or the other tensor-parallel ranks
 
 
 def run_demo(args: argparse.Namespace) -> int:

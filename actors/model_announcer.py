@@ -11,7 +11,7 @@ from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.streams import Streams
 from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
-from engine import LLMEngine
+from engine.core_process import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
 log = logging.getLogger(__name__)
@@ -20,16 +20,16 @@ log = logging.getLogger(__name__)
 class ModelAnnouncer(Actor):
     name = "model-announcer"
 
-    def __init__(self, streams: Streams, engine: LLMEngine, model_name: str, max_queue_len: int | None = None,
-                 max_tokens_cap: int | None = None):
+    def __init__(self, streams: Streams, facts: CoreFacts, tokenizer, model_name: str,
+                 max_queue_len: int | None = None, max_tokens_cap: int | None = None):
         super().__init__()
         self.streams = streams
         # what producers should know of the operator's limits (the submit script and the gateway read them)
         self.limits = {name: value for name, value in (("max_queue_len", max_queue_len),
                                                        ("max_tokens_cap", max_tokens_cap)) if value}
         self.info = ModelInfo.from_hf_tokenizer(
-            name=model_name, max_model_len=min(engine.max_model_len, engine.inputs.max_pool_tokens),
-            eos_token_ids=engine.spec.eos_token_ids, tokenizer=engine.tokenizer)
+            name=model_name, max_model_len=min(facts.max_model_len, facts.max_pool_tokens),
+            eos_token_ids=facts.eos_token_ids, tokenizer=tokenizer)
 
     async def run(self) -> None:
         warnings = RateLimitedLog(log)

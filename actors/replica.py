@@ -7,6 +7,7 @@ from pathlib import Path
 
 from actors import faults
 from actors.config import ReplicaConfig
+from actors.engine_core import CoreProcessActor, EngineCoreProcess
 from actors.gpu import GPUActor
 from actors.ingest import IngestActor
 from actors.ledger import JobLedger
@@ -19,6 +20,7 @@ from actors.scheduler_actor import SchedulerActor
 from actors.streams import Streams
 from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
 from engine import LLMEngine
+from engine.core_process import facts_of
 
 log = logging.getLogger(__name__)
 # an entry larger than any valid payload is refused from a stub; it never leaves the server
@@ -26,25 +28,27 @@ MAX_ENTRY_BYTES = max(MAX_MSGPACK_BYTES, MAX_JSON_BYTES) + 4096
 
 
 class Replica:
-    def __init__(self, engine: LLMEngine, config: ReplicaConfig):
+    def __init__(self, engine: LLMEngine | EngineCoreProcess, config: ReplicaConfig):
+        """``engine``: an LLMEngine run on a thread of this process, or the handle of an
+        engine core process (what ``conveyor serve`` runs: actors/engine_core.py)."""
         assert config.redis_url, "a replica needs a Redis URL"
         self.engine = engine
         self.config = config
-        self.model_name = config.served_model_name or Path(engine.spec.name).name
+        facts = engine.facts if isinstance(engine, EngineCoreProcess) else facts_of(engine)
+        self.model_name = config.served_model_name or Path(facts.model_name).name
         # credentials and TLS: clients/connection.py
         self.streams = Streams(config.redis.async_client(), config.redis.keys(config.namespace), config.consumer,
                                self.model_name, max_entry_bytes=MAX_ENTRY_BYTES)
-        capacity = config.max_in_flight or 2 * engine.config.max_num_seqs
-        self.gpu = GPUActor(engine.runner)
+        capacity = config.max_in_flight or 2 * facts.max_num_seqs
         self.metrics = ReplicaMetrics()
         self.ledger = JobLedger(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.ledger)
-        self.scheduler = SchedulerActor(engine, self.gpu, self.publisher, self.metrics, faults.job_hooks())
+        self.gpu, self.scheduler = self._scheduler_role(engine)
         self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
         self.ledger.connect(self.ingest, self.scheduler)
         self.cancels = CancelWatcher(self.streams, self.ledger)
-        self.announcer = ModelAnnouncer(self.streams, engine, self.model_name, config.max_queue_len,
-                                        config.max_tokens_cap)
+        self.announcer = ModelAnnouncer(self.streams, facts, engine.tokenizer, self.model_name,
+                                        config.max_queue_len, config.max_tokens_cap)
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
 
@@ -63,6 +67,13 @@ class Replica:
             await self._drain()
         await self._stop_actors()
         return 1 if self.crash else 0
+
+    def _scheduler_role(self, engine):
+        """(GPU actor or None, the actor that owns the jobs in the engine)."""
+        if isinstance(engine, EngineCoreProcess):
+            return None, CoreProcessActor(engine, self.publisher, self.metrics, faults.job_hooks())
+        gpu = GPUActor(engine.runner)
+        return gpu, SchedulerActor(engine, gpu, self.publisher, self.metrics, faults.job_hooks())
 
     def request_stop(self) -> None:
         self.stop_requested.set()
@@ -94,7 +105,8 @@ class Replica:
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
-        return (self.publisher, self.gpu, self.scheduler, self.ledger, self.cancels, self.announcer, self.ingest)
+        actors = (self.publisher, self.gpu, self.scheduler, self.ledger, self.cancels, self.announcer, self.ingest)
+        return tuple(actor for actor in actors if actor is not None)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

@@ -1,11 +1,15 @@
 """The offline workload through Redis + actors vs the offline ``LLM``, alternating rounds.
 
     python benchmarks/queue_vs_offline.py [--model smollm2] [--num-requests 32] [--rounds 3]
-                                          [--modes offline,queue,queue_overlapped]
+                                          [--modes offline,queue,queue_overlapped,queue_thread]
 
 One embedded Valkey and one ``conveyor serve`` replica per queue mode (separate processes,
-as in production; ``queue`` runs steps one at a time, ``queue_overlapped`` with
-``--async-scheduling true``); the offline LLM runs in this process. Each round draws new
+as in production): ``queue`` is the default replica (its engine core in a process of its
+own, one step at a time), ``queue_overlapped`` the same with ``--async-scheduling true``
+(the core runs the model on a thread and applies step N while N+1 runs), ``queue_thread``
+the engine on a thread of the replica's own process (``--engine-process false``, steps
+overlapped: the default before the core had its own process). The offline LLM runs in
+this process. Each round draws new
 prompts (so no prefix cache helps across rounds), runs every mode on them in a rotating
 order, and counts output tokens/s from the first submission to the last result. Prints the
 median and spread of each mode and of queue / offline (target: >= 0.95).
@@ -22,7 +26,8 @@ from harness import describe_cpu, embedded_valkey, spawned_replica, write_json  
 from offline import make_workload  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=64, max_num_batched_tokens=512)
-QUEUE_MODES = {"queue": ["--async-scheduling", "false"], "queue_overlapped": ["--async-scheduling", "true"]}
+QUEUE_MODES = {"queue": [], "queue_overlapped": ["--async-scheduling", "true"],
+               "queue_thread": ["--engine-process", "false"]}
 
 
 def offline_runner(model: str):
@@ -84,7 +89,7 @@ def main():
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--modes", default="offline,queue,queue_overlapped")
+    parser.add_argument("--modes", default="offline,queue,queue_overlapped,queue_thread")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     modes = args.modes.split(",")

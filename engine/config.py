@@ -37,7 +37,8 @@ class EngineConfig:
     # CUDA: the fraction of device memory everything may use, the KV cache getting what is
     # left (vLLM's meaning); ignored on CPU, as by vLLM's CPU build (kv_cache_memory sizes it)
     gpu_memory_utilization: float | None = None
-    async_scheduling: bool | None = None  # overlap steps; None: in the replica yes, offline no (docs/architecture.md)
+    # overlap steps; None: only in a replica running the engine on a thread (docs/architecture.md)
+    async_scheduling: bool | None = None
     # vLLM's speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4} (a dict or
     # its JSON): prompt-lookup drafts verified in one step; steps then never overlap (docs/speculative.md)
     speculative_config: SpeculativeConfig | dict | str | None = None

@@ -30,11 +30,23 @@ WHAT = {"json": "the JSON schema", "regex": "the regex", "choice": "the choices"
 
 
 class Grammar:
-    """A compiled constraint (immutable, shared): what a sequence's matcher runs on."""
+    """A compiled constraint (immutable, shared): what a sequence's matcher runs on.
 
-    def __init__(self, compiled: "xgr.CompiledGrammar", key: tuple):
-        self.compiled = compiled
+    Pickled (to the engine core process, engine/core_process.py) it travels as xgrammar's
+    JSON; the receiving side's GrammarCompiler.adopt rebuilds it on its own tokenizer info."""
+
+    def __init__(self, compiled: "xgr.CompiledGrammar | None", key: tuple, serialized: str | None = None):
+        self.compiled = compiled  # None: unpickled, not yet adopted
         self.key = key
+        self.serialized = serialized
+
+    def __getstate__(self) -> dict:
+        if self.serialized is None:  # once per grammar: requests share it
+            self.serialized = self.compiled.serialize_json()
+        return {"key": self.key, "serialized": self.serialized}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(None, state["key"], state["serialized"])
 
 
 class GrammarCompiler:
@@ -42,9 +54,9 @@ class GrammarCompiler:
     across threads); thread-safe all the same."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # the LRU below is the one cache
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=sorted(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # the LRU below is the one cache
         self.cache: OrderedDict[tuple, Grammar] = OrderedDict()
         self.cached_bytes = 0
         self.lock = threading.Lock()
@@ -58,6 +70,19 @@ class GrammarCompiler:
                 grammar = self._cache(Grammar(self._compile(params.kind, key), key))
             self.cache.move_to_end(key)
             return grammar
+
+    def adopt(self, grammar: Grammar) -> Grammar:
+        """The grammar another process compiled (unpickled): the cached one of its key, else
+        rebuilt from its JSON (milliseconds; compiling again could take seconds)."""
+        if grammar.compiled is not None:
+            return grammar
+        with self.lock:
+            cached = self.cache.get(grammar.key)
+            if cached is None:
+                compiled = xgr.CompiledGrammar.deserialize_json(grammar.serialized, self.info)
+                cached = self._cache(Grammar(compiled, grammar.key, grammar.serialized))
+            self.cache.move_to_end(grammar.key)
+            return cached
 
     def _compile(self, kind: str, key: tuple) -> "xgr.CompiledGrammar":
         source, text, any_whitespace = key

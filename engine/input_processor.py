@@ -82,9 +82,17 @@ class InputProcessor:
         """The compiled grammar of a structured request (None for others); InvalidRequest."""
         if params.structured_outputs is None:
             return None
+        return self._grammar_compiler().compile(params.structured_outputs)
+
+    def adopt_grammar(self, seq: Sequence) -> None:
+        """A sequence made in another process (the replica's front door): its grammar rebuilt here."""
+        if seq.grammar is not None:
+            seq.grammar = self._grammar_compiler().adopt(seq.grammar)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars.compile(params.structured_outputs)
+        return self._grammars
 
     def _empty(self):
         raise InvalidRequest("prompt", "tokenizes to zero tokens")

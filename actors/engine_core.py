@@ -1,0 +1,145 @@
+"""The engine core's process as the front door sees it (engine/core_process.py is the other
+side): ``EngineCoreProcess`` starts it and waits for the model to load; ``CoreProcessActor``
+is the scheduler role of a replica whose engine runs there. It owns the jobs in the engine
+(JobsInEngine) and forwards new jobs and aborts to the core; a reader task publishes each
+StepDone the core sends. The core dying ends the actor, so the replica stops (exit 1) and
+another replica reclaims its jobs once their leases lapse."""
+import asyncio
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from actors.jobs_in_engine import JobsInEngine
+from actors.metrics import ReplicaMetrics
+from engine.config import EngineConfig
+from engine.core_process import (FRAME_HEADER, AbortRequest, AddSequence, CoreFailed, CoreFacts, Shutdown,
+                                 StepDone, encode_frame, receive_frame)
+from engine.input_processor import InputProcessor
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+SHUTDOWN_WAIT_S = 10.0
+DEADLINE_POLL_S = 0.5  # deadlines of running jobs are checked at least this often
+
+
+class CoreDied(RuntimeError):
+    pass
+
+
+class EngineCoreProcess:
+    """Starts ``python -m engine.core_process`` and waits until its engine is built (the
+    model's load errors are raised here, as LLMEngine's own). Offers what a replica needs of
+    an engine: ``facts``, ``tokenizer``, ``own_input_processor()``, ``close()``."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.sock, child = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process", str(child.fileno())],
+                                        pass_fds=(child.fileno(),), env=_child_env())
+        child.close()
+        self.sock.sendall(encode_frame(config))
+        self.facts: CoreFacts = self._wait_until_ready()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_dir)
+        log.info("engine core: pid %d, model %s", self.process.pid, self.facts.model_name)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def own_input_processor(self) -> InputProcessor:
+        facts = self.facts
+        return InputProcessor(AutoTokenizer.from_pretrained(facts.tokenizer_dir), facts.vocab_size,
+                              facts.max_model_len, facts.max_pool_tokens, facts.eos_token_ids)
+
+    async def open_streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        self.sock.setblocking(False)
+        return await asyncio.open_connection(sock=self.sock)
+
+    def exit_description(self) -> str:
+        code = self.process.poll()
+        return f"engine core (pid {self.process.pid}) " + ("is still running" if code is None
+                                                            else f"exited with code {code}")
+
+    def close(self) -> None:
+        """Asks the core to stop, then waits for it (kills it after SHUTDOWN_WAIT_S)."""
+        if self.process.poll() is None:
+            try:
+                self.sock.setblocking(True)
+                self.sock.sendall(encode_frame(Shutdown()))
+            except OSError:
+                pass  # it is already going
+            try:
+                self.process.wait(SHUTDOWN_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.sock.close()
+
+    def _wait_until_ready(self) -> CoreFacts:
+        try:
+            reply = receive_frame(self.sock)
+        except EOFError:
+            self.process.wait()
+            raise CoreDied(f"{self.exit_description()} before its engine was built") from None
+        if isinstance(reply, CoreFailed):
+            self.process.wait()
+            raise reply.error
+        return reply.facts
+
+
+def _child_env() -> dict:
+    """This checkout's packages first, whatever the current directory (as the `conveyor` command finds them)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+class CoreProcessActor(JobsInEngine):
+    def __init__(self, core: EngineCoreProcess, publisher, metrics: ReplicaMetrics, job_hooks: tuple = ()):
+        super().__init__(publisher, metrics, job_hooks)
+        self.core = core
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def run(self) -> None:
+        reader, self.writer = await self.core.open_streams()
+        await asyncio.gather(self._forward_mail(), self._publish_steps(reader))
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.write(encode_frame(Shutdown()))  # its later steps could publish nothing
+
+    async def _forward_mail(self) -> None:
+        while not self.stopped:
+            await self._wait_for_mail(DEADLINE_POLL_S)
+            self._expire_deadlines()
+            await self.writer.drain()
+
+    async def _publish_steps(self, reader: asyncio.StreamReader) -> None:
+        while not self.stopped:
+            try:
+                (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+                done: StepDone = pickle.loads(await reader.readexactly(length))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                await asyncio.to_thread(self._wait_for_exit)
+                raise CoreDied(self.core.exit_description()) from None
+            self.steps += 1
+            await self.publish(done.outputs, done.stats)
+
+    def _wait_for_exit(self, timeout: float = 5.0) -> None:
+        try:
+            self.core.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def add_to_engine(self, seq: Sequence) -> None:
+        self.writer.write(encode_frame(AddSequence(seq)))
+
+    def abort_in_engine(self, job_id: str) -> None:
+        self.writer.write(encode_frame(AbortRequest(job_id)))

@@ -1,0 +1,122 @@
+"""The engine core in its own process (engine/core_process.py, actors/engine_core.py): what
+`conveyor serve` runs by default. Real replicas on the session's Valkey; the core process is
+found as the replica's child and faults are real signals to it."""
+from __future__ import annotations
+
+import re
+import os
+import pickle
+import signal
+import time
+
+import psutil
+import pytest
+
+from clients import Client
+from engine import LLM, SamplingParams
+from engine.errors import ModelLoadError
+from fault_harness import JobLedger, spawner_fixture, start_all, wait_until
+
+
+@pytest.fixture
+def spawn(request, tmp_path, redis_url, namespace):
+    yield from spawner_fixture(request, tmp_path, redis_url)
+
+
+def core_of(replica) -> psutil.Process:
+    """The replica's engine core: its child running engine.core_process."""
+    def find():
+        children = psutil.Process(replica.pid).children()
+        return next((c for c in children if "engine.core_process" in " ".join(c.cmdline())), None)
+    return wait_until(find, 30, f"the engine core process of {replica.consumer}")
+
+
+def greedy(index: int, max_tokens: int = 24) -> dict:
+    return {"prompt_token_ids": [3 + index, 9, 4, 17 + index], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+
+
+def test_jobs_through_the_core_process_match_the_offline_engine(spawn, tiny_model, redis_url, namespace):
+    replica = start_all([spawn(namespace, "core-a", tiny_model)])[0]
+    core = core_of(replica)
+    assert core.ppid() == replica.pid
+    client = Client(redis_url, namespace=namespace)
+    jobs = [client.submit(**greedy(i)) for i in range(6)]
+    structured = client.submit(prompt_token_ids=[5, 6, 7], max_tokens=40, temperature=0,
+                               structured_outputs={"regex": "(yes|no)-[ab]{3}"})
+    results = [job.result(timeout=120) for job in jobs]
+    with LLM(tiny_model, num_kv_blocks=256) as llm:
+        expected = llm.generate([greedy(i)["prompt_token_ids"] for i in range(6)],
+                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [r.token_ids for r in results] == [list(o.token_ids) for o in expected]
+    text = structured.result(timeout=120).text  # the grammar crossed to the core and held
+    assert re.fullmatch("(yes|no)-[ab]{3}", text), text
+
+
+def test_a_dead_core_stops_its_replica_and_another_finishes_the_jobs(spawn, tiny_model, redis_url, namespace,
+                                                                     raw):
+    victim, survivor = start_all([spawn(namespace, f"core-{n}", tiny_model, lease_s=2.0) for n in "ab"])
+    client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
+    jobs = [client.submit(**greedy(i, max_tokens=400)) for i in range(4)]
+    wait_until(lambda: any(ledger.record(j.job_id).tokens for j in jobs), 60, "tokens from some job")
+    survivor_core = core_of(survivor)
+    core_of(victim).kill()  # SIGKILL, as the OOM killer would
+    assert victim.wait(30) == 1, victim.log_tail()
+    assert "engine core" in victim.log_text() and "exited with code -9" in victim.log_text()
+    results = [job.result(timeout=180) for job in jobs]
+    assert all(len(r.token_ids) == 400 for r in results)
+    assert ledger.summary([j.job_id for j in jobs])["lost"] == 0
+    assert survivor.alive() and survivor_core.is_running()
+
+
+def test_the_core_ignores_a_ctrl_c_and_dies_with_its_front_door(spawn, tiny_model, redis_url, namespace):
+    replica = start_all([spawn(namespace, "core-c", tiny_model)])[0]
+    core = core_of(replica)
+    os.kill(core.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole process group
+    os.kill(core.pid, signal.SIGTERM)  # as `docker stop` of a container without an init does
+    client = Client(redis_url, namespace=namespace)
+    assert len(client.submit(**greedy(0)).result(timeout=60).token_ids) == 24
+    assert core.is_running() and replica.alive()
+    replica.kill9()
+    wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 10,
+               "the core to die with its front door")
+
+
+def test_sigterm_drains_through_the_core_and_exits_cleanly(spawn, tiny_model, redis_url, namespace):
+    replica = start_all([spawn(namespace, "core-d", tiny_model, grace_s=30)])[0]
+    core = core_of(replica)
+    client = Client(redis_url, namespace=namespace)
+    job = client.submit(**greedy(1, max_tokens=200))
+    wait_until(lambda: client.job(job.job_id).status().status == "running", 30, "the job to start")
+    replica.sigterm()
+    assert len(job.result(timeout=60).token_ids) == 200  # finished within the grace period
+    assert replica.wait(30) == 0, replica.log_tail()
+    wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 10, "the core to stop")
+
+
+def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
+    from actors.engine_core import EngineCoreProcess
+    from engine import EngineConfig
+    started = time.monotonic()
+    with pytest.raises(ModelLoadError, match="model") as in_core:
+        EngineCoreProcess(EngineConfig(model=str(tmp_path / "missing")))
+    with pytest.raises(ModelLoadError) as in_process:
+        LLM(str(tmp_path / "missing"))
+    assert str(in_core.value) == str(in_process.value)
+    assert time.monotonic() - started < 60
+
+
+def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
+    from engine.grammar_compiler import GrammarCompiler
+    from engine.structured_outputs import StructuredOutputsParams
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    sender = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id or 0})
+    receiver = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id or 0})
+    grammar = sender.compile(StructuredOutputsParams(regex="[ab]{3}"))
+    wire = pickle.loads(pickle.dumps(grammar))
+    assert wire.compiled is None and wire.key == grammar.key
+    adopted = receiver.adopt(wire)
+    assert adopted.compiled is not None and adopted.key == grammar.key
+    assert receiver.adopt(pickle.loads(pickle.dumps(grammar))) is adopted  # the second comes from the cache
+    assert str(adopted.compiled.grammar) == str(grammar.compiled.grammar)
