@@ -307,8 +307,12 @@ def test_dead_letters_are_listed_and_requeued_in_pages(target, capsys):
     assert main(["dead", "list", "--redis-url", url, "--namespace", target.keys.ns, "--count", "3"]) == 0
     out = capsys.readouterr().out
     assert out.count("job=") == 3 and "--after" in out
+    # only a job parked for max_deliveries keeps its whole payload: the corrupted-hash fuzz above
+    # can write such an `attempt` into a hash (hypothesis draws it some runs, not others)
+    whole = [letter.dead_id for letter in iter_dead(target.raw, target.keys) if letter.reason.startswith("delivered ")]
     new_ids, skipped, failed = requeue(target.raw, target.keys)
-    assert not new_ids and not failed and len(skipped) == count, "only whole payloads of valid jobs can be requeued"
+    assert len(new_ids) == len(whole) and not failed and len(skipped) == count - len(whole), \
+        "only whole payloads of valid jobs can be requeued"
 
 
 # --------------------------------------------------------------------------- defects 6-9, operator limits
