@@ -93,12 +93,13 @@ def _env_flag(name: str, default: bool) -> bool:
 
 def build_engine(args: argparse.Namespace, own_process: bool = False):
     """The LLMEngine, or with ``own_process`` the handle of an engine core process running it."""
-    from engine import EngineConfig, LLMEngine
+    from engine.config import EngineConfig
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if getattr(args, f.name, None) is not None}
     if own_process:
-        from actors.engine_core import EngineCoreProcess
+        from actors.engine_core import EngineCoreProcess  # light: the core starts before torch is imported here
         return EngineCoreProcess(EngineConfig(**options))
+    from engine import LLMEngine
     return LLMEngine(EngineConfig(**options))
 
 

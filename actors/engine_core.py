@@ -13,14 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from actors.jobs_in_engine import JobsInEngine
 from actors.metrics import ReplicaMetrics
 from engine.config import EngineConfig
 from engine.core_process import (FRAME_HEADER, AbortRequest, AddSequence, CoreFailed, CoreFacts, Shutdown,
                                  StepDone, encode_frame, receive_frame)
-from engine.input_processor import InputProcessor
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -35,7 +32,9 @@ class CoreDied(RuntimeError):
 class EngineCoreProcess:
     """Starts ``python -m engine.core_process`` and waits until its engine is built (the
     model's load errors are raised here, as LLMEngine's own). Offers what a replica needs of
-    an engine: ``facts``, ``tokenizer``, ``own_input_processor()``, ``close()``."""
+    an engine: ``facts``, ``tokenizer``, ``own_input_processor()``, ``close()``. This module
+    imports nothing heavy, so the core starts before the front door imports torch and
+    transformers (seconds on a small CPU), which it does while the core loads the model."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -44,6 +43,8 @@ class EngineCoreProcess:
                                         pass_fds=(child.fileno(),), env=_child_env())
         child.close()
         self.sock.sendall(encode_frame(config))
+        from transformers import AutoTokenizer  # meanwhile: the front door's own heavy imports
+        import engine.input_processor  # noqa: F401
         self.facts: CoreFacts = self._wait_until_ready()
         self.tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_dir)
         log.info("engine core: pid %d, model %s", self.process.pid, self.facts.model_name)
@@ -52,7 +53,9 @@ class EngineCoreProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def own_input_processor(self) -> InputProcessor:
+    def own_input_processor(self) -> "InputProcessor":
+        from transformers import AutoTokenizer
+        from engine.input_processor import InputProcessor
         facts = self.facts
         return InputProcessor(AutoTokenizer.from_pretrained(facts.tokenizer_dir), facts.vocab_size,
                               facts.max_model_len, facts.max_pool_tokens, facts.eos_token_ids)
