@@ -86,3 +86,21 @@ def test_hostile_dead_letters_fail_alone_and_touch_nothing_else(redis_url, names
     assert raw.xlen(keys.dead) == 4  # the failed letters stay for the operator
     assert main(["dead", "requeue", "--redis-url", redis_url, "--namespace", namespace]) == 1
     assert capsys.readouterr().out.count("could not requeue") == 4
+
+
+def test_a_letter_on_another_partitions_stream_is_not_requeued(redis_url, namespace):
+    """Partitioned layout: a job's entry belongs to its own partition's stream (its record
+    lives in that slot); a letter naming another partition's stream fails alone, the one
+    on the right stream is requeued."""
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace, partitions=4)
+    job_id = "job-on-its-partition"
+    own = keys.partition_of(job_id)
+    wrong_stream, right_stream = keys.requests("batch", (own + 1) % 4), keys.requests("batch", own)
+    wrong = raw.xadd(keys.dead, {"stream": wrong_stream, "job_id": job_id, "field:data": b"x"}).decode()
+    raw.xadd(keys.dead, {"stream": right_stream, "job_id": job_id, "field:data": b"y"})
+    new_ids, skipped, failed = requeue(raw, keys)
+    assert len(new_ids) == 1 and not skipped
+    assert [(letter.dead_id, why) for letter, why in failed] == [
+        (wrong, f"stream: {wrong_stream!r} is not the partition of job {job_id!r}")]
+    assert raw.xlen(right_stream) == 1 and not raw.exists(wrong_stream)
