@@ -5,6 +5,7 @@ is the scheduler role of a replica whose engine runs there. It owns the jobs in 
 StepDone the core sends. The core dying ends the actor, so the replica stops (exit 1) and
 another replica reclaims its jobs once their leases lapse."""
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from actors.base import drain
 from actors.jobs_in_engine import JobsInEngine
 from actors.metrics import ReplicaMetrics
 from engine.config import EngineConfig
@@ -42,6 +44,8 @@ class EngineCoreProcess:
         self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process", str(child.fileno())],
                                         pass_fds=(child.fileno(),), env=_child_env())
         child.close()
+        self.writer: asyncio.StreamWriter | None = None  # the socket's once the event loop reads it
+        self.shutdown_sent = False
         self.sock.sendall(encode_frame(config))
         from transformers import AutoTokenizer  # meanwhile: the front door's own heavy imports
         import engine.input_processor  # noqa: F401
@@ -60,9 +64,28 @@ class EngineCoreProcess:
         return InputProcessor(AutoTokenizer.from_pretrained(facts.tokenizer_dir), facts.vocab_size,
                               facts.max_model_len, facts.max_pool_tokens, facts.eos_token_ids)
 
-    async def open_streams(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_reader(self) -> asyncio.StreamReader:
+        """From now on the event loop owns the socket: frames go out through ``send``."""
         self.sock.setblocking(False)
-        return await asyncio.open_connection(sock=self.sock)
+        reader, self.writer = await asyncio.open_connection(sock=self.sock)
+        return reader
+
+    def send(self, message) -> None:
+        self.writer.write(encode_frame(message))
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    def request_shutdown(self) -> None:
+        """Once: the core stops after its current step (its outputs could publish nothing now)."""
+        if self.shutdown_sent:
+            return
+        self.shutdown_sent = True
+        frame = encode_frame(Shutdown())
+        if self.writer is not None:
+            self.writer.write(frame)
+        else:
+            self.sock.sendall(frame)
 
     def exit_description(self) -> str:
         code = self.process.poll()
@@ -72,17 +95,17 @@ class EngineCoreProcess:
     def close(self) -> None:
         """Asks the core to stop, then waits for it (kills it after SHUTDOWN_WAIT_S)."""
         if self.process.poll() is None:
-            try:
-                self.sock.setblocking(True)
-                self.sock.sendall(encode_frame(Shutdown()))
-            except OSError:
-                pass  # it is already going
+            with contextlib.suppress(OSError):  # it is already going
+                self.request_shutdown()
             try:
                 self.process.wait(SHUTDOWN_WAIT_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self.sock.close()
+        if self.writer is not None:
+            self.writer.close()
+        else:
+            self.sock.close()
 
     def _wait_until_ready(self) -> CoreFacts:
         try:
@@ -107,22 +130,23 @@ class CoreProcessActor(JobsInEngine):
     def __init__(self, core: EngineCoreProcess, publisher, metrics: ReplicaMetrics, job_hooks: tuple = ()):
         super().__init__(publisher, metrics, job_hooks)
         self.core = core
-        self.writer: asyncio.StreamWriter | None = None
 
     async def run(self) -> None:
-        reader, self.writer = await self.core.open_streams()
+        reader = await self.core.open_reader()
         await asyncio.gather(self._forward_mail(), self._publish_steps(reader))
 
     async def stop(self) -> None:
         await super().stop()
-        if self.writer is not None and not self.writer.is_closing():
-            self.writer.write(encode_frame(Shutdown()))  # its later steps could publish nothing
+        if self.core.writer is not None:
+            self.core.request_shutdown()
 
     async def _forward_mail(self) -> None:
         while not self.stopped:
             await self._wait_for_mail(DEADLINE_POLL_S)
+            for message in drain(self.mailbox):
+                self._apply(message)
             self._expire_deadlines()
-            await self.writer.drain()
+            await self.core.drain()
 
     async def _publish_steps(self, reader: asyncio.StreamReader) -> None:
         while not self.stopped:
@@ -142,7 +166,7 @@ class CoreProcessActor(JobsInEngine):
             pass
 
     def add_to_engine(self, seq: Sequence) -> None:
-        self.writer.write(encode_frame(AddSequence(seq)))
+        self.core.send(AddSequence(seq))
 
     def abort_in_engine(self, job_id: str) -> None:
-        self.writer.write(encode_frame(AbortRequest(job_id)))
+        self.core.send(AbortRequest(job_id))
