@@ -157,7 +157,10 @@ async def _serve(engine, config) -> int:
     try:
         return await Replica(engine, config).run()
     finally:
-        engine.close()  # the engine core's process, or the other tensor-parallel ranks
+        if hasattr(engine, "aclose"):
+            await engine.aclose()  # the engine core's process
+        else:
+            engine.close()  # the other tensor-parallel ranks, if any
 
 
 def run_demo(args: argparse.Namespace) -> int:

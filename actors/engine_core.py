@@ -46,11 +46,15 @@ class EngineCoreProcess:
         child.close()
         self.writer: asyncio.StreamWriter | None = None  # the socket's once the event loop reads it
         self.shutdown_sent = False
-        self.sock.sendall(encode_frame(config))
-        from transformers import AutoTokenizer  # meanwhile: the front door's own heavy imports
-        import engine.input_processor  # noqa: F401
-        self.facts: CoreFacts = self._wait_until_ready()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_dir)
+        try:
+            self.sock.sendall(encode_frame(config))
+            from transformers import AutoTokenizer  # meanwhile: the front door's own heavy imports
+            import engine.input_processor  # noqa: F401
+            self.facts: CoreFacts = self._wait_until_ready()
+            self.tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_dir)
+        except BaseException:
+            self.close()  # no core left running for a front door that will not serve
+            raise
         log.info("engine core: pid %d, model %s", self.process.pid, self.facts.model_name)
 
     @property
@@ -58,11 +62,13 @@ class EngineCoreProcess:
         return self.process.pid
 
     def own_input_processor(self) -> "InputProcessor":
+        """Ingest's: its grammars serialized where they are compiled (its worker thread), not on the loop."""
         from transformers import AutoTokenizer
         from engine.input_processor import InputProcessor
         facts = self.facts
         return InputProcessor(AutoTokenizer.from_pretrained(facts.tokenizer_dir), facts.vocab_size,
-                              facts.max_model_len, facts.max_pool_tokens, facts.eos_token_ids)
+                              facts.max_model_len, facts.max_pool_tokens, facts.eos_token_ids,
+                              serialize_grammars=True)
 
     async def open_reader(self) -> asyncio.StreamReader:
         """From now on the event loop owns the socket: frames go out through ``send``."""
@@ -93,19 +99,33 @@ class EngineCoreProcess:
                                                             else f"exited with code {code}")
 
     def close(self) -> None:
-        """Asks the core to stop, then waits for it (kills it after SHUTDOWN_WAIT_S)."""
+        """Before the event loop reads the socket: asks the core to stop, waits for it
+        (kills it after SHUTDOWN_WAIT_S). Once it does, use ``aclose``."""
+        assert self.writer is None, "the event loop owns the socket: await aclose()"
         if self.process.poll() is None:
             with contextlib.suppress(OSError):  # it is already going
                 self.request_shutdown()
-            try:
-                self.process.wait(SHUTDOWN_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.writer is not None:
-            self.writer.close()
-        else:
-            self.sock.close()
+            self._wait_or_kill()
+        self.sock.close()
+
+    async def aclose(self) -> None:
+        """The same from the event loop, which keeps running meanwhile, so frames still
+        queued ahead of the Shutdown (a large job's) reach the core."""
+        if self.writer is None:
+            return await asyncio.to_thread(self.close)
+        if self.process.poll() is None:
+            self.request_shutdown()
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(self.writer.drain(), SHUTDOWN_WAIT_S)
+            await asyncio.to_thread(self._wait_or_kill)
+        self.writer.close()
+
+    def _wait_or_kill(self) -> None:
+        try:
+            self.process.wait(SHUTDOWN_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
     def _wait_until_ready(self) -> CoreFacts:
         try:
@@ -133,7 +153,14 @@ class CoreProcessActor(JobsInEngine):
 
     async def run(self) -> None:
         reader = await self.core.open_reader()
-        await asyncio.gather(self._forward_mail(), self._publish_steps(reader))
+        halves = [asyncio.ensure_future(self._forward_mail()), asyncio.ensure_future(self._publish_steps(reader))]
+        try:
+            done, _ = await asyncio.wait(halves, return_when=asyncio.FIRST_EXCEPTION)
+            for half in done:
+                half.result()  # the first one's exception ends the actor
+        finally:
+            for half in halves:
+                half.cancel()  # neither half outlives the other
 
     async def stop(self) -> None:
         await super().stop()
@@ -146,7 +173,10 @@ class CoreProcessActor(JobsInEngine):
             for message in drain(self.mailbox):
                 self._apply(message)
             self._expire_deadlines()
-            await self.core.drain()
+            try:
+                await self.core.drain()
+            except ConnectionError:
+                raise await self._core_died() from None
 
     async def _publish_steps(self, reader: asyncio.StreamReader) -> None:
         while not self.stopped:
@@ -154,16 +184,15 @@ class CoreProcessActor(JobsInEngine):
                 (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
                 done: StepDone = pickle.loads(await reader.readexactly(length))
             except (asyncio.IncompleteReadError, ConnectionError):
-                await asyncio.to_thread(self._wait_for_exit)
-                raise CoreDied(self.core.exit_description()) from None
+                raise await self._core_died() from None
             self.steps += 1
             await self.publish(done.outputs, done.stats)
 
-    def _wait_for_exit(self, timeout: float = 5.0) -> None:
-        try:
-            self.core.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
+    async def _core_died(self) -> CoreDied:
+        """Why the socket broke, once the core's exit code is known (or 5 s have passed)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(self.core.process.wait, 5.0)
+        return CoreDied(self.core.exit_description())
 
     def add_to_engine(self, seq: Sequence) -> None:
         self.core.send(AddSequence(seq))

@@ -13,7 +13,7 @@ steps, takes what the socket brings: new sequences, aborts, a shutdown.
 Wire: frames of a 4-byte length and a pickle, both ways, over a socketpair that only the
 replica holds the other end of (never a network socket: pickle trusts its peer). The first
 frame from the front door is the EngineConfig; the core answers CoreReady (or CoreFailed),
-then StepDone after each step that had outputs.
+then StepDone after each step.
 """
 import logging
 import os
@@ -119,9 +119,8 @@ class EngineCore:
                 self._check_ranks()
                 continue
             self._check_ranks()
-            outputs = self.engine.step()
-            if outputs:
-                self.sock.sendall(encode_frame(StepDone(outputs, self.engine.stats())))
+            outputs = self.engine.step()  # every step is reported: its stats feed the replica's gauges
+            self.sock.sendall(encode_frame(StepDone(outputs, self.engine.stats())))
             self._take_messages(timeout=0)
 
     def _take_messages(self, timeout: float) -> None:
@@ -160,16 +159,36 @@ def serve(sock: socket.socket) -> int:
     try:
         engine = LLMEngine(config)
     except Exception as exc:  # noqa: BLE001 - the front door raises it as its own
-        sock.sendall(encode_frame(CoreFailed(exc)))
+        sock.sendall(encode_frame(CoreFailed(portable(exc))))
         return 1
     try:
         sock.sendall(encode_frame(CoreReady(facts_of(engine))))
         EngineCore(engine, sock).run()
-    except EOFError:
+    except (EOFError, OSError):  # closed, or reset with unread frames (ECONNRESET, EPIPE)
         log.info("engine core: the front door went away; stopping")
     finally:
         engine.close()
     return 0
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (not every exception's __init__ allows it), else a
+    ModelLoadError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        from engine.errors import ModelLoadError
+        return ModelLoadError(f"{type(exc).__name__}: {exc}")
+
+
+def ignore_stop_signals() -> None:
+    """A Ctrl-C (the whole process group) or a SIGTERM to every process of a container must
+    not end the core or its tensor-parallel ranks under a front door that is still
+    draining: the front door ends them (Shutdown, or its socket closing; the ranks follow
+    rank 0). A Python handler, not SIG_IGN, which exec'd children would inherit."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
 
 
 def _die_with_parent() -> None:
@@ -181,18 +200,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _ignore_stop_signals() -> None:
-    """A Ctrl-C (the whole process group) or a SIGTERM to every process of a container must
-    not end the core under a front door that is still draining: the front door ends it
-    (Shutdown, or its socket closing). A Python handler, not SIG_IGN, so the tensor-parallel
-    ranks it starts do not inherit the ignoring."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: None)
-
-
 def main() -> int:
     _die_with_parent()
-    _ignore_stop_signals()
+    ignore_stop_signals()
     logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=int(sys.argv[1]))

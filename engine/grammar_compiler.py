@@ -40,10 +40,14 @@ class Grammar:
         self.key = key
         self.serialized = serialized
 
+    @property
+    def cached_bytes(self) -> int:
+        return self.compiled.memory_size_bytes + len(self.serialized or "")
+
     def __getstate__(self) -> dict:
-        if self.serialized is None:  # once per grammar: requests share it
-            self.serialized = self.compiled.serialize_json()
-        return {"key": self.key, "serialized": self.serialized}
+        # ingest's compiler serializes once, when it compiles (GrammarCompiler(serialize=True));
+        # not kept otherwise, so what a cache counted of this grammar never changes
+        return {"key": self.key, "serialized": self.serialized or self.compiled.serialize_json()}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(None, state["key"], state["serialized"])
@@ -53,10 +57,12 @@ class GrammarCompiler:
     """One per input processor, built from its own tokenizer (tokenizers are not shared
     across threads); thread-safe all the same."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids, serialize: bool = False):
+        """``serialize``: each grammar is also serialized once, here (its requests cross to the engine core)."""
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # the LRU below is the one cache
+        self.serialize = serialize
         self.cache: OrderedDict[tuple, Grammar] = OrderedDict()
         self.cached_bytes = 0
         self.lock = threading.Lock()
@@ -67,7 +73,8 @@ class GrammarCompiler:
         with self.lock:
             grammar = self.cache.get(key)
             if grammar is None:
-                grammar = self._cache(Grammar(self._compile(params.kind, key), key))
+                compiled = self._compile(params.kind, key)
+                grammar = self._cache(Grammar(compiled, key, compiled.serialize_json() if self.serialize else None))
             self.cache.move_to_end(key)
             return grammar
 
@@ -80,7 +87,7 @@ class GrammarCompiler:
             cached = self.cache.get(grammar.key)
             if cached is None:
                 compiled = xgr.CompiledGrammar.deserialize_json(grammar.serialized, self.info)
-                cached = self._cache(Grammar(compiled, grammar.key, grammar.serialized))
+                cached = self._cache(Grammar(compiled, grammar.key))  # its JSON is not needed here
             self.cache.move_to_end(grammar.key)
             return cached
 
@@ -98,10 +105,10 @@ class GrammarCompiler:
 
     def _cache(self, grammar: Grammar) -> Grammar:
         self.cache[grammar.key] = grammar
-        self.cached_bytes += grammar.compiled.memory_size_bytes
+        self.cached_bytes += grammar.cached_bytes
         while len(self.cache) > MAX_CACHED or (self.cached_bytes > MAX_CACHED_BYTES and len(self.cache) > 1):
             _, oldest = self.cache.popitem(last=False)
-            self.cached_bytes -= oldest.compiled.memory_size_bytes
+            self.cached_bytes -= oldest.cached_bytes
         return grammar
 
 

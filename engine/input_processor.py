@@ -11,13 +11,16 @@ MAX_PROMPT_CHARS = 4_000_000  # refuse to tokenize absurd inputs (the token limi
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_pool_tokens: int,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), serialize_grammars: bool = False):
+        """``serialize_grammars``: its sequences go to another process (the engine core), so
+        each grammar is serialized once where it is compiled."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_pool_tokens = max_pool_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self._grammars: GrammarCompiler | None = None  # built from this tokenizer on first use
+        self.serialize_grammars = serialize_grammars
 
     def tokenize(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -91,7 +94,8 @@ class InputProcessor:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                             self.serialize_grammars)
         return self._grammars
 
     def _empty(self):

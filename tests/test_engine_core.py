@@ -120,3 +120,15 @@ def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
     assert adopted.compiled is not None and adopted.key == grammar.key
     assert receiver.adopt(pickle.loads(pickle.dumps(grammar))) is adopted  # the second comes from the cache
     assert str(adopted.compiled.grammar) == str(grammar.compiled.grammar)
+
+
+def test_a_load_error_that_cannot_be_pickled_still_reaches_the_front_door():
+    from engine.core_process import portable
+    from engine.errors import InvalidRequest
+    unpicklable = InvalidRequest("model", "whatever went wrong")  # its __init__ takes two arguments
+    with pytest.raises(TypeError):
+        pickle.loads(pickle.dumps(unpicklable))
+    sent = pickle.loads(pickle.dumps(portable(unpicklable)))
+    assert isinstance(sent, ModelLoadError) and "whatever went wrong" in str(sent)
+    same = ModelLoadError("model: missing")
+    assert portable(same) is same

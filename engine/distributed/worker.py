@@ -27,4 +27,6 @@ def run_worker(config, rank: int, port: int, max_model_len: int, num_threads: in
 
 
 if __name__ == "__main__":  # started by engine/distributed/launcher.py, arguments pickled on stdin
+    from engine.core_process import ignore_stop_signals
+    ignore_stop_signals()  # a rank ends with rank 0, never by a Ctrl-C to the process group
     run_worker(**pickle.loads(sys.stdin.buffer.read()))
