@@ -102,6 +102,23 @@ def test_partitioned_layout_keeps_each_job_in_its_streams_slot():
     assert (plain.job("a"), plain.requests("batch"), plain.limits) == ("ns:job:a", "ns:requests:batch", "ns:limits")
 
 
+def test_queue_status_ignores_stream_names_no_partition_owns(redis_url, namespace):
+    """Producers can create keys that match the per-model SCAN pattern of the partitioned
+    layout without naming a partition of it (out of range, malformed tag, leading zero):
+    the status names only the real model's streams and still answers."""
+    raw = redis.Redis.from_url(redis_url)
+    keys = Keys(namespace, partitions=PARTITIONS)
+    bogus = [f"{namespace}:{{p9999}}:requests:batch:evil", f"{namespace}:{{p1}}x}}:requests:batch:odd",
+             f"{namespace}:{{p01}}:requests:interactive:zero", f"{namespace}:{{p}}:requests:batch:empty"]
+    for stream in [*bogus, keys.model_requests("good", "batch", 2)]:
+        raw.xadd(stream, {"json": "{}"})
+    with Client(redis_url, namespace=namespace, partitions=PARTITIONS) as client:
+        status = client.queue_status()
+    assert list(status["models"]) == ["good"]
+    assert status["models"]["good"]["requests"]["batch"]["length"] == 1
+    assert all(keys.model_of_stream(stream, c) is None for stream in bogus for c in ("interactive", "batch"))
+
+
 def test_replica_reads_every_partition_interactive_first_starting_in_turn():
     import redis.asyncio as aioredis
     from actors.streams import Streams
