@@ -7,16 +7,15 @@ another replica reclaims its jobs once their leases lapse."""
 import asyncio
 import contextlib
 import logging
-import os
 import pickle
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 from actors.base import drain
 from actors.jobs_in_engine import JobsInEngine
 from actors.metrics import ReplicaMetrics
+from engine.child_env import child_env
 from engine.config import EngineConfig
 from engine.core_process import (FRAME_HEADER, AbortRequest, AddSequence, CoreFailed, CoreFacts, Shutdown,
                                  StepDone, encode_frame, receive_frame)
@@ -42,7 +41,7 @@ class EngineCoreProcess:
         self.config = config
         self.sock, child = socket.socketpair()
         self.process = subprocess.Popen([sys.executable, "-m", "engine.core_process", str(child.fileno())],
-                                        pass_fds=(child.fileno(),), env=_child_env())
+                                        pass_fds=(child.fileno(),), env=child_env())
         child.close()
         self.writer: asyncio.StreamWriter | None = None  # the socket's once the event loop reads it
         self.shutdown_sent = False
@@ -137,13 +136,6 @@ class EngineCoreProcess:
             self.process.wait()
             raise reply.error
         return reply.facts
-
-
-def _child_env() -> dict:
-    """This checkout's packages first, whatever the current directory (as the `conveyor` command finds them)."""
-    root = str(Path(__file__).resolve().parent.parent)
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 class CoreProcessActor(JobsInEngine):

@@ -4,16 +4,15 @@ the caller's main script), watches that they live, and turns a dead or hung rank
 clear error."""
 import contextlib
 import logging
-import os
 import pickle
 import subprocess
 import sys
 import time
 import weakref
-from pathlib import Path
 
 import torch
 
+from engine.child_env import child_env
 from engine.distributed.group import TPGroup, compute_timeout_s, host_store
 from engine.distributed.watchdog import StepWatchdog
 
@@ -98,9 +97,8 @@ class Workers:
 
 def _start_rank(config, rank: int, port: int, max_model_len: int) -> subprocess.Popen:
     """One rank's process; its arguments travel pickled on its stdin (trusted: our own child)."""
-    root = str(Path(__file__).resolve().parents[2])  # where ``engine`` is importable from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen([sys.executable, "-m", "engine.distributed.worker"], stdin=subprocess.PIPE, env=env)
+    process = subprocess.Popen([sys.executable, "-m", "engine.distributed.worker"], stdin=subprocess.PIPE,
+                               env=child_env())
     arguments = dict(config=config, rank=rank, port=port, max_model_len=max_model_len,
                      num_threads=torch.get_num_threads())  # as many as rank 0 uses: the ranks share the machine
     with process.stdin:
