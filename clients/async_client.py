@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Iterable
 import redis.asyncio as aioredis
 
 from clients import client_core as core
-from clients.connection import RedisSettings, client_settings
+from clients.connection import RedisSettings
 from clients.event_reader import JobResult, JobStatus
 from clients.events import Event, TokenEvent
 from clients.redis_cluster import queue_script
@@ -29,10 +29,8 @@ class AsyncClient(core.ClientState):
         redis_client: aioredis.Redis | None = None,
         partitions: int | None = None,
     ) -> None:
-        settings = None if redis_client is not None else client_settings(redis_url, connection)
-        connected = redis_client or settings.async_client()
-        super().__init__(connected, namespace, owns_redis=redis_client is None,
-                         partitions=partitions or (settings.partitions if settings else None))
+        connected, partitions = core.connect(redis_url, connection, redis_client, partitions, asynchronous=True)
+        super().__init__(connected, namespace, owns_redis=redis_client is None, partitions=partitions)
 
     async def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> AsyncJob:
         return await self._run(core.submit(self.keys, {"prompt": prompt, **fields}, max_queue_len, self._new_job))

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Iterator
 import redis
 
 from clients import client_core as core
-from clients.connection import RedisSettings, client_settings
+from clients.connection import RedisSettings
 from clients.event_reader import JobResult, JobStatus
 from clients.events import Event, TokenEvent
 from clients.redis_cluster import queue_script_sync
@@ -35,10 +35,8 @@ class Client(core.ClientState):
         redis_client: redis.Redis | None = None,
         partitions: int | None = None,
     ) -> None:
-        settings = None if redis_client is not None else client_settings(redis_url, connection)
-        connected = redis_client or settings.client()
-        super().__init__(connected, namespace, owns_redis=redis_client is None,
-                         partitions=partitions or (settings.partitions if settings else None))
+        connected, partitions = core.connect(redis_url, connection, redis_client, partitions, asynchronous=False)
+        super().__init__(connected, namespace, owns_redis=redis_client is None, partitions=partitions)
 
     def submit(self, prompt: str | None = None, *, max_queue_len: int | None = None, **fields: Any) -> Job:
         """Validate, then enqueue one job (idempotent per job_id). See JobRequest for fields."""

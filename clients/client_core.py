@@ -24,6 +24,7 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent
+from clients.connection import client_settings
 from clients.keys import PRIORITY_CLASSES, Keys
 from clients.redis_cluster import is_cluster
 from clients.queue_status import model_names, queue_status_commands, queue_status_from
@@ -117,6 +118,16 @@ class Run:
 
     def fail(self, error: BaseException) -> None:
         self._error = error
+
+
+def connect(redis_url: str | None, connection: Any, redis_client: Any, partitions: int | None,
+            asynchronous: bool) -> tuple[Any, int | None]:
+    """A client's Redis connection (its own from the URL or RedisSettings, unless
+    `redis_client` is given; creating one does no I/O) and its partitions (given, else the settings')."""
+    if redis_client is not None:
+        return redis_client, partitions
+    settings = client_settings(redis_url, connection)
+    return (settings.async_client() if asynchronous else settings.client()), partitions or settings.partitions
 
 
 class ClientState:

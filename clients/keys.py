@@ -182,6 +182,10 @@ class Keys:
         one copy per partition, so the submit script reads the one in its job's slot."""
         return f"{self._prefix(partition)}:limits"
 
+    def job_limits(self, job_id: str) -> str:
+        """The limits copy in job `job_id`'s slot (the one its submit script reads)."""
+        return self.limits_of(self.partition_of(job_id))
+
     @property
     def limits(self) -> str:
         return self.limits_of(0)

@@ -44,8 +44,7 @@ def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple
     data = encode_job(job)["data"]
     args = [data, job.result_ttl, repr(time.time()), max_queue_len or 0, payload_digest(job)]
     stream = keys.job_request_stream(job.job_id, job.priority_class, job.model)
-    limits = keys.limits_of(keys.partition_of(job.job_id))
-    return [keys.job(job.job_id), stream, keys.out(job.job_id), limits], args
+    return [keys.job(job.job_id), stream, keys.out(job.job_id), keys.job_limits(job.job_id)], args
 
 
 # SUBMIT_LUA replies (0: job id already known, not enqueued)
@@ -74,7 +73,7 @@ def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted
     stream = keys.job_request_stream(job.job_id, job.priority_class, job.model)
     if operator:
         message = (f"{stream} is full at the server's queue bound (max_queue_len in "
-                   f"{keys.limits_of(keys.partition_of(job.job_id))}, "
+                   f"{keys.job_limits(job.job_id)}, "
                    f"set by the replicas' operator); try again later")
     else:
         message = f"{stream} holds {max_queue_len} or more entries (the caller's max_queue_len={max_queue_len})"
