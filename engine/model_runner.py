@@ -23,7 +23,7 @@ from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
 from engine.vllm_options import kv_budget_from_utilization
 from engine.spec_decode.verifier import verify
-from kernels.backend import prepare
+from kernels.prepare import prepare
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -60,7 +60,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int, tp: TPGroup | None = None):
-        """``tp``: a follower rank's group (engine/distributed/worker.py); rank 0 starts the
+        """``tp``: a follower rank's group (engine/tp_worker.py); rank 0 starts the
         other ranks itself when ``config.tensor_parallel_size`` > 1."""
         self.config = config
         self.max_model_len = max_model_len
