@@ -92,15 +92,14 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 def build_engine(args: argparse.Namespace, own_process: bool = False):
-    """The LLMEngine, or with ``own_process`` the handle of an engine core process running it."""
+    """The front door's end of an engine core, started in a process of its own (``own_process``)
+    or on a thread of this one (actors/engine_client.py)."""
+    from actors.engine_client import EngineCoreClient  # light: a child core starts before torch is imported here
     from engine.config import EngineConfig
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if getattr(args, f.name, None) is not None}
-    if own_process:
-        from actors.engine_core import EngineCoreProcess  # light: the core starts before torch is imported here
-        return EngineCoreProcess(EngineConfig(**options))
-    from engine import LLMEngine
-    return LLMEngine(EngineConfig(**options))
+    config = EngineConfig(**options)
+    return EngineCoreClient.in_child_process(config) if own_process else EngineCoreClient.on_thread(config)
 
 
 def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSettings):
@@ -157,10 +156,7 @@ async def _serve(engine, config) -> int:
     try:
         return await Replica(engine, config).run()
     finally:
-        if hasattr(engine, "aclose"):
-            await engine.aclose()  # the engine core's process
-        else:
-            engine.close()  # the other tensor-parallel ranks, if any
+        await engine.aclose()  # the engine core, and its tensor-parallel ranks if any
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, Job
 from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
 from clients.protocol import JobRequest, decode_job, payload_digest
-from engine import InvalidRequest, LLMEngine, SamplingParams
+from actors.engine_client import EngineCoreClient
+from engine import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 FIRST_IDLE_POLL_S = 0.001  # empty streams: poll again after this, doubling up to the cap
@@ -30,7 +31,7 @@ class IngestActor(Actor):
     name = "ingest"
     mailbox_size = 0  # only the ledger sends here, entries it reserved credits for: bounded by them
 
-    def __init__(self, streams: Streams, engine: LLMEngine, ledger: Actor, scheduler: Actor,
+    def __init__(self, streams: Streams, engine: EngineCoreClient, ledger: Actor, scheduler: Actor,
                  publisher: Actor, config: ReplicaConfig):
         super().__init__()
         self.streams = streams
@@ -143,11 +144,11 @@ class IngestActor(Actor):
                                                raw_fields=entry.fields if ended[1] == "max_deliveries" else None))
             return
         try:
-            seq = await asyncio.to_thread(self._make_sequence, job, entry.entry_id)
+            request = await asyncio.to_thread(self._make_request, job, entry.entry_id)
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
             return
-        await self.scheduler.send(NewJob(delivery, job, seq))
+        await self.scheduler.send(NewJob(delivery, job, request))
 
     def _decode(self, entry: ReadEntry) -> JobRequest:
         if not entry.truncated:
@@ -199,15 +200,15 @@ class IngestActor(Actor):
                                                 f"of {cap} (max_tokens_cap)", None)
         return None
 
-    def _make_sequence(self, job: JobRequest, entry_id: str):
-        seq = self.inputs.sequence_for(job.job_id, job.prompt or job.prompt_token_ids,
-                                       SamplingParams(**job.sampling_params()), job.priority_class,
-                                       job.priority, _enqueue_time(entry_id), job.chat_messages())
-        cap = self.config.max_prompt_tokens
-        if cap is not None and seq.num_prompt_tokens > cap:
-            raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "
+    def _make_request(self, job: JobRequest, entry_id: str):
+        request = self.inputs.request_for(job.job_id, job.prompt or job.prompt_token_ids,
+                                          SamplingParams(**job.sampling_params()), job.priority_class,
+                                          job.priority, _enqueue_time(entry_id), job.chat_messages())
+        cap, num_prompt_tokens = self.config.max_prompt_tokens, len(request.prompt_token_ids)
+        if cap is not None and num_prompt_tokens > cap:
+            raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens is over this replica's limit of "
                                            f"{cap} (max_prompt_tokens)")
-        return seq
+        return request
 
 
 def _salvaged_job_id(stub_fields: dict) -> str | None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from clients.protocol import JobRequest
 from engine.outputs import RequestOutput
-from engine.sequence import Sequence
+from engine.core_request import EngineCoreRequest
 
 
 def _future() -> asyncio.Future:
@@ -47,7 +47,7 @@ class ReadEntry:
 class NewJob:
     delivery: Delivery
     job: JobRequest
-    seq: Sequence
+    request: EngineCoreRequest
 
 
 @dataclass

@@ -11,7 +11,7 @@ from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.streams import Streams
 from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
-from engine.core_process import CoreFacts
+from engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
-"""Turns a user's prompt + parameters into a validated Sequence (or an InvalidRequest)."""
+"""Turns a user's prompt + parameters into a validated request for the engine core (or an InvalidRequest)."""
 import time
 
+from engine.core_request import EngineCoreRequest
 from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
@@ -50,13 +51,16 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenize(text, add_special_tokens=False)  # the template has them
 
-    def sequence_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                     priority_class: str = "interactive", priority: int = 0,
-                     arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
-        """Tokenize (or apply the chat template) and validate: a Sequence or InvalidRequest."""
+    def request_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
+                    priority_class: str = "interactive", priority: int = 0,
+                    arrival_time: float | None = None, messages: list[dict] | None = None) -> EngineCoreRequest:
+        """Tokenize (or apply the chat template) and validate: a request or InvalidRequest."""
         params = params or SamplingParams()
         token_ids = self.apply_chat_template(messages) if messages is not None else self.tokenize(prompt)
-        return self.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)
+        return self.make_request(request_id, token_ids, params, priority_class, priority, arrival_time)
+
+    def sequence_for(self, *args, **kwargs) -> Sequence:
+        return self.request_for(*args, **kwargs).to_sequence()
 
     def with_tokenizer(self, tokenizer) -> "InputProcessor":
         """The same limits over another tokenizer instance (one per thread: a fast tokenizer
@@ -64,9 +68,9 @@ class InputProcessor:
         return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens,
                               self.eos_token_ids)
 
-    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      priority_class: str = "interactive", priority: int = 0,
-                      arrival_time: float | None = None) -> Sequence:
+    def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     priority_class: str = "interactive", priority: int = 0,
+                     arrival_time: float | None = None) -> EngineCoreRequest:
         params.validate(self.vocab_size)
         if priority_class not in PRIORITY_CLASSES:
             raise InvalidRequest("priority_class", f"must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
@@ -78,8 +82,11 @@ class InputProcessor:
             which = "max_model_len" if limit == self.max_model_len else "the KV cache pool"
             raise InvalidRequest("prompt", f"{len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
                                            f"exceed {which} ({limit} tokens)")
-        return Sequence(request_id, list(token_ids), params, max_tokens, priority_class, priority,
-                        arrival_time or time.time(), grammar=self.compile_grammar(params))
+        return EngineCoreRequest(request_id, tuple(token_ids), params, max_tokens, priority_class, priority,
+                                 arrival_time or time.time(), self.compile_grammar(params))
+
+    def make_sequence(self, *args, **kwargs) -> Sequence:
+        return self.make_request(*args, **kwargs).to_sequence()
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured request (None for others); InvalidRequest."""

@@ -157,8 +157,7 @@ class LLMEngine:
     def overlaps_steps(self) -> bool:
         """Whether ``step()`` runs the model for step N+1 on its own thread while it applies
         step N's tokens: only when asked (``async_scheduling=True``), offline and in the
-        engine core process alike. A replica running the engine on a thread of its own
-        process decides for itself (actors/scheduler_actor.py: on unless ``async_scheduling=False``)."""
+        engine core alike (engine/engine_core.py steps this engine, whichever way it runs)."""
         return self.config.async_scheduling is True
 
     def seconds_until_ready(self) -> float:
