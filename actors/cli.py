@@ -141,7 +141,8 @@ def _serve_embedded(args: argparse.Namespace) -> int:
     --redis-password-file / $REDIS_PASSWORD when given)."""
     from actors.embedded_valkey import GENERATE, EmbeddedValkey
     try:
-        explicit = connection.resolve_settings(password_file=args.redis_password_file, ca_cert=args.redis_ca_cert,
+        explicit = connection.resolve_settings("redis://127.0.0.1", password_file=args.redis_password_file,
+                                               ca_cert=args.redis_ca_cert,
                                                cert=args.redis_cert, key=args.redis_key)  # TLS flags: an error
     except (OSError, ValueError) as exc:
         return _usage_error(str(exc))

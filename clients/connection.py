@@ -70,6 +70,7 @@ class ServerUnavailable(ConveyorError):
 
 DEFAULT_DATA_DIR = "$XDG_DATA_HOME/conveyor or ~/.local/share/conveyor"  # for help texts
 NO_RETRY = Retry(NoBackoff(), 0)
+GIVEN = "as given"
 MASK = "***"
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -167,7 +168,8 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
                              env.get("REDIS_PASSWORD"), url_password)
     if chosen_password is None:
         chosen_password = embedded_password(folder, bare_url)
-    _say_once(f"Redis: {redact(bare_url)}, {source}")
+    if source != GIVEN:  # a URL that was not given: say where it came from
+        _say_once(f"Redis: {redact(bare_url)}, {source}")
     return RedisSettings(
         url=bare_url,
         username=_first(username, env.get("REDIS_USERNAME"), url_user),
@@ -184,7 +186,7 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
 def choose_server(url: str | None, data_dir: Path, env: Mapping[str, str]) -> tuple[str, str]:
     """(the URL to use, where it came from): `url`, else $REDIS_URL, else the local server."""
     if url:
-        return url, "as given"
+        return url, GIVEN
     if env.get("REDIS_URL"):
         return env["REDIS_URL"], "from $REDIS_URL"
     server = find_local_server(data_dir)
