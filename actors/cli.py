@@ -170,7 +170,8 @@ def next_steps(data_dir: Path, namespace: str | None) -> str:
     flags = (f" --data-dir {where}" if own_dir else "") + (f" --namespace {namespace}" if namespace else "")
     python_env = f"CONVEYOR_DATA_DIR={where} " if own_dir else ""
     client = f'Client(namespace="{namespace}")' if namespace else "Client()"
-    code = f'from clients import Client; print({client}.submit(messages=[{{"role": "user", "content": "Hi!"}}], max_tokens=32).result().text)'
+    message = '[{"role": "user", "content": "Hi!"}]'
+    code = f"from clients import Client; print({client}.submit(messages={message}, max_tokens=32).result().text)"
     python = f"{python_env}{shlex.quote(sys.executable)} -c '{code}'"
     return "\n".join([
         "next, from any folder (they find this server and its password by themselves):",

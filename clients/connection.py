@@ -351,7 +351,8 @@ def check_credentials(settings: RedisSettings, wait_for_server: bool = True) -> 
     not answer is reported too (its recorded URL outlived it)."""
     client = None
     try:
-        client = settings.client(socket_connect_timeout=5, socket_timeout=5, retry=NO_RETRY)  # a cluster client connects here
+        # one try (no riding out here: this asks whether it answers now); a cluster client connects here
+        client = settings.client(socket_connect_timeout=5, socket_timeout=5, retry=NO_RETRY)
         client.ping()
     except redis.AuthenticationError as exc:
         return refused_message(settings, exc)
