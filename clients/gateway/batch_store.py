@@ -6,6 +6,7 @@ Key layout (`ns` = the tenant's namespace):
 |---|---|---|---|
 | `<ns>:file:<id>` | hash | file object: filename, purpose, bytes, lines, created_at, expires_at | FILE_TTL_S (input), BATCH_TTL_S (outputs) |
 | `<ns>:file:<id>:content` | string | the file's bytes | as its hash |
+| `<ns>:files` | sorted set | file ids by creation time (ms): listing | BATCH_TTL_S, refreshed by each file |
 | `<ns>:batch:<id>` | hash | batch object: status, timestamps, counts, usage, errors, file ids; for `conveyor batch` also `model_override` and `job_key` (what job ids hash instead of the batch id) | BATCH_TTL_S from creation |
 | `<ns>:batch:<id>:results` | hash | line index -> `+` or `-` and the output line (JSON) | BATCH_TTL_S, deleted when assembled |
 | `<ns>:batch:<id>:lease` | string | owner of the runner driving the batch | LEASE (SET NX PX, renewed) |
@@ -41,6 +42,7 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 MAX_ERRORS = 100  # validation errors kept on a failed batch
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,96}")
 MAX_ACTIVE_SCANNED = 1000  # active batch ids a runner looks at per scan
+MAX_FILES_SCANNED, FILES_PAGE = 10_000, 200  # file ids one listing reads at most, and per round trip
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -89,6 +91,22 @@ redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 1
 """
 
+# Delete a file unless a batch that is not finished reads it. KEYS: file hash, content,
+# listing zset, active set. ARGV: file id, batch key prefix, terminal statuses (comma-
+# separated). Returns {1, ''} deleted, {0, ''} no such file, {-1, batch id} in use.
+DELETE_FILE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, ''} end
+for _, batch_id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+  local batch = redis.call('HMGET', ARGV[2] .. batch_id, 'status', 'input_file_id')
+  if batch[1] and batch[2] == ARGV[1] and not string.find(',' .. ARGV[3] .. ',', ',' .. batch[1] .. ',', 1, true) then
+    return {-1, batch_id}
+  end
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return {1, ''}
+"""
+
 RENEW_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
@@ -124,12 +142,25 @@ class BatchKeys:
         return f"{self.prefix}:batch:{batch_id}:lease"
 
     @property
+    def files(self) -> str:
+        return f"{self.prefix}:files"
+
+    @property
     def batches(self) -> str:
         return f"{self.prefix}:batches"
 
     @property
     def active(self) -> str:
         return f"{self.prefix}:batches:active"
+
+
+class FileInUse(Exception):
+    """A file that a batch which has not finished reads: not deleted."""
+
+    def __init__(self, file_id: str, batch_id: str) -> None:
+        super().__init__(f"file {file_id} is the input of batch {batch_id}, which has not finished: "
+                         "cancel it or wait for it to end")  # fmt: skip
+        self.batch_id = batch_id
 
 
 class FileTooLarge(ValueError):
@@ -193,6 +224,7 @@ class BatchStore:
         self._create_batch = redis.register_script(CREATE_BATCH_LUA)
         self._renew = redis.register_script(RENEW_LUA)
         self._release = redis.register_script(RELEASE_LUA)
+        self._delete_file = redis.register_script(DELETE_FILE_LUA)
 
     # ---------------------------------------------------------------- files
 
@@ -209,8 +241,66 @@ class BatchStore:
             pipe.delete(self.keys.file(file_id))
             pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in fields.items()})
             pipe.expire(self.keys.file(file_id), ttl_s)
+            created_ms = time.time_ns() // 1_000_000  # the listing's order (created_at has seconds)
+            pipe.zadd(self.keys.files, {file_id: created_ms})
+            pipe.zremrangebyscore(self.keys.files, "-inf", f"({created_ms - BATCH_TTL_S * 1000}")  # none lives longer
+            pipe.expire(self.keys.files, BATCH_TTL_S)
             await pipe.execute()
         return file_object(fields)
+
+    async def list_files(self, limit: int, after: str | None, order: str = "desc",
+                         purpose: str | None = None) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+        """Files by creation time (`order` desc: newest first), `limit` of them after the file
+        `after`, only `purpose`'s when given: (objects, has_more). Reads at most
+        MAX_FILES_SCANNED ids; expired files leave the listing as they are met."""
+        start = 0
+        if after:
+            rank = await self._file_rank(after, order)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        found: list[dict[str, Any]] = []
+        while len(found) <= limit and start < MAX_FILES_SCANNED:
+            ids = await self._file_ids(start, FILES_PAGE, order)
+            found += await self._file_objects(ids, purpose)
+            start += FILES_PAGE
+            if len(ids) < FILES_PAGE:
+                break
+        return found[:limit], len(found) > limit
+
+    async def _file_rank(self, file_id: str, order: str) -> int | None:
+        if not valid_id(file_id):
+            return None
+        rank = self.redis.zrevrank if order == "desc" else self.redis.zrank
+        return await rank(self.keys.files, file_id)
+
+    async def _file_ids(self, start: int, count: int, order: str) -> list[str]:
+        read = self.redis.zrevrange if order == "desc" else self.redis.zrange
+        return [i.decode("ascii", "replace") for i in await read(self.keys.files, start, start + count - 1)]
+
+    async def _file_objects(self, ids: list[str], purpose: str | None) -> list[dict[str, Any]]:
+        pipe = self.redis.pipeline(transaction=False)
+        for file_id in ids:
+            pipe.hgetall(self.keys.file(file_id))
+        objects, gone = [], []
+        for file_id, fields in zip(ids, await pipe.execute()):
+            if not fields:
+                gone.append(file_id)
+            elif purpose is None or _text_fields(fields).get("purpose") == purpose:
+                objects.append(file_object(_text_fields(fields)))
+        if gone:
+            await self.redis.zrem(self.keys.files, *gone)
+        return objects
+
+    async def delete_file(self, file_id: str) -> bool:
+        """Delete a file (False: there is none); FileInUse while a batch that has not finished reads it."""
+        if not valid_id(file_id):
+            return False
+        keys = [self.keys.file(file_id), self.keys.file_content(file_id), self.keys.files, self.keys.active]
+        code, batch_id = await self._delete_file(keys, [file_id, self.keys.batch(""), ",".join(TERMINAL)])
+        if code == -1:
+            raise FileInUse(file_id, batch_id.decode() if isinstance(batch_id, bytes) else batch_id)
+        return code == 1
 
     async def get_file(self, file_id: str) -> dict[str, Any] | None:
         if not valid_id(file_id):

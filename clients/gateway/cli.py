@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from clients.connection import check_credentials, settings_from_args
+from clients.errors import ConveyorError
 from clients.gateway.settings import GatewaySettings
 
 # (flag, GatewaySettings field, type, help)
@@ -47,7 +48,7 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
 def run_gateway(args: argparse.Namespace) -> int:
     try:
         settings = settings_from(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, ConveyorError) as exc:  # ConveyorError: no server to connect to
         return _fail(str(exc), EXIT_USAGE)
     problem = check_credentials(settings.redis)
     if problem:

@@ -1,0 +1,170 @@
+"""The local server: the embedded Valkey that `conveyor serve` runs for this user, as clients find it.
+
+Its data folder is per user, never relative to where a command runs (so never inside a
+checkout by default): `--data-dir`, else $CONVEYOR_DATA_DIR, else $XDG_DATA_HOME/conveyor,
+else ~/.local/share/conveyor. actors/embedded_valkey.py keeps two files there that clients
+read, and nothing else of it: `url` (where the server listens, rewritten when its port
+changes) and `password` (0600). Clients with no URL of their own use it; their connections
+re-read both files each time they connect (`LocalServerConnection`), so a client or a
+gateway that outlives a restart of `conveyor serve` follows it, even to another port.
+This module never imports actors/.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import redis
+import redis.asyncio.connection as async_connection
+import redis.asyncio.retry as async_retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError
+from redis.retry import Retry
+
+from clients.errors import ConveyorError
+
+DATA_DIR_ENV = "CONVEYOR_DATA_DIR"
+PASSWORD_FILE = "password"
+URL_FILE = "url"
+# A restart of `conveyor serve` leaves its server down for a few seconds: commands retry a
+# lost connection for about this long (backoff 0.1 s doubling to 1 s) before they fail.
+RIDE_OUT_S = 15.0
+RIDE_OUT_RETRIES = 18
+
+
+class NoServerFound(ConveyorError):
+    """No --redis-url, no $REDIS_URL and no local server recorded in the data folder."""
+
+
+def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$CONVEYOR_DATA_DIR, else $XDG_DATA_HOME/conveyor, else ~/.local/share/conveyor."""
+    env = os.environ if env is None else env
+    if env.get(DATA_DIR_ENV):
+        return Path(env[DATA_DIR_ENV]).expanduser()
+    xdg = env.get("XDG_DATA_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).is_absolute() else Path.home() / ".local" / "share"
+    return base / "conveyor"
+
+
+@dataclass(frozen=True)
+class LocalServer:
+    """What the data folder says: the server's URL (no password in it) and its password."""
+
+    data_dir: Path
+    url: str
+    password: str | None
+
+    @property
+    def password_file(self) -> Path:
+        return self.data_dir / PASSWORD_FILE
+
+
+def find_local_server(data_dir: str | Path) -> LocalServer | None:
+    """The server recorded in `data_dir`, or None when there is none (or it is not ours to read)."""
+    directory = Path(data_dir)
+    try:
+        url = (directory / URL_FILE).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    if not url:
+        return None
+    return LocalServer(directory, url, read_password(directory / PASSWORD_FILE))
+
+
+def read_password(path: Path) -> str | None:
+    """The password in `path` without its trailing newline; None when missing or unreadable."""
+    try:
+        return path.read_text(encoding="utf-8").rstrip("\r\n") or None
+    except OSError:
+        return None
+
+
+def no_server_message(data_dir: Path) -> str:
+    return (f"no Redis to connect to: no --redis-url, no $REDIS_URL, and no local server recorded in "
+            f"{data_dir / URL_FILE}. Start one with `conveyor serve --model smollm2` (it records its URL and "
+            f"password in {data_dir}), point at another data folder with --data-dir (or $CONVEYOR_DATA_DIR), "
+            f"or give --redis-url (and --redis-password-file)")  # fmt: skip
+
+
+# ---------------------------------------------------------------- connections that follow it
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(url)
+        return (parts.hostname, parts.port or 6379) if parts.hostname else None
+    except ValueError:
+        return None
+
+
+class _Follows:
+    """Before each (re)connect: the host, port and password the data folder records now."""
+
+    data_dir: str
+
+    def _follow(self) -> None:
+        server = find_local_server(self.data_dir)
+        where = _host_port(server.url) if server else None
+        if where:
+            self.host, self.port = where
+            self.password = server.password
+
+
+class LocalServerConnection(_Follows, redis.Connection):
+    def __init__(self, *args: Any, data_dir: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.data_dir = data_dir
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if not self.is_connected:
+            self._follow()
+        return super().connect_check_health(*args, **kwargs)
+
+
+class AsyncLocalServerConnection(_Follows, async_connection.Connection):
+    def __init__(self, *args: Any, data_dir: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.data_dir = data_dir
+
+    async def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if not self.is_connected:
+            self._follow()
+        return await super().connect_check_health(*args, **kwargs)
+
+
+def _not_auth(is_retryable: Any):
+    """Refused credentials do not mend by retrying (AuthenticationError is a ConnectionError)."""
+    return lambda error: not isinstance(error, AuthenticationError) and (is_retryable is None or is_retryable(error))
+
+
+class RideOut(Retry):
+    """Retry lost connections for about RIDE_OUT_S, never refused credentials."""
+
+    def __init__(self) -> None:
+        super().__init__(ExponentialBackoff(cap=1.0, base=0.05), RIDE_OUT_RETRIES)
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        return super().call_with_retry(do, fail, _not_auth(is_retryable), with_failure_count)
+
+
+class AsyncRideOut(async_retry.Retry):
+    def __init__(self) -> None:
+        super().__init__(ExponentialBackoff(cap=1.0, base=0.05), RIDE_OUT_RETRIES)
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        return await super().call_with_retry(do, fail, _not_auth(is_retryable), with_failure_count)
+
+
+def ride_out_options(asynchronous: bool) -> dict[str, Any]:
+    """redis-py options that retry through a server restart (for long-lived clients)."""
+    return {"retry": AsyncRideOut() if asynchronous else RideOut()}
+
+
+def following_options(data_dir: Path, asynchronous: bool) -> dict[str, Any]:
+    """redis-py options of a client of the local server: follow its files, ride out restarts."""
+    kind = AsyncLocalServerConnection if asynchronous else LocalServerConnection
+    return {"connection_class": kind, "data_dir": str(data_dir), **ride_out_options(asynchronous)}
