@@ -22,6 +22,7 @@ BOUNDARY_PATTERNS = (
     (PARAGRAPH, re.compile(r"\n[ \t]*\n\s*")),
 )
 MIN_FILL = 0.5  # a chunk ends at the strongest boundary past half its budget
+MIN_SECTION_FILL = 0.25  # or at a section start past a quarter of it
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,13 @@ class Boundaries:
         if limit >= self.length:
             return self.length
         fill = self.position_after_tokens(start, int(budget * MIN_FILL))
+        section_fill = self.position_after_tokens(start, int(budget * MIN_SECTION_FILL))
         first, last = bisect_right(self.positions, after), bisect_right(self.positions, limit)
         if first >= last:
             return None
         candidates = range(first, last)
-        filled = [i for i in candidates if self.positions[i] >= fill] or list(candidates)
+        filled = [i for i in candidates if self.positions[i] >= fill
+                  or (self.strength[i] >= SECTION and self.positions[i] >= section_fill)] or list(candidates)
         best = max(filled, key=lambda i: (self.strength[i], self.positions[i]))
         return self.positions[best]
 

@@ -7,11 +7,14 @@ Bounds, per document (`ExtractLimits`): address space (RLIMIT_AS, default 1 GiB)
 return (default 16 M characters). Each format adds its own checks inside: the page cap of
 extract_pdf, the zip checks of extract_docx, lxml's default limits in extract_html.
 
-    python -m clients.extract_worker KIND MAX_BYTES CPU_S MAX_CHARS  < file  > msgpack
+The child loads only the extraction modules (its `clients` package is a bare namespace:
+importing the whole client, redis and pydantic, would cost more than parsing most files).
+Arguments: KIND MAX_BYTES CPU_S MAX_CHARS; the file on stdin, a msgpack reply on stdout.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import subprocess
@@ -24,6 +27,9 @@ from clients.doc_formats import ExtractError
 from clients.doc_layout import Block
 
 ISOLATED_FORMATS = ("pdf", "docx", "html")
+CLIENTS_DIR = os.path.dirname(os.path.abspath(__file__))
+CHILD_MAIN = ("import sys, types; package = types.ModuleType('clients'); package.__path__ = [sys.argv[1]]; "
+              "sys.modules['clients'] = package; from clients.extract_worker import main; main(sys.argv[2:])")
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ class ExtractLimits:
 def extract_isolated(data: bytes, kind: str, limits: ExtractLimits = ExtractLimits()) -> list[Block]:
     """The blocks of `data` (a `kind` document), parsed in a child process under `limits`."""
     assert kind in ISOLATED_FORMATS, kind
-    command = [sys.executable, "-m", "clients.extract_worker", kind, str(limits.memory_bytes), str(limits.cpu_s),
+    command = [sys.executable, "-c", CHILD_MAIN, CLIENTS_DIR, kind, str(limits.memory_bytes), str(limits.cpu_s),
                str(limits.max_chars)]  # fmt: skip
     try:
         done = subprocess.run(command, input=data, capture_output=True, timeout=limits.wall_s)
@@ -90,8 +96,8 @@ def _worker(kind: str, memory_bytes: int, cpu_s: int, max_chars: int) -> dict:
     return {"blocks": [[b.text, b.page, b.level] for b in blocks]}
 
 
-if __name__ == "__main__":
-    kind, memory, cpu, chars = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def main(argv: list[str]) -> None:
+    kind, memory, cpu, chars = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
     try:
         reply = _worker(kind, memory, cpu, chars)
     except MemoryError:

@@ -16,7 +16,7 @@ STOP_WORDS = frozenset("the and for are but not you all any can had her was one 
                        "from they will would there their what which when where who been into than then them "
                        "these those its also such may each other more most some only about over under text "
                        "document summary summaries part parts".split())  # fmt: skip
-SAME_POINT = 0.7  # word-set overlap (Jaccard) at which two sentences say the same thing
+SAME_POINT = 0.6  # word-set overlap (Jaccard) at which two sentences say the same thing
 CLOSE_SECOND = 0.75  # a second source is cited when it matches at least this share of the best
 
 
