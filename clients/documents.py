@@ -288,6 +288,12 @@ def write_outputs(out_dir: Path, doc: Document, summary: str | None, record: dic
         _replace_file(dir_fd, record_path(out_dir, doc).name, json.dumps(record, indent=2) + "\n")
 
 
+def write_top_file(out_dir: Path, name: str, text: str) -> None:
+    """Write `out_dir/name` (a report) the way outputs are written: temporary file, rename."""
+    with _output_folder(out_dir, []) as dir_fd:
+        _replace_file(dir_fd, name, text)
+
+
 def _output_folders(out_dir: Path, doc: Document) -> list[str]:
     """The folders, inside `out_dir`, that hold this document's outputs, once checked."""
     if safe_name(doc.name) != doc.name:

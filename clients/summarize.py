@@ -29,6 +29,7 @@ from clients.event_reader import JobResult
 from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_for_model_info_async
 from clients.doc_layout import citation_label, citation_of, coordinates
 from clients.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
+from clients.summary_report import write_report
 from clients.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
 
 __all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents",
@@ -59,7 +60,7 @@ def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str |
     """Summarize files, folders and Documents; `options` are SummarizeOptions fields.
 
     Writes `<name>.summary.txt` and `<name>.summary.json` per document into `out_dir`
-    when given. Names are made safe (see documents.safe_name), symlinks inside input
+    when given, and OUT/index.html (summary_report) over every record there. Names are made safe (see documents.safe_name), symlinks inside input
     folders are skipped as errors and outputs never go through a symlink (see
     documents.load_documents and documents.write_outputs); a document whose outputs cannot
     be written gets that error, the others are still summarized.
@@ -85,17 +86,20 @@ async def summarize_documents_async(sources: Iterable[str | Path | Document], ou
     client = client or AsyncClient(redis_url, namespace)
     try:
         info = await wait_for_model_info_async(client.redis, client.keys, settings.model, wait_s, progress)
-        run = _Run(client, info, settings, Path(out_dir) if out_dir else None, progress, len(documents))
+        run = PipelineRun(client, info, settings, Path(out_dir) if out_dir else None, progress, len(documents))
         try:
-            return list(await asyncio.gather(*(run.summarize(doc) for doc in documents)))
+            results = list(await asyncio.gather(*(run.summarize(doc) for doc in documents)))
         finally:
             run.close()
+        if out_dir:
+            write_report(Path(out_dir))
+        return results
     finally:
         if owned:
             await client.close()
 
 
-class _Run:
+class PipelineRun:
     """One pipeline run: shared prompts, the bound on jobs in flight, progress bars."""
 
     def __init__(self, client: AsyncClient, info: ModelInfo, options: SummarizeOptions, out_dir: Path | None,
@@ -106,6 +110,7 @@ class _Run:
         self.documents_bar = tqdm(total=documents, desc="documents", unit="doc", disable=not progress, position=0)
         self.jobs_bar = tqdm(total=0, desc="jobs (chunks + merges)", unit="job", disable=not progress, position=1)
         self.tokens = 0  # completion tokens of this run's jobs
+        self.jobs_total = self.jobs_done = 0  # the bars' counts, kept when the bars are off
 
     def close(self) -> None:
         self.jobs_bar.close()
@@ -166,6 +171,7 @@ class _Run:
     async def _level(self, doc: Document, record: _Record, kind: str, level: int, prompts: list[Messages]) -> list[str]:
         """Run one level's jobs; all of them finish (for a rerun to reuse) before a failure is raised."""
         self.jobs_bar.total += len(prompts)
+        self.jobs_total += len(prompts)
         self.jobs_bar.refresh()
         outcomes = await asyncio.gather(*(self._job(doc, record, kind, level, index, messages)
                                           for index, messages in enumerate(prompts)), return_exceptions=True)  # fmt: skip
@@ -191,9 +197,10 @@ class _Run:
                 raise SummarizeError(f"{kind} job {index} of level {level} failed: {exc.message}") from None
         record.add_job(step, job, result)
         self.jobs_bar.update()
+        self.jobs_done += 1
         self.tokens += result.usage.completion_tokens
         if self.options.schema_ is not None:
-            return result.text.strip()
+            return _complete_json(result, f"{kind} job {index} of level {level}", self.options.max_tokens)
         return deduplicated(finished(result.text))  # no cut-off last sentence, no looping repeats
 
     async def _forget_failure(self, job_key: str) -> None:
@@ -202,10 +209,20 @@ class _Run:
             await self.client.redis.delete(self.client.keys.job(job_key), self.client.keys.out(job_key))
 
 
+def _complete_json(result: JobResult, step: str, max_tokens: int) -> str:
+    try:
+        json.loads(result.text)
+    except ValueError:
+        cut = f" (cut at max_tokens {max_tokens}: raise it or bound the schema's strings)" \
+            if result.finish_reason == "length" else ""
+        raise SummarizeError(f"{step} returned incomplete JSON{cut}") from None
+    return result.text.strip()
+
+
 class _Record:
     """The JSON record of one document: chunks, jobs, tokens, timings."""
 
-    def __init__(self, doc: Document, run: _Run) -> None:
+    def __init__(self, doc: Document, run: PipelineRun) -> None:
         self.started = time.monotonic()
         self.data: dict[str, Any] = {
             "document": doc.name, "source": doc.source, "sha256": doc.sha256, "characters": len(doc.text),

@@ -96,7 +96,8 @@ class SummarizeOptions(BaseModel):
         if self.repetition_penalty != 1.0:
             fields["repetition_penalty"] = self.repetition_penalty
         if self.schema_ is not None:
-            fields["structured_outputs"] = {"json": self.schema_}
+            # no free whitespace: with bounded strings the JSON then fits a known token budget
+            fields["structured_outputs"] = {"json": self.schema_, "disable_any_whitespace": True}
         return fields
 
 

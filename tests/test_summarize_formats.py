@@ -17,6 +17,7 @@ from clients.documents import Document, document_from_bytes, load_documents
 from clients.extract_worker import ExtractLimits, extract_isolated
 from clients.summary_points import deduplicated, finished, sources_of, without_repeats
 from clients.summary_prompts import Prompts, SummarizeOptions
+from clients.summary_report import render
 from clients.token_counter import TokenCounter
 from summarize_docs import (PAGES, SECTIONS, TABLE, docx_document, docx_zip_bomb, html_nesting_bomb,
                             pdf_document, pdf_page_tree_bomb, pdf_stream_bomb, scanned_pdf)  # fmt: skip
@@ -185,3 +186,15 @@ def test_points_are_traced_to_the_chunk_summaries_they_came_from():
     chunks = [{"pages": [1, 2]}, {"pages": [2, 3]}, {"pages": [7, 7]}]
     assert citation_of(chunks) == "p. 1-3, 7"
     assert citation_of([{"pages": None, "headings": ["2 Methods", "2.1 Results"], "lines": [1, 2]}]) == "§ 2.1 Results"
+
+
+def test_the_report_escapes_every_text_it_shows():
+    hostile = "<script>alert('x')</script>"
+    records = [{"document": hostile, "status": "done", "format": "html", "points": [
+                   {"text": hostile, "chunks": [0], "cite": f"§ {hostile}"}],
+                "chunks": [{"index": 0, "cite": f"§ {hostile}", "summary": hostile}],
+                "tree": [{"level": 1, "index": 0, "inputs": [0], "cite": hostile, "summary": hostile}]},
+               {"document": "bad.pdf", "status": "error", "error": f"bad.pdf {hostile}"}]  # fmt: skip
+    page = render(records)
+    assert "<script" not in page and page.count("&lt;script&gt;") == 8
+    assert "href='#d0-c0'" in page and "id='d0-c0'" in page and "1 failed" in page
