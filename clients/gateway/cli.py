@@ -25,6 +25,20 @@ OPTIONS = [
     ("--result-ttl", "result_ttl", int, "seconds jobs' results stay in Redis (env CONVEYOR_GATEWAY_RESULT_TTL, "
                                         "default 3600)"),
     ("--log-level", "log_level", str, "uvicorn's log level (env CONVEYOR_LOG_LEVEL, default info)"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body but uploads (env "
+                                                "CONVEYOR_GATEWAY_MAX_BODY_BYTES, default 16 MiB)"),
+    ("--max-connections", "max_connections", int, "open connections at most; one more gets 503 and is closed "
+                                                  "(env CONVEYOR_GATEWAY_MAX_CONNECTIONS, default 1000)"),
+    ("--header-timeout-s", "header_timeout_s", float, "a request's headers must arrive within this (env "
+                                                      "CONVEYOR_GATEWAY_HEADER_TIMEOUT_S, default 10)"),
+    ("--body-timeout-s", "body_timeout_s", float, "a request's whole body must arrive within this, else 408 (env "
+                                                  "CONVEYOR_GATEWAY_BODY_TIMEOUT_S, default 60)"),
+    ("--keep-alive-s", "keep_alive_s", float, "idle keep-alive connections are closed after this (env "
+                                              "CONVEYOR_GATEWAY_KEEP_ALIVE_S, default 5)"),
+    ("--max-samples", "max_samples", int, "largest n (samples) of one request (env CONVEYOR_GATEWAY_MAX_SAMPLES, "
+                                          "default 16)"),
+    ("--max-total-tokens", "max_total_tokens", int, "largest n x max_tokens of one request (env "
+                                                    "CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS, default 32768)"),
 ]  # fmt: skip
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -211,8 +211,8 @@ class ModelDirectory:
             return None
         try:
             counter = await self.token_counter(model)
-            used = await asyncio.to_thread(counter.count_chat, messages)  # big prompts: off the event loop
-        except Exception as exc:  # no tokenizer or chat template, a template that fails to render
+            used = await asyncio.to_thread(counter.checked_count_chat, messages)  # big prompts: off the event loop
+        except Exception as exc:  # no tokenizer or chat template, a template that fails or is refused
             log.debug("cannot count the chat prompt for %s: %s", name, exc)
             return None
         return max(1, min(model.max_model_len - used, await self._max_tokens_cap()))
