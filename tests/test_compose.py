@@ -448,3 +448,23 @@ def test_gateway_command_passes_its_healthcheck_with_the_secret(compose, tmp_pat
             process.communicate()
         server.stop()
     assert password not in output, "the password is never logged"
+
+
+def test_gateway_needs_api_keys_from_a_secret(compose):
+    """Any container of the compose network reaches the gateway's 0.0.0.0: every request needs
+    a key, read from a secret file kept out of git; the example's key is refused, and the
+    command refuses to listen beyond loopback without keys at all."""
+    from clients.gateway.tenants import load_grants
+
+    gateway = compose["services"]["gateway"]
+    assert gateway["environment"]["CONVEYOR_GATEWAY_KEYS_FILE"] == "/run/secrets/gateway_keys"
+    assert "gateway_keys" in gateway["secrets"]
+    keys_file = Path(compose["secrets"]["gateway_keys"]["file"]).name
+    assert f"compose/{keys_file}" in (COMPOSE.parent / ".gitignore").read_text().split(), "kept out of git"
+    with pytest.raises(ValueError, match="example"):
+        load_grants(str(COMPOSE / "gateway_keys.json.example"), None)
+    conveyor = Path(sys.executable).with_name("conveyor")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_GATEWAY_")}
+    refused = subprocess.run([str(conveyor), "gateway", "--host", "0.0.0.0", "--redis-url", "redis://127.0.0.1:1"],
+                             capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert refused.returncode == 2 and "no API keys" in refused.stderr, refused.stderr

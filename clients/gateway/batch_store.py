@@ -292,7 +292,8 @@ class BatchStore:
         pipe = self.redis.pipeline(transaction=False)
         for batch_id in batch_ids:
             pipe.hget(self.keys.batch(batch_id), "status")
-        return [v.decode("utf-8", "replace") if v else None for v in await pipe.execute()] if batch_ids else []
+        replies = await pipe.execute(raise_on_error=False) if batch_ids else []  # a producer's junk: not a hash
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else None for v in replies]
 
     async def forget_active(self, batch_id: str) -> None:
         """A batch whose hash is gone (expired) is no runner's business any more."""

@@ -3,6 +3,8 @@ imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 
 from clients.connection import check_credentials, settings_from_args
@@ -48,6 +50,9 @@ def register_gateway(subparsers: argparse._SubParsersAction, connection_parent: 
                                    help="OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions)")
     for flag, name, kind, help_text in OPTIONS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    parser.add_argument("--allow-no-keys", action="store_true", default=bool(os.environ.get(
+        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS")), help="listen beyond loopback without API keys (env "
+        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS=1): anyone who reaches the port uses --namespace")
     parser.set_defaults(func=run_gateway)
 
 
@@ -63,6 +68,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         settings = settings_from(args)
     except (ValueError, OSError) as exc:
         return _fail(str(exc), EXIT_USAGE)
+    if not (settings.keys_file or settings.api_keys) and not _loopback(settings.host) and not args.allow_no_keys:
+        return _fail(f"--host {settings.host} reaches beyond this machine, and no API keys are set (--keys-file, "
+                     "CONVEYOR_GATEWAY_API_KEYS): every caller would get in; set keys, or --allow-no-keys",
+                     EXIT_USAGE)  # fmt: skip
     problem = check_credentials(settings.redis)
     if problem:
         return _fail(problem, EXIT_FAILED)
@@ -73,6 +82,13 @@ def run_gateway(args: argparse.Namespace) -> int:
         return serve(settings, extra_routers=(batch_routes.router,))
     except (ValueError, OSError) as exc:  # a bad keys file, a port in use
         return _fail(str(exc), EXIT_USAGE)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _fail(message: str, code: int) -> int:

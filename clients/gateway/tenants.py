@@ -34,6 +34,7 @@ from clients.model_info import fetch_model_info_async
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")
 MAX_MODELS = 256  # names read from <ns>:models per look
+EXAMPLE_KEY = "REPLACE-ME"  # compose/gateway_keys.json.example's placeholder
 
 
 # ---------------------------------------------------------------- API keys
@@ -86,6 +87,8 @@ def load_grants(keys_file: str | None, api_keys: str | None) -> dict[str, Grant]
     listed = parse_key_list(api_keys or "")
     if (keys_file and not grants) or (api_keys and api_keys.strip() and not listed):
         raise ValueError("API keys were configured but none could be read: refusing to run without auth")
+    if any(EXAMPLE_KEY in key for key in {**grants, **listed}):
+        raise ValueError("an API key is still the example's (REPLACE-ME...): make one, e.g. openssl rand -hex 24")
     return {**grants, **listed}
 
 
