@@ -39,7 +39,7 @@ KEYS = {"key-a1": "a", "key-a2": "a", "key-b": "b"}  # two keys of tenant A, one
 MODEL = "tiny"
 RSS_BOUND_MB = 96  # an oversized input may cost the gateway at most this (its limits: 16 + 65 MiB)
 FAIR_BOUND_S = 10.0  # B's batch starts within one scan (0.2 s here); generous on a shared box
-HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 2.0, 3.0, 60
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 2.0, 8.0, 60  # a 65 MB body arrives in 8 s
 MAX_SAMPLES, MAX_TOTAL_TOKENS = 4, 64
 LATENCY: dict[str, list[float]] = {}  # attack -> baseline chat latencies (ms) before and after
 
@@ -155,7 +155,7 @@ def no_500_no_traceback(gateway) -> None:
 def print_latency_table() -> None:
     print("\nbaseline chat latency (one 4-token chat of tenant B, ms) before -> after each attack:")
     for name, (before, after) in ((n, v) for n, v in LATENCY.items() if len(v) == 2):
-        print(f"  {name:<34} {before:8.1f} -> {after:8.1f}  ({after / before:.2f}x)")
+        print(f"  {name:<44} {before:8.1f} -> {after:8.1f}  ({after / before:.2f}x)")
 
 
 def error_of(reply: httpx.Response) -> dict:
@@ -301,8 +301,9 @@ def test_a_300mb_chunked_upload_is_cut_before_it_is_spooled(gateway):
 
     def chunks():
         yield b"%x\r\n%s\r\n" % (len(preamble), preamble)
-        for chunk in chunked(300 << 20, fill=b"x"):
-            spooled["peak"] = max(spooled["peak"], spooled_bytes(gateway))
+        for number, chunk in enumerate(chunked(300 << 20, fill=b"x")):
+            if number % 4 == 0:
+                spooled["peak"] = max(spooled["peak"], spooled_bytes(gateway))
             yield chunk
 
     with Watch(gateway, "300 MB chunked upload"):
@@ -468,15 +469,30 @@ def test_acl_lines_on_a_single_server(admin):
         "denied": [("XADD", "payments-b:requests:batch", "*", "f", "v")]})  # fmt: skip
 
 
-def test_acl_lines_on_a_cluster_node(tmp_path):
+def started_cluster(directory: Path, attempts: int = 3):
+    """A one-master cluster; tried again when a node drew a port over 55535 (its bus port
+    is port + 10000, which Valkey refuses)."""
+    from actors.embedded_valkey import EmbeddedValkeyError
     from cluster_harness import ValkeyCluster
 
-    with ValkeyCluster(tmp_path / "cluster", masters=1) as cluster:
-        node = redis.Redis(port=cluster.masters[0].port)
+    for attempt in range(attempts):
+        cluster = ValkeyCluster(directory / f"try{attempt}", masters=1)
         try:
-            check_dryrun(node, "conveyor-cluster-producer-tenant-a", "payments", CLUSTER)
-            check_dryrun(node, "conveyor-cluster-replica-tenant-a", "payments", {
-                "allowed": [("HSET", "payments:{payments}:model:m", "f", "v"), ("CLUSTER", "SLOTS")],
-                "denied": [("HSET", "payments-b:{payments-b}:model:m", "f", "v")]})  # fmt: skip
-        finally:
-            node.close()
+            return cluster.start()
+        except EmbeddedValkeyError:
+            cluster.stop()
+            if attempt == attempts - 1:
+                raise
+
+
+def test_acl_lines_on_a_cluster_node(tmp_path):
+    cluster = started_cluster(tmp_path)
+    node = redis.Redis(port=cluster.masters[0].port)
+    try:
+        check_dryrun(node, "conveyor-cluster-producer-tenant-a", "payments", CLUSTER)
+        check_dryrun(node, "conveyor-cluster-replica-tenant-a", "payments", {
+            "allowed": [("HSET", "payments:{payments}:model:m", "f", "v"), ("CLUSTER", "SLOTS")],
+            "denied": [("HSET", "payments-b:{payments-b}:model:m", "f", "v")]})  # fmt: skip
+    finally:
+        node.close()
+        cluster.stop()
