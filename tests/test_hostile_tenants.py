@@ -28,6 +28,7 @@ import pytest
 import redis
 
 from actors.embedded_valkey import EmbeddedValkey
+from clients.gateway.batch_runner import FairShare
 from clients.keys import Keys
 from fault_harness import wait_until
 from gateway_harness import GatewayProcess
@@ -255,6 +256,21 @@ def test_tenant_b_batch_starts_within_the_bound_while_a_floods(gateway):
             httpx.post(f"{gateway.base_url}/batches/{batch_id}/cancel", headers=headers("key-a1"), timeout=60)
         wait_until(lambda: all(batch_status(gateway, "key-a1", b) == "cancelled" for b in flood), 60,
                    "A's batches to be cancelled")  # fmt: skip
+
+
+def test_fair_share_takes_turns_and_never_refuses_a_tenant_its_first_batch():
+    share = FairShare(total=4, per_tenant=2)
+    running = {("a", "a1"): None, ("a", "a2"): None, ("c", "c1"): None}
+    assert not share.may_start("a", running), "a tenant's own cap"
+    assert share.may_start("c", running)
+    running[("d", "d1")] = None  # the total (4) is reached...
+    assert not share.may_start("c", running)
+    assert share.may_start("b", running), "...but a tenant driving none may always start one"
+    order = share.order({"a": [("a3", False), ("a4", False)], "b": [("b1", False), ("b2", False)],
+                         "c": [("c3", True)]})  # fmt: skip
+    assert order[0] == ("c", "c3", True), "a cancel first, whatever the counts"
+    tenants_in_turn = [ns for ns, _, _ in order[1:]]
+    assert tenants_in_turn in (["a", "b", "a", "b"], ["b", "a", "b", "a"]), order
 
 
 def test_a_line_nested_100000_deep_fails_its_batch_at_once(gateway):
