@@ -13,7 +13,6 @@ Every generation response carries `X-Conveyor-Job-Id` (also the tail of the resp
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -28,18 +27,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.background import BackgroundTask
-from starlette.requests import ClientDisconnect
 
 from clients.async_client import AsyncJob
 from clients.errors import ConveyorError
 from clients.event_reader import outcome
 from clients.events import Event, TokenEvent
+from clients.gateway.batch_store import MAX_UPLOAD_BYTES
+from clients.gateway.body_limit import BodyLimit, read_json
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
 from clients.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
 from clients.gateway.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
                                        job_from_completion, stream_flags)  # fmt: skip
+from clients.gateway.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
 
 log = logging.getLogger("conveyor.gateway")
 DEADLINE_GRACE_S = 2.0  # past a job's deadline, wait this long for the replica to report it
@@ -54,12 +55,20 @@ def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[
     app.state.settings = settings
     app.state.keyring = KeyRing(load_grants(settings.keys_file, settings.api_keys))
     app.state.metrics = Metrics()
+    app.add_middleware(BodyLimit, limit_of=_body_limit_of(settings), timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     _add_error_handlers(app)
     app.include_router(router)
     for extra in extra_routers:
         app.include_router(extra)
     return app
+
+
+def _body_limit_of(settings: GatewaySettings) -> Callable[[str], int]:
+    def limit_of(path: str) -> int:
+        return MAX_UPLOAD_BYTES if path.rstrip("/") == "/v1/files" else settings.max_body_bytes
+
+    return limit_of
 
 
 @asynccontextmanager
@@ -321,9 +330,11 @@ async def _plan(request: Request, tenant: Tenant, endpoint: Endpoint, settings: 
     fields["priority_class"] = tenant.priority_for(options.priority_class or fields.get("priority_class"))
     model = await tenant.models.require(fields["model"])
     vocab = await _vocabulary(tenant, model) if "logprobs" in fields else None
+    caps = WorkCaps(settings.max_samples, settings.max_total_tokens)
+    caps.check(fields, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     if endpoint.chat and "max_tokens" not in fields:
         left = await tenant.models.context_left(model.name, fields["messages"])
-        fields.update({"max_tokens": left} if left else {})
+        fields["max_tokens"] = min(left or DEFAULT_MAX_TOKENS, caps.share(fields))
     return Plan(fields, options, stream, include_usage, vocab)
 
 
@@ -397,27 +408,3 @@ async def _vocabulary(tenant: Tenant, model: ServedModel) -> Any:
     except ConveyorError:
         raise invalid(f"logprobs are not available for model `{model.name}` (no tokenizer published)",
                       param="logprobs") from None
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, at most `limit` bytes (413 beyond)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise OpenAIError(413, f"request body over {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise OpenAIError(413, f"request body over {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise invalid("the client went away before sending the whole body", code="body_incomplete") from None
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError):
-        raise invalid("the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", code="invalid_json")
-    return body
-
