@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, PrefillSpan
+from engine.attention_metadata import AttentionMetadata, PrefillSpan, pack_prefills
 from engine.config import EngineConfig
 from engine.distributed.group import TPGroup, rank_device
 from engine.distributed.launcher import Workers
@@ -52,6 +52,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto``: Triton on CUDA where it is installed, else the torch reference; ``triton``
+    where it cannot run is refused with the reason."""
+    from kernels.triton import unusable_reason
+    reason = unusable_reason(device.type)
+    if name == "auto":
+        return "triton" if device.type == "cuda" and reason is None else "torch"
+    if name == "triton" and reason is not None:
+        raise ValueError(f"attention_backend='triton' on {device.type}: {reason}")
+    return name
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -67,13 +79,16 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.workers: Workers | None = None  # rank 0 of a tensor-parallel group: the other ranks
         self.tp = tp or self._start_workers(spec)
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)
         if self.tp is None:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
-            self.backend = prepare(self.model, self.device, decoder_layout,
+            # the CPU's compiled whole-model decoder has its own attention: not with Triton's
+            layout = decoder_layout if self.attention_backend == "torch" else None
+            self.backend = prepare(self.model, self.device, layout,
                                    batch_copies=gguf_batch_copies(config.quantization))
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
@@ -81,10 +96,21 @@ class ModelRunner:
             self.backend = prepare(self.model, self.device)
         self._tails: list[Tail] = []  # rank 0: what the last step sampled, sent with the next plan
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self._bind_triton_kernels()
         self.num_blocks = self._allocate_kv_cache()
         self.sampler = Sampler(self.device, config.seed)
         self.grammar_masks = GrammarMasks(spec.hf_config.vocab_size)
         self.seqs: dict[str, RunnerSeq] = {}
+
+    def _bind_triton_kernels(self) -> None:
+        if self.attention_backend != "triton":
+            return
+        from kernels import layer_ops
+        from kernels.triton import attention
+        for layer in self.attention_layers:
+            layer.triton = attention
+        if self.device.type == "cuda":  # the fused norms and SiLU-and-mul too (CPU has its own)
+            layer_ops.use_triton_on_cuda()
 
     def _start_workers(self, spec: ModelSpec) -> TPGroup | None:
         size = self.config.tensor_parallel_size
@@ -239,6 +265,8 @@ class ModelRunner:
         num_decode = len(decode_lens)
         positions_t = self._tensor(positions)
         meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
+        if prefills and self.attention_backend == "triton":
+            meta.packed_prefills = pack_prefills(prefills, self.device)
         if num_decode:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
