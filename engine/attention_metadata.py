@@ -23,15 +23,17 @@ class PackedPrefills:
     max_len: int  # the longest span (sizes the launch grid)
 
 
-def pack_prefills(prefills: list[PrefillSpan], device: torch.device) -> PackedPrefills:
-    width = max(len(span.block_table) for span in prefills)
-    tables = torch.zeros(len(prefills), width, dtype=torch.long, device=device)
-    for row, span in enumerate(prefills):
-        tables[row, :len(span.block_table)] = span.block_table
-    column = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-    return PackedPrefills(column([s.start for s in prefills]), column([s.end - s.start for s in prefills]),
-                          column([s.prefix_len for s in prefills]), tables,
-                          max(s.end - s.start for s in prefills))
+def pack_prefills(prefills: list[PrefillSpan], block_tables: list[list[int]], device: torch.device) -> PackedPrefills:
+    """``block_tables``: each span's table as host ints. Built on the host and copied once
+    (from pinned memory on CUDA: no wait on the device)."""
+    width = max(map(len, block_tables))
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+    columns = torch.tensor([[s.start for s in prefills], [s.end - s.start for s in prefills],
+                            [s.prefix_len for s in prefills]], dtype=torch.long)
+    if device.type == "cuda":
+        tables, columns = tables.pin_memory(), columns.pin_memory()
+    tables, columns = tables.to(device, non_blocking=True), columns.to(device, non_blocking=True)
+    return PackedPrefills(columns[0], columns[1], columns[2], tables, max(s.end - s.start for s in prefills))
 
 
 @dataclass

@@ -23,6 +23,9 @@ class EngineConfig:
     # auto: triton on CUDA (kernels/triton/), the torch reference elsewhere; triton on CPU
     # runs only under Triton's interpreter (TRITON_INTERPRET=1: slow, for tests)
     attention_backend: str = "auto"
+    # vLLM's name: never capture CUDA graphs (they are captured for decode steps on CUDA with
+    # the Triton backend, one graph per batch-size bucket; engine/cuda_graphs.py)
+    enforce_eager: bool = False
     # ranks the model is split over (attention heads and MLP, Megatron-style), one process
     # each, rank 0 in this one (docs/architecture.md "Tensor parallel"); 1: no split
     tensor_parallel_size: int = 1

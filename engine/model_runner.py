@@ -10,6 +10,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata, PrefillSpan, pack_prefills
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_buckets
 from engine.distributed.group import TPGroup, rank_device
 from engine.distributed.launcher import Workers
 from engine.distributed.shard import check_shardable, shard_model
@@ -98,7 +99,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self._bind_triton_kernels()
         self.num_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device, config.seed)
+        self.graphs = self._capture_decode_graphs()
+        self.sampler = Sampler(self.device, config.seed,
+                               fused=self.attention_backend == "triton" and self.device.type == "cuda")
         self.grammar_masks = GrammarMasks(spec.hf_config.vocab_size)
         self.seqs: dict[str, RunnerSeq] = {}
 
@@ -111,6 +114,18 @@ class ModelRunner:
             layer.triton = attention
         if self.device.type == "cuda":  # the fused norms and SiLU-and-mul too (CPU has its own)
             layer_ops.use_triton_on_cuda()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode-only steps: on CUDA with the Triton backend (whose kernels
+        take padded rows), one process, unless ``enforce_eager``."""
+        if (self.device.type != "cuda" or self.attention_backend != "triton" or self.config.enforce_eager
+                or self.tp is not None):
+            return None
+        graphs = DecodeGraphs(self.model, graph_buckets(self.config.max_num_seqs),
+                              -(-self.max_model_len // self.block_size), self.device)
+        graphs.capture()
+        log.info("CUDA graphs captured for decode batches %s", graphs.buckets)
+        return graphs
 
     def _start_workers(self, spec: ModelSpec) -> TPGroup | None:
         size = self.config.tensor_parallel_size
@@ -214,6 +229,8 @@ class ModelRunner:
         """Final hidden states: the backend's whole-model decoder where it serves the step,
         else the model's layers."""
         meta, tokens = batch.meta, batch.input_ids.shape[0]
+        if self.graphs is not None and self.graphs.serves(tokens, meta):
+            return self.graphs.replay(batch.input_ids, batch.positions, meta)
         if meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
             return self.backend.decode(batch.input_ids, batch.positions, meta.slot_mapping,
                                        meta.decode_block_tables, meta.decode_context_lens)
@@ -241,7 +258,7 @@ class ModelRunner:
         # decodes (one new token, or one and its drafts) first: they share one batched attention call
         ordered = sorted(scheduled, key=lambda s: not _decodes(s))
         input_ids, positions, logits_indices, sampling_ids, prompt_spans = [], [], [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
+        decode_tables, decode_lens, prefills, prefill_tables = [], [], [], []
         for item in ordered:
             seq = self.seqs[item.seq_id]
             start, end = item.num_computed, item.num_computed + item.num_new
@@ -255,6 +272,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSpan(offset, offset + item.num_new, start,
                                             self._tensor(seq.block_table)))
+                prefill_tables.append(seq.block_table)
             if end == len(seq.token_ids):  # logits at the last token and at each draft
                 last = offset + item.num_new
                 logits_indices += range(last - 1 - len(item.draft_token_ids), last)
@@ -266,7 +284,7 @@ class ModelRunner:
         positions_t = self._tensor(positions)
         meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
         if prefills and self.attention_backend == "triton":
-            meta.packed_prefills = pack_prefills(prefills, self.device)
+            meta.packed_prefills = pack_prefills(prefills, prefill_tables, self.device)
         if num_decode:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
@@ -285,6 +303,8 @@ class ModelRunner:
         return blocks * self.block_size + positions % self.block_size
 
     def _tensor(self, values) -> torch.Tensor:
+        if self.device.type == "cuda":  # from pinned host memory, copied without waiting for the device
+            return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 

@@ -27,8 +27,9 @@ class _Scopes:
 def patch_once_per_launch() -> None:
     from triton.runtime import interpreter
     import triton.language as tl
-    if getattr(interpreter, "_patched_once_per_launch", False):
-        return
+    if getattr(interpreter, "_patched_once_per_launch", False) or not all(
+            hasattr(interpreter, name) for name in ("_patch_lang", "_patch_builtin", "_patch_attr")):
+        return  # done, or a Triton whose interpreter is laid out differently: left as it is
     original = interpreter._patch_lang
     core_user = tl.standard.sum.fn  # a function whose globals hold triton.language.core
     listed: dict[int, list] = {}
