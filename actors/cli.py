@@ -11,6 +11,7 @@ from pathlib import Path
 
 from clients import cli as client_cli
 from clients import connection
+from clients.tool_parsers import PARSERS
 
 log = logging.getLogger("conveyor")
 
@@ -79,6 +80,9 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="server-side bound of each request stream: submits past it are refused "
                              "(env CONVEYOR_MAX_QUEUE_LEN)")
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="how jobs with tools have the model's calls read (default: by the chat template, "
+                             "hermes or llama3_json; env CONVEYOR_TOOL_CALL_PARSER)")
     parser.add_argument("--max-bytes-in-flight", type=int, default=None,
                         help="bytes of request entries held at once (default 64 MiB; env CONVEYOR_MAX_BYTES_IN_FLIGHT)")
     parser.add_argument("--engine-process", type=_flag_type(bool), default=_env_flag("CONVEYOR_ENGINE_PROCESS", True),
@@ -108,7 +112,7 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
     config = ReplicaConfig(redis=redis_settings)
     for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "metrics_host",
                  "served_model_name", "max_tokens_cap", "max_prompt_tokens", "max_queue_len",
-                 "max_bytes_in_flight"):
+                 "max_bytes_in_flight", "tool_call_parser"):
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     return config

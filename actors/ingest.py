@@ -19,6 +19,9 @@ from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, Job
 from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
 from clients.protocol import JobRequest, decode_job, payload_digest
+from clients.tool_grammar import forced_call_schema
+from clients.tool_parsers import ToolReading
+from clients.tool_schema import choice_mode
 from engine import InvalidRequest, LLMEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -130,7 +133,7 @@ class IngestActor(Actor):
         if attempt in (DUPLICATE, CONFLICT):
             return await self._drop_second_submission(entry, job, attempt == CONFLICT)
         delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
-                            job.deadline, entry.size)
+                            job.deadline, entry.size, self._tool_reading(job))
         await self.ledger.send(Track(delivery))
         await self._hand_on(entry, job, delivery, cancelled)
         return False
@@ -199,10 +202,22 @@ class IngestActor(Actor):
                                                 f"of {cap} (max_tokens_cap)", None)
         return None
 
+    def _tool_reading(self, job: JobRequest) -> ToolReading | None:
+        mode = choice_mode(job.tool_choice)
+        if not job.tools or mode == "none":
+            return None
+        names = (job.tool_choice.function.name,) if mode == "named" else tuple(t.function.name for t in job.tools)
+        return ToolReading(mode, self.config.tool_call_parser or self.inputs.tool_parser(), names, job.job_id)
+
     def _make_sequence(self, job: JobRequest, entry_id: str):
-        seq = self.inputs.sequence_for(job.job_id, job.prompt or job.prompt_token_ids,
-                                       SamplingParams(**job.sampling_params()), job.priority_class,
-                                       job.priority, _enqueue_time(entry_id), job.chat_messages())
+        params = job.sampling_params()
+        tools = job.tools_given()
+        forced = tools and forced_call_schema(job.tools, job.tool_choice, job.parallel_tool_calls)
+        if forced:  # the grammar that makes the call valid (the job cannot also give one)
+            params["structured_outputs"] = forced
+        seq = self.inputs.sequence_for(job.job_id, job.prompt or job.prompt_token_ids, SamplingParams(**params),
+                                       job.priority_class, job.priority, _enqueue_time(entry_id),
+                                       job.chat_messages(), tools and tools["tools"])
         cap = self.config.max_prompt_tokens
         if cap is not None and seq.num_prompt_tokens > cap:
             raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "

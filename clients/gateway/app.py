@@ -37,6 +37,8 @@ from clients.events import Event, TokenEvent
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
+from clients.gateway.tool_requests import counted_messages, reads_tools
+from clients.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 from clients.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
 from clients.gateway.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
                                        job_from_completion, stream_flags)  # fmt: skip
@@ -294,6 +296,8 @@ async def generate(request: Request, tenant: Tenant, endpoint: Endpoint) -> Resp
     run = JobRun(job, plan.options.keep_on_disconnect)
     writer = ChunkWriter(endpoint.chat, endpoint.id_prefix + job.job_id, plan.fields["model"], int(time.time()),
                          plan.include_usage, plan.vocab, plan.fields.get("n", 1))  # fmt: skip
+    if endpoint.chat and reads_tools(plan.fields):
+        writer = ToolChunkWriter(**vars(writer), job_id=job.job_id, named=named_function(plan.fields))
     events = job.events(timeout=plan.options.timeout_s + DEADLINE_GRACE_S, idle=False)
     try:
         if plan.stream:
@@ -322,7 +326,7 @@ async def _plan(request: Request, tenant: Tenant, endpoint: Endpoint, settings: 
     model = await tenant.models.require(fields["model"])
     vocab = await _vocabulary(tenant, model) if "logprobs" in fields else None
     if endpoint.chat and "max_tokens" not in fields:
-        left = await tenant.models.context_left(model.name, fields["messages"])
+        left = await tenant.models.context_left(model.name, counted_messages(fields))
         fields.update({"max_tokens": left} if left else {})
     return Plan(fields, options, stream, include_usage, vocab)
 
@@ -348,7 +352,8 @@ def _response_body(endpoint: Endpoint, result: Any, writer: ChunkWriter, logprob
     if endpoint.chat:
         tier = "flex" if fields["priority_class"] == "batch" else "default"
         rendered = {i: chat_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
-        return chat_body(result, **common, logprobs=rendered, service_tier=tier)
+        body = chat_body(result, **common, logprobs=rendered, service_tier=tier)
+        return with_tool_calls(body, result.outputs) if reads_tools(fields) else body
     rendered = {i: completion_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
     return completion_body(result, **common, logprobs=rendered)
 
