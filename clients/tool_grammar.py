@@ -5,6 +5,9 @@ arguments validate.
   named      the output is the function's arguments object (its `parameters` schema)
   required   the output is a JSON list of `{"name": ..., "parameters": {...}}`, one item
              per call (exactly one when parallel_tool_calls is false)
+
+Both without whitespace outside strings: a model unsure of itself cannot spend its
+max_tokens on blank lines the grammar would otherwise allow.
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ def forced_call_schema(tools: list[ToolSpec], choice: ToolChoice | None, paralle
     mode = choice_mode(choice)
     if mode == "named":
         assert isinstance(choice, NamedToolChoice)
-        return {"json": _parameters(_tool(tools, choice.function.name))}
+        return {"json": _parameters(_tool(tools, choice.function.name)), "disable_any_whitespace": True}
     if mode == "required":
         items = {"anyOf": [_call_schema(tool) for tool in tools]}
-        return {"json": {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1})}}
+        schema = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        return {"json": schema, "disable_any_whitespace": True}
     return None
 
 
