@@ -22,7 +22,7 @@ from clients.protocol import JobRequest, decode_job, payload_digest
 from clients.tool_grammar import forced_call_schema
 from clients.tool_parsers import ToolReading
 from clients.tool_schema import choice_mode
-from engine import InvalidRequest, LLMEngine, SamplingParams
+from engine import InvalidRequest, LLMEngine, LoRARequest, SamplingParams
 
 log = logging.getLogger(__name__)
 FIRST_IDLE_POLL_S = 0.001  # empty streams: poll again after this, doubling up to the cap
@@ -44,6 +44,9 @@ class IngestActor(Actor):
         self.publisher = publisher
         self.config = config
         self.warnings = RateLimitedLog(log)
+        # the adapters a job may name in `lora`: ids in --lora-modules order (the engine's slots and cache keys)
+        self.adapters = {name: LoRARequest(name, number, path)
+                         for number, (name, path) in enumerate(config.lora_modules.items(), start=1)}
 
     async def run(self) -> None:
         idle_s = FIRST_IDLE_POLL_S
@@ -218,11 +221,21 @@ class IngestActor(Actor):
         seq = self.inputs.sequence_for(job.job_id, job.prompt or job.prompt_token_ids, SamplingParams(**params),
                                        job.priority_class, job.priority, _enqueue_time(entry_id),
                                        job.chat_messages(), tools and tools["tools"])
+        seq.lora_request = self._adapter(job.lora)
         cap = self.config.max_prompt_tokens
         if cap is not None and seq.num_prompt_tokens > cap:
             raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "
                                            f"{cap} (max_prompt_tokens)")
         return seq
+
+
+    def _adapter(self, name: str | None) -> LoRARequest | None:
+        if name is None:
+            return None
+        if name not in self.adapters:
+            served = ", ".join(self.adapters) or "none"
+            raise InvalidRequest("lora", f"this replica serves no adapter {name!r} (served: {served})")
+        return self.adapters[name]
 
 
 def _salvaged_job_id(stub_fields: dict) -> str | None:

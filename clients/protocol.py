@@ -69,6 +69,7 @@ from clients.safe_payload import read_payload, readable_job_id  # noqa: F401
 from clients.tool_schema import (MAX_TOOL_CALLS, MAX_TOOLS, MessageToolCall, ToolChoice, ToolSpec, check_tools,
                                  tool_choice_of)
 
+ADAPTER_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 
@@ -210,6 +211,7 @@ class JobRequest(BaseModel):
     result_ttl: int = Field(default=86_400, ge=1, le=MAX_RESULT_TTL)
     metadata: dict[str, Any] = Field(default_factory=dict)
     model: str | None = Field(default=None, min_length=1, max_length=256)
+    lora: str | None = Field(default=None, pattern=ADAPTER_NAME)  # a LoRA adapter the replica serves (--lora-modules)
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
@@ -420,7 +422,7 @@ def _check_version(payload: dict) -> None:
 # digest") defines it, with a JavaScript reference and test vectors.
 
 DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
-OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls")  # hashed only when given (tools: all three): older digests stay valid
+OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora")  # hashed only when given (tools: all three): older digests stay valid
 
 
 def payload_digest(job: JobRequest) -> str:
@@ -440,6 +442,8 @@ def digest_input(job: JobRequest) -> str:
         content["structured_outputs"] = job.structured_outputs_given()
     if job.tools is not None:  # hashed only when given, as structured_outputs
         content.update(job.tools_given())
+    if job.lora is not None:
+        content["lora"] = job.lora
     return canonical_json(content)
 
 

@@ -20,9 +20,10 @@ from transformers import AutoTokenizer
 
 from fault_harness import ServeProcess, wait_until
 from gateway_harness import GatewayThread, openai_client
+from lora_adapter import make_adapter
 from tool_model import build_tool_model
 
-MODEL = "tiny-tools"
+MODEL, ADAPTER = "tiny-tools", "terse"
 CITY = {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}
 WEATHER_PARAMS = {"type": "object", "properties": {"city": CITY, "days": {"type": "integer", "minimum": 1,
                                                                           "maximum": 7}},
@@ -42,24 +43,28 @@ def stack(tmp_path_factory, redis_url):
     from clients.gateway import batch_routes, responses
     log_dir = tmp_path_factory.mktemp("tools_logs")
     model_dir = build_tool_model(tmp_path_factory.mktemp("tool_model"))
+    adapter_dir = make_adapter(model_dir, tmp_path_factory.mktemp("tool_adapter"), 3, ["q_proj", "v_proj", "down_proj"], 4)
     ns = f"tools-{uuid.uuid4().hex[:10]}"
     replica = ServeProcess(model_dir, redis_url, ns, "tools-replica", log_dir,
-                           args=["--served-model-name", MODEL, "--max-model-len", "1024"]).start()  # fmt: skip
+                           args=["--served-model-name", MODEL, "--max-model-len", "1024",
+                                 "--lora-modules", f"{ADAPTER}={adapter_dir}"]).start()  # fmt: skip
     gateway = GatewayThread(redis_url, ns, extra_routers=(batch_routes.router, responses.router))
     try:
         replica.wait_ready(timeout=180)
         gateway.start()
         sdk = openai_client(gateway)
-        wait_until(lambda: [m.id for m in sdk.models.list().data] == [MODEL], 60, "the gateway to list the model")
-        yield Stack(gateway, sdk, AutoTokenizer.from_pretrained(model_dir), redis_url, ns)
+        wait_until(lambda: [m.id for m in sdk.models.list().data] == [MODEL, ADAPTER], 60,
+                   "the gateway to list the model and its adapter")
+        yield Stack(gateway, sdk, AutoTokenizer.from_pretrained(model_dir), redis_url, ns, model_dir, adapter_dir)
     finally:
         gateway.stop()
         replica.stop()
 
 
 class Stack:
-    def __init__(self, gateway, sdk, tokenizer, redis_url, ns):
+    def __init__(self, gateway, sdk, tokenizer, redis_url, ns, model_dir, adapter_dir):
         self.gateway, self.sdk, self.tokenizer, self.redis_url, self.ns = gateway, sdk, tokenizer, redis_url, ns
+        self.model_dir, self.adapter_dir = model_dir, adapter_dir
 
     def prompt_tokens(self, messages, tools=None) -> int:
         """Tokens of transformers' own rendering (call arguments as objects, as its templates expect)."""
@@ -255,3 +260,35 @@ def test_langchain_bind_tools_and_with_structured_output(stack):
     jsonschema.validate(call["args"], WEATHER_PARAMS)
     forecast = llm.with_structured_output(Forecast).invoke("Forecast?")
     assert isinstance(forecast, Forecast) and forecast.city in ("Paris", "Oslo")
+
+
+# ---------------------------------------------------------------- LoRA adapters through the queue
+
+
+def test_an_adapter_named_by_model_runs_through_the_queue_as_offline(stack):
+    from clients import Client
+    from engine import LLM, LoRARequest, SamplingParams
+    [listed] = [m for m in stack.sdk.models.list().data if m.id == ADAPTER]
+    assert listed.parent == MODEL
+    ids = stack.tokenizer.encode(stack.tokenizer.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True),
+                                 add_special_tokens=False)
+    offline = LLM(stack.model_dir, enable_lora=True, max_lora_rank=4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    adapter = LoRARequest(ADAPTER, 1, stack.adapter_dir)
+    [expected] = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False, lora_request=adapter)
+    [base] = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert expected.outputs[0].token_ids != base.outputs[0].token_ids
+    for model in (ADAPTER, f"{MODEL}:{ADAPTER}"):
+        reply = stack.sdk.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=10,
+                                                  extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == expected.outputs[0].text, model
+    plain = stack.sdk.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=10,
+                                              extra_body={"ignore_eos": True})
+    assert plain.choices[0].message.content == base.outputs[0].text
+    with pytest.raises(openai.NotFoundError):
+        stack.sdk.chat.completions.create(model=f"{MODEL}:nope", messages=ASK, max_tokens=2)
+    with Client(stack.redis_url, stack.ns) as client:  # a producer naming an adapter nobody serves
+        job = client.submit(messages=ASK, model=MODEL, lora="nope", max_tokens=2)
+        with pytest.raises(Exception) as failure:
+            job.result(timeout=60)
+        assert "lora" in str(failure.value) and "terse" in str(failure.value)

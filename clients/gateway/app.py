@@ -34,6 +34,7 @@ from clients.async_client import AsyncJob
 from clients.errors import ConveyorError
 from clients.event_reader import outcome
 from clients.events import Event, TokenEvent
+from clients.gateway.adapters import adapter_objects, resolve_model
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
@@ -183,7 +184,8 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(tenant: Tenant = Depends(tenant_of)) -> dict:
     """Models with a live replica in the tenant's namespace (ModelDirectory says how)."""
-    return {"object": "list", "data": [_model_object(m) for m in await tenant.models.live()]}
+    live = await tenant.models.live()
+    return {"object": "list", "data": [_model_object(m) for m in live] + adapter_objects(live)}
 
 
 @router.get("/v1/models/{model_id}")
@@ -323,7 +325,7 @@ async def _plan(request: Request, tenant: Tenant, endpoint: Endpoint, settings: 
     stream, include_usage = stream_flags(body)
     options = RequestOptions.of(request, settings)
     fields["priority_class"] = tenant.priority_for(options.priority_class or fields.get("priority_class"))
-    model = await tenant.models.require(fields["model"])
+    model = await resolve_model(tenant, fields)  # an adapter's name: its base model, and `lora`
     vocab = await _vocabulary(tenant, model) if "logprobs" in fields else None
     if endpoint.chat and "max_tokens" not in fields:
         left = await tenant.models.context_left(model.name, counted_messages(fields))

@@ -30,6 +30,7 @@ from clients.errors import ConveyorError, JobCancelled, JobFailed
 from clients.event_reader import JobResult, outcome
 from clients.events import TokenEvent
 from clients.gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
+from clients.gateway.adapters import resolve_model
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.response_items import (chat_body, check_fields, history_of, input_messages, message_item,
                                             output_items, usage)  # fmt: skip
@@ -165,7 +166,7 @@ async def _draft(request: Request, tenant: Tenant, body: dict) -> Draft:
     options = RequestOptions.of(request, settings)
     wanted = "batch" if body.get("background") else options.priority_class or fields.get("priority_class")
     fields["priority_class"] = tenant.priority_for(wanted)
-    model = await tenant.models.require(fields["model"])
+    model = await resolve_model(tenant, fields)
     if "max_tokens" not in fields:
         left = await tenant.models.context_left(model.name, counted_messages(fields))
         fields.update({"max_tokens": left} if left else {})

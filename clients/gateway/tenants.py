@@ -29,7 +29,7 @@ from fastapi import Request
 from clients.async_client import AsyncClient
 from clients.gateway.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
-from clients.model_info import fetch_model_info_async
+from clients.model_info import adapter_names, fetch_model_info_async
 
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")
@@ -139,6 +139,7 @@ class ServedModel:
     published_at: float
     tokenizer_sha256: str | None
     idle_s: float | None  # since a replica of it last touched a request stream; None: never seen
+    adapters: tuple[str, ...] = ()  # its LoRA adapters (a request's model may name one)
 
     def live(self, replica_idle_s: float) -> bool:
         return self.idle_s is not None and self.idle_s <= replica_idle_s
@@ -232,7 +233,7 @@ class ModelDirectory:
         names = sorted({n for n in (m.decode("utf-8", "replace") for m in members) if 0 < len(n) <= 256})
         pipe = redis.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256")
+            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256", "lora_adapters")
         streams = [*keys.all_requests, *(s for name in names for s in keys.all_model_requests(name))]
         for stream in streams:
             pipe.xinfo_consumers(stream, GROUP)
@@ -250,7 +251,8 @@ def _served(keys: Keys, name: str, info: Any, consumers: dict[str, Any]) -> Serv
     except ValueError:
         return None  # unreadable model info: as good as none
     sha = info[2].decode("ascii", "replace") if isinstance(info[2], bytes) else None  # junk bytes: no crash
-    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers))
+    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers),
+                       adapter_names(info[3] if len(info) > 3 else None))
 
 
 def _idle_s(keys: Keys, name: str, consumers: dict[str, Any]) -> float | None:

@@ -7,6 +7,7 @@ into B when read.
 """
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from engine.lora.request import LoRARequest
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 UNSUPPORTED_KEYS = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform")
 WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # as a job's `lora` (clients/protocol.py)
 
 
 @dataclass(frozen=True)
