@@ -422,7 +422,8 @@ def _check_version(payload: dict) -> None:
 # digest") defines it, with a JavaScript reference and test vectors.
 
 DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
-OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora")  # hashed only when given (tools: all three): older digests stay valid
+# hashed only when given (tools: all three): older digests stay valid
+OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora")
 
 
 def payload_digest(job: JobRequest) -> str:

@@ -16,10 +16,12 @@ from clients.event_reader import JobResult
 from clients.gateway.errors import invalid
 from clients.gateway.tools import openai_calls
 
-PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "metadata", "user", "service_tier", "stream", "ignore_eos",
-             "seed", "top_k", "min_p", "repetition_penalty", "stop", "presence_penalty", "frequency_penalty")  # fmt: skip
+PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "metadata", "user", "service_tier", "stream",
+             "ignore_eos", "seed", "top_k", "min_p", "repetition_penalty", "stop", "presence_penalty",
+             "frequency_penalty")  # fmt: skip
 OWN = ("input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "previous_response_id",
-       "store", "background", "truncation", "reasoning", "include", "prompt_cache_key", "safety_identifier")  # fmt: skip
+       "store", "background", "truncation", "reasoning", "include", "prompt_cache_key",
+       "safety_identifier")  # fmt: skip
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_INPUT_ITEMS = 4096

@@ -97,6 +97,7 @@ def _held_back(output: OutputChoice) -> list[dict]:
     for number, call in enumerate(output.tool_calls or []):
         deltas.append({"tool_calls": [{"index": number, "id": call.id, "type": "function",
                                        "function": {"name": call.name, "arguments": ""}}]})
-        deltas += [{"tool_calls": [{"index": number, "function": {"arguments": call.arguments[at:at + ARGUMENT_PIECE_CHARS]}}]}
-                   for at in range(0, len(call.arguments), ARGUMENT_PIECE_CHARS)]
+        pieces = [call.arguments[at:at + ARGUMENT_PIECE_CHARS] for at in range(0, len(call.arguments),
+                                                                               ARGUMENT_PIECE_CHARS)]
+        deltas += [{"tool_calls": [{"index": number, "function": {"arguments": piece}}]} for piece in pieces]
     return deltas
