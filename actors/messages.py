@@ -4,6 +4,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from clients.protocol import JobRequest
+from clients.tool_parsers import ToolReading
 from engine.outputs import RequestOutput
 from engine.core_request import EngineCoreRequest
 
@@ -23,6 +24,7 @@ class Delivery:
     metadata: dict = field(default_factory=dict, compare=False)  # the job's, read only
     deadline: float | None = None  # absolute epoch seconds
     size: int = 0  # bytes of the entry: counted against the replica's bytes in flight
+    tools: ToolReading | None = field(default=None, compare=False)  # a job with tools: how its outputs are read
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ class Replica:
         self.ledger.connect(self.ingest, self.scheduler)
         self.cancels = CancelWatcher(self.streams, self.ledger)
         self.announcer = ModelAnnouncer(self.streams, facts, engine.tokenizer, self.model_name,
-                                        config.max_queue_len, config.max_tokens_cap)
+                                        config.max_queue_len, config.max_tokens_cap,
+                                        tuple(config.lora_modules))
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import math
 import sys
 import time
@@ -57,6 +58,7 @@ class ModelInfo:
     tokenizer_json: bytes | None = field(default=None, repr=False)
     special_tokens: Mapping[str, Any] = field(default_factory=dict)  # bos_token, eos_token, ...
     published_at: float | None = None
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters a job may name in `lora` (conveyor serve --lora-modules)
 
     @property
     def tokenizer_sha256(self) -> str | None:
@@ -92,6 +94,7 @@ class ModelInfo:
             "chat_template": self.chat_template or "",
             "special_tokens": json.dumps(dict(self.special_tokens)),
             "published_at": repr(time.time() if self.published_at is None else self.published_at),
+            "lora_adapters": json.dumps(list(self.lora_adapters)),
         }
         if self.tokenizer_json is not None:
             fields.update(tokenizer_json=self.tokenizer_json, tokenizer_sha256=self.tokenizer_sha256)
@@ -109,6 +112,7 @@ class ModelInfo:
                 tokenizer_json=text.get("tokenizer_json"),
                 special_tokens=json.loads(text.get("special_tokens", b"{}")),
                 published_at=float(text["published_at"]) if "published_at" in text else None,
+                lora_adapters=adapter_names(text.get("lora_adapters")),
             )
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"model info is malformed: {type(exc).__name__}: {exc}") from None
@@ -126,6 +130,21 @@ class ModelInfo:
         except Exception as exc:  # tokenizers' own errors for a tokenizer.json it cannot read
             raise ProtocolError(f"model info of {self.name!r}: tokenizer_json is unusable: "
                                 f"{type(exc).__name__}") from None
+
+
+MAX_ADAPTERS = 256
+ADAPTER = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def adapter_names(raw: bytes | None) -> tuple[str, ...]:
+    """The published adapter names (producer-writable: junk is none, names are checked, at most MAX_ADAPTERS)."""
+    try:
+        names = json.loads(raw) if raw else []
+    except (ValueError, UnicodeDecodeError):
+        return ()
+    if not isinstance(names, list):
+        return ()
+    return tuple(n for n in names[:MAX_ADAPTERS] if isinstance(n, str) and ADAPTER.match(n))
 
 
 def _check_sha256(info: ModelInfo, published: bytes | None) -> None:

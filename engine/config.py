@@ -50,6 +50,10 @@ class EngineConfig:
     # its JSON): prompt-lookup drafts verified in one step; steps then never overlap (docs/speculative.md)
     speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0
+    # LoRA adapters per request (Llama family; engine/lora/): vLLM's names
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once (a step mixes at most this many)
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         for f in fields(self):
@@ -69,6 +73,8 @@ class EngineConfig:
             self.max_batch_size = self.max_num_seqs
         if self.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError("enable_lora: needs tensor_parallel_size 1, max_loras >= 1 and max_lora_rank >= 1")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             if self.async_scheduling:

@@ -17,7 +17,9 @@ class EngineCoreRequest:
     priority: int
     arrival_time: float
     grammar: object | None = None  # compiled grammar (serialized where it crosses a process: grammar_compiler.py)
+    lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
 
     def to_sequence(self) -> Sequence:
         return Sequence(self.request_id, list(self.prompt_token_ids), self.params, self.max_tokens,
-                        self.priority_class, self.priority, self.arrival_time, grammar=self.grammar)
+                        self.priority_class, self.priority, self.arrival_time, grammar=self.grammar,
+                        lora_request=self.lora_request)

@@ -1,6 +1,7 @@
 """Turns a user's prompt + parameters into a validated request for the engine core (or an InvalidRequest)."""
 import time
 
+from engine import chat_tools
 from engine.core_request import EngineCoreRequest
 from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
@@ -39,24 +40,33 @@ class InputProcessor:
             return list(prompt)
         raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat; `tools` (OpenAI's function tools) as engine/chat_tools.py renders them."""
         if not messages:
             raise InvalidRequest("messages", "must not be empty")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("messages", "this model's tokenizer has no chat template")
         for index, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
-                    or not isinstance(message.get("role"), str):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content", ""), str):
                 raise InvalidRequest(f"messages[{index}]", "must be {'role': str, 'content': str}")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if chat_tools.uses_tools(messages, tools):
+            text = chat_tools.chat_text(self.tokenizer, messages, tools)
+        else:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenize(text, add_special_tokens=False)  # the template has them
+
+    def tool_parser(self) -> str:
+        """The tool-call parser this model's output needs (engine/chat_tools.py)."""
+        return chat_tools.default_tool_parser(self.tokenizer)
 
     def request_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                     priority_class: str = "interactive", priority: int = 0,
-                    arrival_time: float | None = None, messages: list[dict] | None = None) -> EngineCoreRequest:
+                    arrival_time: float | None = None, messages: list[dict] | None = None,
+                    tools: list[dict] | None = None) -> EngineCoreRequest:
         """Tokenize (or apply the chat template) and validate: a request or InvalidRequest."""
         params = params or SamplingParams()
-        token_ids = self.apply_chat_template(messages) if messages is not None else self.tokenize(prompt)
+        token_ids = self.apply_chat_template(messages, tools) if messages is not None else self.tokenize(prompt)
         return self.make_request(request_id, token_ids, params, priority_class, priority, arrival_time)
 
     def sequence_for(self, *args, **kwargs) -> Sequence:

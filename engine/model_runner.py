@@ -16,6 +16,7 @@ from engine.distributed.launcher import Workers
 from engine.distributed.shard import check_shardable, shard_model
 from engine.distributed.step_message import Tail, encode_step, sampled_tails
 from engine.grammar_masks import GrammarMasks, GrammarState
+from engine.lora.manager import LoRAManager
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
 from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_copies
@@ -35,6 +36,7 @@ CUDA_KV_CACHE_FRACTION = 0.5  # of the memory free after the weights are loaded
 class RunnerSeq(SamplingRow):
     block_table: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: its matcher (kept across preemption)
+    lora_request: object | None = None  # engine.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -45,6 +47,7 @@ class InputBatch:
     logits_indices: torch.Tensor
     sampling_ids: list[str]
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # prompt positions to score
+    row_loras: list = field(default_factory=list)  # each token's LoRARequest or None (enable_lora only)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,6 +98,8 @@ class ModelRunner:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)
             self.backend = prepare(self.model, self.device)
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
+            if config.enable_lora else None  # after prepare: it wraps the backend's projections
         self._tails: list[Tail] = []  # rank 0: what the last step sampled, sent with the next plan
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self._bind_triton_kernels()
@@ -229,9 +234,11 @@ class ModelRunner:
         """Final hidden states: the backend's whole-model decoder where it serves the step,
         else the model's layers."""
         meta, tokens = batch.meta, batch.input_ids.shape[0]
-        if self.graphs is not None and self.graphs.serves(tokens, meta):
+        with_adapters = self.lora is not None and self.lora.set_batch(batch.row_loras)
+        # captured graphs and the backend's whole-model decoder hold the base projections: steps without adapters only
+        if not with_adapters and self.graphs is not None and self.graphs.serves(tokens, meta):
             return self.graphs.replay(batch.input_ids, batch.positions, meta)
-        if meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
+        if not with_adapters and meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
             return self.backend.decode(batch.input_ids, batch.positions, meta.slot_mapping,
                                        meta.decode_block_tables, meta.decode_context_lens)
         return self.model(batch.input_ids, batch.positions, meta)
@@ -245,7 +252,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
             self.seqs[new.seq_id] = RunnerSeq(new.params, list(new.token_ids), len(new.token_ids),
                                               new.min_tokens_stop_ids, generator,
-                                              grammar=GrammarState(new.grammar) if new.grammar else None)
+                                              grammar=GrammarState(new.grammar) if new.grammar else None,
+                                              lora_request=new.lora_request)
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
         for seq_id, num_blocks in plan.trimmed_tables.items():
@@ -257,7 +265,7 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledSeq]) -> InputBatch:
         # decodes (one new token, or one and its drafts) first: they share one batched attention call
         ordered = sorted(scheduled, key=lambda s: not _decodes(s))
-        input_ids, positions, logits_indices, sampling_ids, prompt_spans = [], [], [], [], []
+        input_ids, positions, logits_indices, sampling_ids, prompt_spans, row_loras = [], [], [], [], [], []
         decode_tables, decode_lens, prefills, prefill_tables = [], [], [], []
         for item in ordered:
             seq = self.seqs[item.seq_id]
@@ -266,6 +274,7 @@ class ModelRunner:
             offset = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            row_loras += [seq.lora_request] * item.num_new if self.lora is not None else []
             if _decodes(item):  # each verified draft too: a decode query over the cache up to itself
                 decode_tables += [seq.block_table] * item.num_new
                 decode_lens += range(start + 1, end + 1)
@@ -290,7 +299,7 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
         return InputBatch(self._tensor(input_ids), positions_t, meta, self._tensor(logits_indices),
-                          sampling_ids, prompt_spans)
+                          sampling_ids, prompt_spans, row_loras)
 
     def _slots(self, ordered: list[ScheduledSeq], positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of every token: block_table[pos // block_size] * block_size + pos % block_size."""

@@ -32,11 +32,14 @@ from clients.async_client import AsyncJob
 from clients.errors import ConveyorError
 from clients.event_reader import outcome
 from clients.events import Event, TokenEvent
+from clients.gateway.adapters import adapter_objects, resolve_model
 from clients.gateway.batch_store import MAX_UPLOAD_BYTES
 from clients.gateway.body_limit import BodyLimit, read_json
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
+from clients.gateway.tool_requests import counted_messages, reads_tools
+from clients.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 from clients.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
 from clients.gateway.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
                                        job_from_completion, stream_flags)  # fmt: skip
@@ -190,7 +193,8 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(tenant: Tenant = Depends(tenant_of)) -> dict:
     """Models with a live replica in the tenant's namespace (ModelDirectory says how)."""
-    return {"object": "list", "data": [_model_object(m) for m in await tenant.models.live()]}
+    live = await tenant.models.live()
+    return {"object": "list", "data": [_model_object(m) for m in live] + adapter_objects(live)}
 
 
 @router.get("/v1/models/{model_id}")
@@ -303,6 +307,8 @@ async def generate(request: Request, tenant: Tenant, endpoint: Endpoint) -> Resp
     run = JobRun(job, plan.options.keep_on_disconnect)
     writer = ChunkWriter(endpoint.chat, endpoint.id_prefix + job.job_id, plan.fields["model"], int(time.time()),
                          plan.include_usage, plan.vocab, plan.fields.get("n", 1))  # fmt: skip
+    if endpoint.chat and reads_tools(plan.fields):
+        writer = ToolChunkWriter(**vars(writer), job_id=job.job_id, named=named_function(plan.fields))
     events = job.events(timeout=plan.options.timeout_s + DEADLINE_GRACE_S, idle=False)
     try:
         if plan.stream:
@@ -328,12 +334,12 @@ async def _plan(request: Request, tenant: Tenant, endpoint: Endpoint, settings: 
     stream, include_usage = stream_flags(body)
     options = RequestOptions.of(request, settings)
     fields["priority_class"] = tenant.priority_for(options.priority_class or fields.get("priority_class"))
-    model = await tenant.models.require(fields["model"])
+    model = await resolve_model(tenant, fields)  # an adapter's name: its base model, and `lora`
     vocab = await _vocabulary(tenant, model) if "logprobs" in fields else None
     caps = WorkCaps(settings.max_samples, settings.max_total_tokens)
     caps.check(fields, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     if endpoint.chat and "max_tokens" not in fields:
-        left = await tenant.models.context_left(model.name, fields["messages"])
+        left = await tenant.models.context_left(model.name, counted_messages(fields))
         fields["max_tokens"] = min(left or DEFAULT_MAX_TOKENS, caps.share(fields))
     return Plan(fields, options, stream, include_usage, vocab)
 
@@ -359,7 +365,8 @@ def _response_body(endpoint: Endpoint, result: Any, writer: ChunkWriter, logprob
     if endpoint.chat:
         tier = "flex" if fields["priority_class"] == "batch" else "default"
         rendered = {i: chat_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
-        return chat_body(result, **common, logprobs=rendered, service_tier=tier)
+        body = chat_body(result, **common, logprobs=rendered, service_tier=tier)
+        return with_tool_calls(body, result.outputs) if reads_tools(fields) else body
     rendered = {i: completion_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
     return completion_body(result, **common, logprobs=rendered)
 

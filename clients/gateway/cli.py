@@ -76,11 +76,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     problem = check_credentials(settings.redis)
     if problem:
         return _fail(problem, EXIT_FAILED)
-    from clients.gateway import batch_routes  # fastapi + uvicorn: only now
+    from clients.gateway import batch_routes, responses  # fastapi + uvicorn: only now
     from clients.gateway.server import serve
 
     try:
-        return serve(settings, extra_routers=(batch_routes.router,))
+        return serve(settings, extra_routers=(batch_routes.router, responses.router))
     except (ValueError, OSError) as exc:  # a bad keys file, a port in use
         return _fail(str(exc), EXIT_USAGE)
 

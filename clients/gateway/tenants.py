@@ -29,7 +29,7 @@ from fastapi import Request
 from clients.async_client import AsyncClient
 from clients.gateway.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
-from clients.model_info import fetch_model_info_async
+from clients.model_info import adapter_names, fetch_model_info_async
 
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")
@@ -143,6 +143,7 @@ class ServedModel:
     tokenizer_sha256: str | None
     idle_s: float | None  # since a replica of it last touched a request stream; None: never seen
     template_bytes: int = 0  # of its chat template: with the two above, when to fetch the model info again
+    adapters: tuple[str, ...] = ()  # its LoRA adapters (a request's model may name one)
 
     @property
     def version(self) -> tuple:
@@ -241,7 +242,7 @@ class ModelDirectory:
         names = sorted({n for n in (m.decode("utf-8", "replace") for m in members) if 0 < len(n) <= 256})
         pipe = redis.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256")
+            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256", "lora_adapters")
             pipe.hstrlen(keys.model_info(name), "chat_template")
         streams = [*keys.all_requests, *(s for name in names for s in keys.all_model_requests(name))]
         for stream in streams:
@@ -263,7 +264,8 @@ def _served(keys: Keys, name: str, info: Any, template_bytes: Any,
         return None  # unreadable model info: as good as none
     sha = info[2].decode("ascii", "replace") if isinstance(info[2], bytes) else None  # junk bytes: no crash
     template_bytes = template_bytes if isinstance(template_bytes, int) else 0
-    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers), template_bytes)
+    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers), template_bytes,
+                       adapter_names(info[3] if len(info) > 3 else None))
 
 
 def _idle_s(keys: Keys, name: str, consumers: dict[str, Any]) -> float | None:
