@@ -27,6 +27,7 @@ import redis
 from fastapi import Request
 
 from clients.async_client import AsyncClient
+from clients.errors import ConveyorError
 from clients.gateway.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
 from clients.model_info import fetch_model_info_async
@@ -142,12 +143,12 @@ class ServedModel:
     published_at: float
     tokenizer_sha256: str | None
     idle_s: float | None  # since a replica of it last touched a request stream; None: never seen
-    template_bytes: int = 0  # of its chat template: with the two above, when to fetch the model info again
+    template_bytes: int = 0  # of its chat template: with the sha, when to fetch the model info again
 
     @property
     def version(self) -> tuple:
-        """What changes when a replica republishes, or a writer of the namespace rewrites, the model info."""
-        return self.tokenizer_sha256, self.template_bytes, self.published_at
+        """What changes when the model info is rewritten (by a new model, or by any writer of the namespace)."""
+        return self.tokenizer_sha256, self.template_bytes
 
     def live(self, replica_idle_s: float) -> bool:
         return self.idle_s is not None and self.idle_s <= replica_idle_s
@@ -203,12 +204,19 @@ class ModelDirectory:
 
     async def token_counter(self, model: ServedModel) -> Any:
         """A TokenCounter (clients.token_counter) with the model's tokenizer, fetched once
-        per tokenizer. Raises ModelNotPublished when the model info carries none."""
+        per version of the model info. Raises ModelNotPublished when the model info carries
+        none, ProtocolError when it is unusable: remembered too, so a bad record costs one
+        fetch per rewrite, not one per request."""
         version, counter = self._counters.get(model.name, (None, None))
         if counter is None or version != model.version:
-            info = await fetch_model_info_async(self.client.redis, self.client.keys, model.name)
-            counter = await asyncio.to_thread(info.token_counter)  # parsing tokenizer.json takes a while
+            try:
+                info = await fetch_model_info_async(self.client.redis, self.client.keys, model.name)
+                counter = await asyncio.to_thread(info.token_counter)  # parsing tokenizer.json takes a while
+            except ConveyorError as exc:
+                counter = exc
             self._counters[model.name] = (model.version, counter)
+        if isinstance(counter, ConveyorError):
+            raise counter.with_traceback(None)  # the remembered error, without the tracebacks of earlier raises
         return counter
 
     async def context_left(self, name: str, messages: list[dict]) -> int | None:
