@@ -42,6 +42,7 @@ RSS_BOUND_MB = 96  # an oversized input may cost the gateway at most this (its l
 FAIR_BOUND_S = 10.0  # B's batch starts within one scan (0.2 s here); generous on a shared box
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 2.0, 8.0, 60  # a 65 MB body arrives in 8 s
 MAX_SAMPLES, MAX_TOTAL_TOKENS = 4, 64
+MAX_REQUESTS_PER_TENANT = 8
 LATENCY: dict[str, list[float]] = {}  # attack -> baseline chat latencies (ms) before and after
 
 
@@ -85,7 +86,7 @@ def gateway(valkey, tenants, replica, tmp_path_factory):
            "TMPDIR": str(tmp_path_factory.mktemp("gateway_tmp"))}  # fmt: skip
     args = ["--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
             "--max-connections", str(MAX_CONNECTIONS), "--max-samples", str(MAX_SAMPLES),
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS)]  # fmt: skip
+            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-requests-per-tenant", str(MAX_REQUESTS_PER_TENANT)]
     with GatewayProcess(valkey.url, tmp_path_factory.mktemp("gateway_log"), keys=keys, args=args, env=env) as running:
         running.tmpdir = Path(env["TMPDIR"])
         wait_until(lambda: chat(running).status_code == 200, 60, "a first chat through the gateway")
@@ -356,6 +357,23 @@ def test_slow_headers_and_bodies_are_cut_off(gateway):
         status, _ = send_slowly(gateway, post_head("/v1/chat/completions", "key-b", "application/json", 100),
                                 [b"{"] * 100, pause_s=0.2)  # fmt: skip
         assert status == 408, status
+
+
+def test_a_tenant_holding_its_share_of_requests_leaves_the_others_theirs(gateway):
+    with Watch(gateway, f"tenant A holding {MAX_REQUESTS_PER_TENANT} slow requests"):
+        slow = []
+        for i in range(MAX_REQUESTS_PER_TENANT):  # both of A's keys count together
+            sock = socket.create_connection(("127.0.0.1", gateway.port), timeout=30)
+            sock.sendall(post_head("/v1/chat/completions", f"key-a{1 + i % 2}", "application/json", 100) + b"{")
+            slow.append(sock)
+        time.sleep(0.5)
+        refused = httpx.post(f"{gateway.base_url}/chat/completions", headers=headers("key-a1"), json={}, timeout=30)
+        assert refused.status_code == 429 and error_of(refused)["code"] == "tenant_busy", refused.text
+        assert chat(gateway).status_code == 200, "tenant B is served meanwhile"
+        for sock in slow:
+            sock.close()
+        wait_until(lambda: httpx.post(f"{gateway.base_url}/chat/completions", headers=headers("key-a1"), json={},
+                                      timeout=30).status_code == 400, 30, "A's share to be free again")  # fmt: skip
 
 
 def test_connections_over_the_cap_get_503(gateway):

@@ -38,6 +38,7 @@ from clients.gateway.body_limit import BodyLimit, read_json
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
+from clients.gateway.tenant_share import TenantShare
 from clients.gateway.tool_requests import counted_messages, reads_tools
 from clients.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 from clients.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
@@ -59,6 +60,8 @@ def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[
     app.state.keyring = KeyRing(load_grants(settings.keys_file, settings.api_keys))
     app.state.metrics = Metrics()
     app.add_middleware(BodyLimit, limit_of=_body_limit_of(settings), timeout_s=settings.body_timeout_s)
+    app.add_middleware(TenantShare, tenant_of_key=_namespace_of_key(app.state.keyring, settings),
+                       limit=settings.max_requests_per_tenant)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     _add_error_handlers(app)
     app.include_router(router)
@@ -72,6 +75,16 @@ def _body_limit_of(settings: GatewaySettings) -> Callable[[str], int]:
         return MAX_UPLOAD_BYTES if path.rstrip("/") == "/v1/files" else settings.max_body_bytes
 
     return limit_of
+
+
+def _namespace_of_key(keyring: KeyRing, settings: GatewaySettings) -> Callable[[str | None], str | None]:
+    def namespace_of(key: str | None) -> str | None:
+        if not keyring.enabled:
+            return settings.namespace
+        grant = keyring.grant_for(key) if key else None
+        return grant.namespace if grant else None
+
+    return namespace_of
 
 
 @asynccontextmanager

@@ -38,6 +38,9 @@ OPTIONS = [
                                                   "CONVEYOR_GATEWAY_BODY_TIMEOUT_S, default 60)"),
     ("--keep-alive-s", "keep_alive_s", float, "idle keep-alive connections are closed after this (env "
                                               "CONVEYOR_GATEWAY_KEEP_ALIVE_S, default 5)"),
+    ("--max-requests-per-tenant", "max_requests_per_tenant", int, "requests of one namespace in flight at once, "
+                                                                  "more get 429 (env CONVEYOR_GATEWAY_MAX_REQUESTS_"
+                                                                  "PER_TENANT, default 256)"),
     ("--max-samples", "max_samples", int, "largest n (samples) of one request (env CONVEYOR_GATEWAY_MAX_SAMPLES, "
                                           "default 16)"),
     ("--max-total-tokens", "max_total_tokens", int, "largest n x max_tokens of one request (env "

@@ -27,6 +27,7 @@ import redis
 from fastapi import Request
 
 from clients.async_client import AsyncClient
+from clients.errors import ConveyorError
 from clients.gateway.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
 from clients.model_info import adapter_names, fetch_model_info_async
@@ -142,13 +143,13 @@ class ServedModel:
     published_at: float
     tokenizer_sha256: str | None
     idle_s: float | None  # since a replica of it last touched a request stream; None: never seen
-    template_bytes: int = 0  # of its chat template: with the two above, when to fetch the model info again
+    template_bytes: int = 0  # of its chat template: with the sha, when to fetch the model info again
     adapters: tuple[str, ...] = ()  # its LoRA adapters (a request's model may name one)
 
     @property
     def version(self) -> tuple:
-        """What changes when a replica republishes, or a writer of the namespace rewrites, the model info."""
-        return self.tokenizer_sha256, self.template_bytes, self.published_at
+        """What changes when the model info is rewritten (by a new model, or by any writer of the namespace)."""
+        return self.tokenizer_sha256, self.template_bytes
 
     def live(self, replica_idle_s: float) -> bool:
         return self.idle_s is not None and self.idle_s <= replica_idle_s
@@ -204,12 +205,19 @@ class ModelDirectory:
 
     async def token_counter(self, model: ServedModel) -> Any:
         """A TokenCounter (clients.token_counter) with the model's tokenizer, fetched once
-        per tokenizer. Raises ModelNotPublished when the model info carries none."""
+        per version of the model info. Raises ModelNotPublished when the model info carries
+        none, ProtocolError when it is unusable: remembered too, so a bad record costs one
+        fetch per rewrite, not one per request."""
         version, counter = self._counters.get(model.name, (None, None))
         if counter is None or version != model.version:
-            info = await fetch_model_info_async(self.client.redis, self.client.keys, model.name)
-            counter = await asyncio.to_thread(info.token_counter)  # parsing tokenizer.json takes a while
+            try:
+                info = await fetch_model_info_async(self.client.redis, self.client.keys, model.name)
+                counter = await asyncio.to_thread(info.token_counter)  # parsing tokenizer.json takes a while
+            except ConveyorError as exc:
+                counter = exc
             self._counters[model.name] = (model.version, counter)
+        if isinstance(counter, ConveyorError):
+            raise counter.with_traceback(None)  # the remembered error, without the tracebacks of earlier raises
         return counter
 
     async def context_left(self, name: str, messages: list[dict]) -> int | None:
@@ -240,32 +248,53 @@ class ModelDirectory:
         # the set is input (any producer of the namespace may write it): a bounded sample, sane names only
         members = await redis.srandmember(keys.models, MAX_MODELS)
         names = sorted({n for n in (m.decode("utf-8", "replace") for m in members) if 0 < len(n) <= 256})
+        sizes = await _field_sizes(redis, [keys.model_info(name) for name in names])
+        # an oversized field (junk a producer wrote) is never read: it counts as missing
+        reads = [(i, field) for i, size in enumerate(sizes) for field in SMALL_FIELDS
+                 if size[field] <= MAX_SMALL_FIELD_BYTES]
         pipe = redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256", "lora_adapters")
-            pipe.hstrlen(keys.model_info(name), "chat_template")
+        for i, field in reads:
+            pipe.hget(keys.model_info(names[i]), field)
         streams = [*keys.all_requests, *(s for name in names for s in keys.all_model_requests(name))]
         for stream in streams:
             pipe.xinfo_consumers(stream, GROUP)
         replies = await pipe.execute(raise_on_error=False)
-        infos, consumers = replies[: 2 * len(names)], dict(zip(streams, replies[2 * len(names):]))
+        infos = [dict.fromkeys(SMALL_FIELDS) for _ in names]
+        for (i, field), value in zip(reads, replies):
+            infos[i][field] = value if isinstance(value, bytes) else None
+        consumers = dict(zip(streams, replies[len(reads):]))
         return {model.name: model for model in (
-            _served(keys, name, info, template_bytes, consumers)
-            for name, info, template_bytes in zip(names, infos[::2], infos[1::2])) if model}  # fmt: skip
+            _served(keys, name, info, size["chat_template"], consumers)
+            for name, info, size in zip(names, infos, sizes)) if model}
 
 
-def _served(keys: Keys, name: str, info: Any, template_bytes: Any,
-            consumers: dict[str, Any]) -> ServedModel | None:  # fmt: skip
-    if not isinstance(info, list) or info[0] is None:
-        return None  # expired (or never a hash): not published
+SMALL_FIELDS = ("max_model_len", "published_at", "tokenizer_sha256", "lora_adapters")
+MAX_SMALL_FIELD_BYTES = 16 * 1024  # far above any real value of these fields
+
+
+async def _field_sizes(redis, model_keys: list[str]) -> list[dict[str, int]]:
+    """HSTRLEN of each model record's small fields and of its chat template, in one round trip."""
+    pipe = redis.pipeline(transaction=False)
+    measured = (*SMALL_FIELDS, "chat_template")
+    for key in model_keys:
+        for field in measured:
+            pipe.hstrlen(key, field)
+    replies = await pipe.execute(raise_on_error=False)
+    sizes = [v if isinstance(v, int) else 0 for v in replies]
+    return [dict(zip(measured, sizes[i * len(measured):(i + 1) * len(measured)])) for i in range(len(model_keys))]
+
+
+def _served(keys: Keys, name: str, info: dict[str, bytes | None], template_bytes: int,
+            consumers: dict[str, Any]) -> ServedModel | None:
+    if info["max_model_len"] is None:
+        return None  # expired (or never a hash, or junk): not published
     try:
-        max_model_len, published_at = int(info[0]), float(info[1] or 0)
+        max_model_len, published_at = int(info["max_model_len"]), float(info["published_at"] or 0)
     except ValueError:
         return None  # unreadable model info: as good as none
-    sha = info[2].decode("ascii", "replace") if isinstance(info[2], bytes) else None  # junk bytes: no crash
-    template_bytes = template_bytes if isinstance(template_bytes, int) else 0
+    sha = info["tokenizer_sha256"].decode("ascii", "replace") if info["tokenizer_sha256"] else None
     return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers), template_bytes,
-                       adapter_names(info[3] if len(info) > 3 else None))
+                       adapter_names(info["lora_adapters"]))
 
 
 def _idle_s(keys: Keys, name: str, consumers: dict[str, Any]) -> float | None:
