@@ -114,7 +114,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if batch == 0:
         return output
     direct = num_splits == 1
-    partial_shape = (0,) if direct else (batch, num_heads, num_splits, block_d)
+    partial_shape = (1, 1, 1, 1) if direct else (batch, num_heads, num_splits, block_d)  # unused if direct
     partial_out = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(partial_shape[:3], dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
