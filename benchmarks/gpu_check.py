@@ -1,7 +1,7 @@
 """The device check for the Triton backend: one run on one GPU (sized for an H200 in under
 10 minutes), with PyTorch, Triton and transformers preinstalled and nothing downloaded.
 
-    python benchmarks/gpu_check.py [--rounds 3] [--json gpu_check.json]
+    python benchmarks/gpu_check.py [--rounds 3] [--json gpu_check.json] [--plot gpu_check.png]
     python benchmarks/gpu_check.py --cpu-dry-run   # CI: the same code, tiny, under Triton's interpreter
 
 1. kernels: each Triton kernel (kernels/triton/) against the torch reference at real shapes
@@ -32,10 +32,11 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.02,
                 rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
                                      high_freq_factor=4.0, original_max_position_embeddings=8192))
-FULL = dict(kernel_shapes=4, graphs=True, kernel_tokens=512, exact_prompts=6, exact_tokens=24, speed_model=LLAMA_1B, single_tokens=128,
-            concurrent=64, concurrent_tokens=128, mixed_requests=32, prompt_tokens=128)
-DRY = dict(kernel_shapes=1, graphs=False, kernel_tokens=20, exact_prompts=1, exact_tokens=3, speed_model=None, single_tokens=3,
-           concurrent=2, concurrent_tokens=2, mixed_requests=2, prompt_tokens=8)
+FULL = dict(kernel_shapes=4, graphs=True, kernel_tokens=512, exact_prompts=6, exact_tokens=24,
+            speed_model=LLAMA_1B, single_tokens=128, concurrent=64, concurrent_tokens=128, mixed_requests=32,
+            prompt_tokens=128)
+DRY = dict(kernel_shapes=1, graphs=False, kernel_tokens=20, exact_prompts=1, exact_tokens=3,
+           speed_model=None, single_tokens=3, concurrent=2, concurrent_tokens=2, mixed_requests=2, prompt_tokens=8)
 
 
 def main() -> None:
@@ -44,6 +45,7 @@ def main() -> None:
                         help="tiny shapes on CPU under TRITON_INTERPRET=1 (what CI runs)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating speed rounds")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--plot", default=None, help="a PNG of the speed ratios (e.g. gpu_check.png)")
     args = parser.parse_args()
     if args.cpu_dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
@@ -57,7 +59,7 @@ def main() -> None:
     print(f"[{time.perf_counter() - started:.0f} s] kernels checked", flush=True)
     results["exactness"] = check_exactness(device, sizes)
     print(f"[{time.perf_counter() - started:.0f} s] exactness checked", flush=True)
-    results["speed"] = check_speed(device, sizes, 1 if args.cpu_dry_run else args.rounds)
+    results["speed"] = check_speed(device, sizes, 1 if args.cpu_dry_run else args.rounds, args.plot)
     print(f"[{time.perf_counter() - started:.0f} s] speed measured", flush=True)
     write_json(args.json, results)
     failed = [row["name"] for row in results["kernels"] if not row["ok"]] + \
@@ -193,7 +195,8 @@ def check_exactness(device, sizes: dict) -> list[dict]:
                 params = SamplingParams(temperature=0, max_tokens=sizes["exact_tokens"])
                 got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 same = sum(g == w for g, w in zip(got, want))
-                rows.append({"case": f"{arch} {name}", "identical": same, "of": len(prompts), "ok": same == len(prompts)})
+                rows.append({"case": f"{arch} {name}", "identical": same, "of": len(prompts),
+                             "ok": same == len(prompts)})
                 print(f"exactness {arch:<6} {name:<14} {same}/{len(prompts)} token-identical to transformers",
                       flush=True)
                 del llm
@@ -201,7 +204,8 @@ def check_exactness(device, sizes: dict) -> list[dict]:
 
 
 # ---- 3. speed --------------------------------------------------------------------------
-def check_speed(device, sizes: dict, rounds: int) -> dict:
+def check_speed(device, sizes: dict, rounds: int, plot: str | None) -> dict:
+    """Ratios are transformers' time over ours for the same requests (> 1: ours is faster)."""
     from model_factory import build_tiny_model
     with tempfile.TemporaryDirectory() as scratch:
         if sizes["speed_model"] is None:
@@ -212,25 +216,53 @@ def check_speed(device, sizes: dict, rounds: int) -> dict:
         workloads = make_workloads(sizes)
         runners = {"graphs": ours(model, device, dtype, {}), "eager": ours(model, device, dtype, {"enforce_eager": True}),
                    "transformers": transformers_runner(model, device, dtype)}
-        times = {(w, r): [] for w in workloads for r in runners}
-        for round_index in range(rounds):
-            for workload, (prompts, lens) in workloads.items():
-                for name, run in runners.items():  # alternating: each round runs every peer once
-                    times[workload, name].append(run(prompts, lens))
-                    print(f"round {round_index + 1} {workload:<10} {name:<12} {times[workload, name][-1]:.3f} s", flush=True)
-        summary = {}
-        for workload, (prompts, lens) in workloads.items():
-            tokens = sum(lens)
-            for name in ("graphs", "eager"):
-                ratios = [hf / ours_s for hf, ours_s in zip(times[workload, "transformers"], times[workload, name])]
-                summary[f"{workload} {name} vs transformers"] = spread(ratios)
-            summary[f"{workload} tokens/s graphs"] = tokens / statistics.median(times[workload, "graphs"])
-        summary["graphs vs eager (single)"] = spread([e / g for e, g in zip(times["single", "eager"], times["single", "graphs"])])
+        times = timed_rounds(workloads, runners, rounds)
+        ratios = {(w, name): [hf / t for hf, t in zip(times[w, "transformers"], times[w, name])]
+                  for w in workloads for name in ("graphs", "eager")}
+        summary = {f"{w} {name} vs transformers": spread(r) for (w, name), r in ratios.items()}
+        for w, (_, lens) in workloads.items():
+            summary[f"{w} tokens/s graphs"] = sum(lens) / statistics.median(times[w, "graphs"])
+        summary["graphs vs eager (single)"] = spread([e / g for e, g in zip(times["single", "eager"],
+                                                                            times["single", "graphs"])])
         if device.type == "cuda":
             summary["single HBM-bound fraction"] = hbm_fraction(model, summary["single tokens/s graphs"], device)
-        for key, value in summary.items():
-            print(f"speed {key}: {value if isinstance(value, str) else f'{value:.3f}'}", flush=True)
-        return summary
+    for key, value in summary.items():
+        print(f"speed {key}: {value if isinstance(value, str) else f'{value:.3f}'}", flush=True)
+    if plot:
+        plot_ratios(ratios, plot)
+    return summary
+
+
+def timed_rounds(workloads: dict, runners: dict, rounds: int) -> dict:
+    """Seconds per (workload, runner), every runner once per round, in turn."""
+    times = {(w, r): [] for w in workloads for r in runners}
+    for index in range(rounds):
+        for workload, (prompts, lens) in workloads.items():
+            for name, run in runners.items():
+                times[workload, name].append(run(prompts, lens))
+                print(f"round {index + 1} {workload:<10} {name:<12} {times[workload, name][-1]:.3f} s", flush=True)
+    return times
+
+
+def plot_ratios(ratios: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    workloads = sorted({w for w, _ in ratios}, key=["single", "concurrent", "mixed"].index)
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for offset, name in ((-0.2, "graphs"), (0.2, "eager")):
+        medians = [statistics.median(ratios[w, name]) for w in workloads]
+        low = [m - min(ratios[w, name]) for m, w in zip(medians, workloads)]
+        high = [max(ratios[w, name]) - m for m, w in zip(medians, workloads)]
+        axes.bar([i + offset for i in range(len(workloads))], medians, 0.4, yerr=[low, high], label=f"ours, {name}")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    axes.set_xticks(range(len(workloads)), workloads)
+    axes.set_ylabel("transformers time / ours (median, min-max)")
+    axes.set_title("Conveyor Triton backend vs transformers generate, same GPU")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
 
 
 def spread(ratios: list[float]) -> str:

@@ -59,13 +59,15 @@ def resolve_device(name: str) -> torch.device:
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """``auto``: Triton on CUDA where it is installed, else the torch reference; ``triton``
     where it cannot run is refused with the reason."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return "torch"
     from kernels.triton import unusable_reason
     reason = unusable_reason(device.type)
     if name == "auto":
-        return "triton" if device.type == "cuda" and reason is None else "torch"
-    if name == "triton" and reason is not None:
+        return "torch" if reason else "triton"
+    if reason is not None:
         raise ValueError(f"attention_backend='triton' on {device.type}: {reason}")
-    return name
+    return "triton"
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

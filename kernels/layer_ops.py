@@ -22,14 +22,13 @@ def use_triton_on_cuda() -> None:
     _triton = layer_ops
 
 
-def _fused(*tensors: torch.Tensor):
-    if _triton is not None and tensors[0].is_cuda and tensors[0].dim() == 2 and tensors[0].stride(-1) == 1:
-        return _triton
-    return None
+def _fused(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the Triton kernels: rows ``[T, features]`` on CUDA, once switched on."""
+    return _triton is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fused(x) is not None:
+    if _fused(x):
         return _triton.rms_norm(x, weight, eps)
     kernels = _compiled(x, weight)
     if kernels is not None and x.dim() == 2 and x.is_contiguous():
@@ -48,7 +47,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual + x`` (the new residual stream) and its RMSNorm. May reuse the storage of
     both inputs, which the caller must not read again."""
-    if _fused(x) is not None and residual.stride(-1) == 1:
+    if _fused(x) and residual.stride(-1) == 1:
         return _triton.add_rms_norm(x, residual, weight, eps)
     kernels = _compiled(x, residual, weight)
     if kernels is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
@@ -60,7 +59,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for rows laid out ``[gate | up]``."""
-    if _fused(gate_up) is not None:
+    if _fused(gate_up):
         return _triton.silu_and_mul(gate_up)
     kernels = _compiled(gate_up)
     if kernels is not None and gate_up.dim() == 2 and gate_up.is_contiguous():

@@ -41,7 +41,8 @@ class ValkeyCluster:
         args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--cluster-config-file", "nodes.conf", "--appendfsync", "always")
         for index in range(2 * self.masters_count):
-            node = EmbeddedValkey(self.directory / f"node{index}", password=None, extra_args=args)
+            node = EmbeddedValkey(self.directory / f"node{index}", port=_cluster_port(), password=None,
+                                  extra_args=args)
             self.nodes.append(node.start())
         self.masters = self.nodes[: self.masters_count]
         self._assign_slots()
@@ -139,6 +140,22 @@ def _safely(predicate) -> bool:
 def _replicate(replica: EmbeddedValkey, master_id: str) -> bool:
     _client(replica).execute_command("CLUSTER", "REPLICATE", master_id)
     return True
+
+
+def _cluster_port() -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is a port too: Valkey refuses
+    a cluster node above 55535, which a port the kernel picks at random can be."""
+    import random
+    import socket
+    while True:
+        port = random.randint(20000, 55535)
+        with socket.socket() as probe, socket.socket() as bus:
+            try:
+                probe.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                continue
 
 
 def _master_ports(node: EmbeddedValkey) -> set[int]:

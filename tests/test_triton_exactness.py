@@ -50,3 +50,28 @@ def test_triton_backend_greedy_matches_transformers(case, regime):
     assert stats["num_preemptions"] > 0 if regime == "preemption" else True
     assert stats["num_chunked_prefills"] > 0 if regime == "chunked_prefill" else True
     assert stats["prefix_cache_hit_rate"] > 0.3 if regime == "prefix_cache" else True
+
+
+def test_backend_choice_and_its_errors(monkeypatch):
+    import argparse
+
+    import torch
+
+    from actors.cli import _add_engine_options
+    from engine.config import EngineConfig
+    from engine.model_runner import resolve_attention_backend
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attention_backend("auto", cpu) == "torch"  # never the default on CPU
+    assert resolve_attention_backend("triton", cpu) == "triton"  # under the interpreter (set above)
+    assert resolve_attention_backend("auto", cuda) == "triton"  # the default on CUDA
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="attention_backend='triton' on cpu: .*TRITON_INTERPRET=1"):
+        resolve_attention_backend("triton", cpu)
+    with pytest.raises(ValueError, match=r"attention_backend: must be one of \('auto', 'torch', 'triton'\)"):
+        EngineConfig(attention_backend="flash")
+    monkeypatch.setenv("CONVEYOR_ATTENTION_BACKEND", "triton")
+    assert EngineConfig().attention_backend == "triton"
+    parser = argparse.ArgumentParser()
+    _add_engine_options(parser)
+    args = parser.parse_args(["--attention-backend", "triton", "--enforce-eager", "true"])
+    assert (args.attention_backend, args.enforce_eager) == ("triton", True)

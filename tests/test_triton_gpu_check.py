@@ -9,10 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_dry_run_passes_on_cpu():
+def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-dry-run"],
+    plot = tmp_path / "gpu_check.png"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-dry-run",
+                             "--plot", str(plot)],
                             capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
@@ -22,3 +24,4 @@ def test_gpu_check_dry_run_passes_on_cpu():
     assert "kernel decode splits=4" in out and "kernel sampling ids" in out
     assert "speed mixed graphs vs transformers" in out
     assert out.rstrip().endswith("all checks passed")
+    assert plot.stat().st_size > 10_000  # the speed ratios' PNG

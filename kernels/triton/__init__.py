@@ -7,6 +7,7 @@ machines verify it against the torch reference; a GPU compiles it.
 Every kernel loads its inputs, computes in float32 and stores in the output's dtype (the
 interpreter has no bfloat16 arithmetic, and float32 accumulation is what a GPU wants too).
 """
+import importlib.util
 import os
 
 
@@ -21,10 +22,8 @@ if interpreted():
 
 def unusable_reason(device_type: str) -> str | None:
     """Why Triton kernels cannot run on ``device_type`` here (None: they can)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "the triton package is not installed (pip install 'triton>=3.2')"
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install 'triton>=3.9')"
     if device_type == "cpu" and not interpreted():
         return ("on CPU it runs only under Triton's interpreter: set TRITON_INTERPRET=1 in the "
                 "environment before the engine starts (slow; meant for tests)")

@@ -14,6 +14,7 @@ from kernels.triton import interpreted
 
 # keys per iteration of a split; the interpreter's cost is per operation, not per element
 TILE = 256 if interpreted() else 32
+TILE_ELEMENTS = 8192  # a GPU program's [group, tile, head_dim] product tile, kept in registers
 MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost outweighs its parallelism
 MAX_SPLITS = 16
 
@@ -99,7 +100,7 @@ def choose_splits(max_blocks: int, block_size: int, parallel_programs: int, tile
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, tile: int = TILE) -> torch.Tensor:
+                           num_splits: int | None = None, tile: int | None = None) -> torch.Tensor:
     """Same contract as ``kernels.attention.paged_decode_attention_reference``; a context
     length of 0 (a padded row) gives zeros. ``num_splits``/``tile`` (keys per iteration, a
     power of 2) default to choices by shape."""
@@ -107,14 +108,16 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     num_kv_heads, _, block_size, _ = k_cache.shape
     assert query.stride(-1) == 1 and k_cache.stride()[2:] == (head_dim, 1) and k_cache.stride() == v_cache.stride()
     group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    if tile is None:  # wide GQA groups and heads take shorter tiles (registers)
+        tile = TILE if interpreted() else max(16, min(64, TILE_ELEMENTS // (triton.next_power_of_2(group) * block_d)))
     if num_splits is None:
         num_splits = choose_splits(block_tables.shape[1], block_size, batch * num_kv_heads, tile)
-    block_d = triton.next_power_of_2(head_dim)
     output = torch.empty_like(query)
     if batch == 0:
         return output
     direct = num_splits == 1
-    partial_shape = (0,) if direct else (batch, num_heads, num_splits, block_d)
+    partial_shape = (1, 1, 1, 1) if direct else (batch, num_heads, num_splits, block_d)  # unused if direct
     partial_out = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(partial_shape[:3], dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](

@@ -41,23 +41,29 @@ def _penalize_kernel(logits, seen, counts, repetition, presence, frequency, voca
 @triton.jit
 def _mass_above(logits, row_base, vocab, threshold, floor, top, scale, BLOCK: tl.constexpr):
     """Sum of exp(l - top) over tokens with floor <= l and l > threshold (l: scaled logits)."""
-    total = 0.0
+    total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         value = tl.load(logits + row_base + cols, mask=cols < vocab, other=float("-inf")) * scale
-        keep = (value > threshold) & (value >= floor)
-        total += tl.sum(tl.where(keep, tl.exp(value - top), 0.0), axis=0)
-    return total
+        total += tl.where((value > threshold) & (value >= floor), tl.exp(value - top), 0.0)
+    return tl.sum(total, axis=0)
 
 
 @triton.jit
 def _count_at_least(logits, row_base, vocab, threshold, scale, BLOCK: tl.constexpr):
-    count = 0
+    count = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         value = tl.load(logits + row_base + cols, mask=cols < vocab, other=float("-inf")) * scale
-        count += tl.sum((value >= threshold).to(tl.int32), axis=0)
-    return count
+        count += (value >= threshold).to(tl.int32)
+    return tl.sum(count, axis=0)
+
+
+@triton.jit
+def _first_argmax(best, best_id, vocab):
+    """Lane-wise running maxima -> the maximum and its first index."""
+    top = tl.max(best, axis=0)
+    return top, tl.min(tl.where(best == top, best_id, vocab), axis=0)
 
 
 @triton.jit
@@ -67,22 +73,22 @@ def _draw_kernel(logits, noise, out, temperature, top_k, top_p, min_p, vocab, st
     base = row * stride
     temp = tl.load(temperature + row)
     scale = tl.where(temp > 0, 1.0 / tl.where(temp > 0, temp, 1.0), 1.0)
-    top, low = float("-inf"), float("inf")
-    best, best_id = float("-inf"), 0
-    for start in range(0, vocab, BLOCK):  # greedy: argmax, first index among ties
+    # greedy (and the row's range): lane-wise running max / min, the first index among ties
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lowest = tl.full([BLOCK], float("inf"), tl.float32)
+    best_lane = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, vocab, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         value = tl.load(logits + base + cols, mask=cols < vocab, other=float("-inf"))
-        tile_best = tl.max(value, axis=0)
-        tile_id = tl.min(tl.where(value == tile_best, cols, vocab), axis=0)
-        best_id = tl.where(tile_best > best, tile_id, best_id)
-        best = tl.maximum(best, tile_best)
-        low = tl.minimum(low, tl.min(tl.where(cols < vocab, value, float("inf")), axis=0))
+        better = value > best
+        best, best_lane = tl.where(better, value, best), tl.where(better, cols, best_lane)
+        lowest = tl.minimum(lowest, tl.where(cols < vocab, value, float("inf")))
+    best_value, best_id = _first_argmax(best, best_lane, vocab)
+    top, floor = best_value * scale, tl.min(lowest, axis=0) * scale  # scaled: top-k keeps l >= floor
     if temp > 0:
-        top, low = best * scale, low * scale
         k = tl.load(top_k + row)
-        floor = low  # top-k: keep logits >= floor
         if (k > 0) & (k < vocab):
-            lo, hi = low, top
+            lo, hi = floor, top
             for _ in range(STEPS):  # invariant: count(>= lo) >= k > count(>= hi)
                 mid = lo + (hi - lo) * 0.5
                 enough = _count_at_least(logits, base, vocab, mid, scale, BLOCK) >= k
@@ -101,7 +107,8 @@ def _draw_kernel(logits, noise, out, temperature, top_k, top_p, min_p, vocab, st
         # min-p: p >= min_p * p_top  <=>  l >= top + log(min_p)
         mp = tl.load(min_p + row)
         min_logit = tl.where(mp > 0, top + tl.log(tl.where(mp > 0, mp, 1.0)), float("-inf"))
-        best, best_id = float("-inf"), 0
+        race_best = tl.full([BLOCK], -1.0, tl.float32)
+        race_lane = tl.zeros([BLOCK], tl.int32)
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             ok = cols < vocab
@@ -109,11 +116,10 @@ def _draw_kernel(logits, noise, out, temperature, top_k, top_p, min_p, vocab, st
             keep = ok & (value >= floor) & (value > cut) & ((value >= min_logit) | (value == top))
             e = tl.load(noise + base + cols, mask=ok, other=1.0)
             race = tl.where(keep, tl.exp(value - top) / e, -1.0)
-            tile_best = tl.max(race, axis=0)
-            tile_id = tl.min(tl.where(race == tile_best, cols, vocab), axis=0)
-            best_id = tl.where(tile_best > best, tile_id, best_id)
-            best = tl.maximum(best, tile_best)
-    tl.store(out + row, best_id)
+            better = race > race_best
+            race_best, race_lane = tl.where(better, race, race_best), tl.where(better, cols, race_lane)
+        _, best_id = _first_argmax(race_best, race_lane, vocab)
+    tl.store(out + row, best_id.to(tl.int64))
 
 
 def apply_penalties_(logits: torch.Tensor, seen_mask: torch.Tensor, output_counts: torch.Tensor,
