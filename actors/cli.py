@@ -15,6 +15,7 @@ from clients import cli as client_cli
 from clients import connection
 from clients.errors import ConveyorError
 from clients.local_server import default_data_dir
+from clients.tool_parsers import PARSERS
 
 log = logging.getLogger("conveyor")
 
@@ -87,6 +88,11 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-len", type=int, default=None,
                         help="server-side bound of each request stream: submits past it are refused "
                              "(env CONVEYOR_MAX_QUEUE_LEN)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
+                        help="PEFT LoRA adapters jobs may name in `lora` (Llama family; turns on --enable-lora)")
+    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                        help="how jobs with tools have the model's calls read (default: by the chat template, "
+                             "hermes or llama3_json; env CONVEYOR_TOOL_CALL_PARSER)")
     parser.add_argument("--max-bytes-in-flight", type=int, default=None,
                         help="bytes of request entries held at once (default 64 MiB; env CONVEYOR_MAX_BYTES_IN_FLIGHT)")
     parser.add_argument("--engine-process", type=_flag_type(bool), default=_env_flag("CONVEYOR_ENGINE_PROCESS", True),
@@ -99,16 +105,36 @@ def _env_flag(name: str, default: bool) -> bool:
     return default if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
+def lora_modules(given: list[str] | dict | None) -> dict[str, str]:
+    """``--lora-modules name=DIR ...`` -> {name: DIR}, each a PEFT adapter the engine can serve."""
+    if isinstance(given, dict) or not given:
+        return dict(given or {})
+    from engine.lora.adapter import ADAPTER_NAME, check_adapter
+    from engine.lora.request import LoRARequest
+    modules = {}
+    for item in given:
+        name, _, path = item.partition("=")
+        if not ADAPTER_NAME.match(name) or not path or name in modules:
+            raise ValueError(f"--lora-modules: {item!r} is not NAME=DIR with a new name of [A-Za-z0-9_.-]{{1,64}}")
+        try:
+            check_adapter(LoRARequest(name, len(modules) + 1, path), max_rank=2**16)
+        except Exception as exc:  # InvalidRequest: which file is missing, which option unsupported
+            raise ValueError(f"--lora-modules {name}: {exc}") from None
+        modules[name] = path
+    return modules
+
+
 def build_engine(args: argparse.Namespace, own_process: bool = False):
-    """The LLMEngine, or with ``own_process`` the handle of an engine core process running it."""
+    """The front door's end of an engine core, started in a process of its own (``own_process``)
+    or on a thread of this one (actors/engine_client.py)."""
+    from actors.engine_client import EngineCoreClient  # light: a child core starts before torch is imported here
     from engine.config import EngineConfig
+    if getattr(args, "lora_modules", None):
+        args.enable_lora = True
     options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
                if getattr(args, f.name, None) is not None}
-    if own_process:
-        from actors.engine_core import EngineCoreProcess  # light: the core starts before torch is imported here
-        return EngineCoreProcess(EngineConfig(**options))
-    from engine import LLMEngine
-    return LLMEngine(EngineConfig(**options))
+    config = EngineConfig(**options)
+    return EngineCoreClient.in_child_process(config) if own_process else EngineCoreClient.on_thread(config)
 
 
 def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSettings):
@@ -116,13 +142,17 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
     config = ReplicaConfig(redis=redis_settings)
     for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "metrics_host",
                  "served_model_name", "max_tokens_cap", "max_prompt_tokens", "max_queue_len",
-                 "max_bytes_in_flight"):
+                 "max_bytes_in_flight", "tool_call_parser", "lora_modules"):
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     return config
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        args.lora_modules = lora_modules(args.lora_modules)  # before loading a model: fail fast
+    except ValueError as exc:
+        return _usage_error(str(exc))
     if not args.redis_url:
         return _serve_embedded(args)
     try:
@@ -201,10 +231,7 @@ async def _serve(engine, config) -> int:
     try:
         return await Replica(engine, config).run()
     finally:
-        if hasattr(engine, "aclose"):
-            await engine.aclose()  # the engine core's process
-        else:
-            engine.close()  # the other tensor-parallel ranks, if any
+        await engine.aclose()  # the engine core, and its tensor-parallel ranks if any
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -42,6 +42,10 @@ class ReplicaConfig:
     max_tokens_cap: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_TOKENS_CAP"))
     max_prompt_tokens: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_PROMPT_TOKENS"))
     max_queue_len: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_QUEUE_LEN"))
+    # LoRA adapters jobs may name (`lora`): name -> PEFT adapter directory (conveyor serve --lora-modules)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    # how outputs of jobs with tools are read (clients/tool_parsers.py); None: by the chat template
+    tool_call_parser: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_TOOL_CALL_PARSER") or None)
     # bytes of request entries read but not finished (credits bound their number)
     max_bytes_in_flight: int = field(default_factory=lambda: int(os.environ.get(
         "CONVEYOR_MAX_BYTES_IN_FLIGHT", 64 * 1024 * 1024)))

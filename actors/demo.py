@@ -28,7 +28,10 @@ async def run(engine, config: ReplicaConfig) -> int:
     finally:
         await client.close()
         replica.request_stop()
-    return await serving
+    try:
+        return await serving
+    finally:
+        await engine.aclose()
 
 
 async def _show(job, spec) -> None:

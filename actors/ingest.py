@@ -6,6 +6,7 @@ taken in the same way, also while it waits for a grant.
 Entries are untrusted: an entry that cannot be read owns no job and is refused without
 touching any job's record; only an entry whose attempt was started speaks for its job."""
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -19,7 +20,11 @@ from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, Job
 from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
 from clients.protocol import JobRequest, decode_job, payload_digest
-from engine import InvalidRequest, LLMEngine, SamplingParams
+from actors.engine_client import EngineCoreClient
+from clients.tool_grammar import forced_call_schema
+from clients.tool_parsers import ToolReading
+from clients.tool_schema import choice_mode
+from engine import InvalidRequest, LoRARequest, SamplingParams
 
 log = logging.getLogger(__name__)
 FIRST_IDLE_POLL_S = 0.001  # empty streams: poll again after this, doubling up to the cap
@@ -30,7 +35,7 @@ class IngestActor(Actor):
     name = "ingest"
     mailbox_size = 0  # only the ledger sends here, entries it reserved credits for: bounded by them
 
-    def __init__(self, streams: Streams, engine: LLMEngine, ledger: Actor, scheduler: Actor,
+    def __init__(self, streams: Streams, engine: EngineCoreClient, ledger: Actor, scheduler: Actor,
                  publisher: Actor, config: ReplicaConfig):
         super().__init__()
         self.streams = streams
@@ -41,6 +46,9 @@ class IngestActor(Actor):
         self.publisher = publisher
         self.config = config
         self.warnings = RateLimitedLog(log)
+        # the adapters a job may name in `lora`: ids in --lora-modules order (the engine's slots and cache keys)
+        self.adapters = {name: LoRARequest(name, number, path)
+                         for number, (name, path) in enumerate(config.lora_modules.items(), start=1)}
 
     async def run(self) -> None:
         idle_s = FIRST_IDLE_POLL_S
@@ -130,7 +138,7 @@ class IngestActor(Actor):
         if attempt in (DUPLICATE, CONFLICT):
             return await self._drop_second_submission(entry, job, attempt == CONFLICT)
         delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
-                            job.deadline, entry.size)
+                            job.deadline, entry.size, self._tool_reading(job))
         await self.ledger.send(Track(delivery))
         await self._hand_on(entry, job, delivery, cancelled)
         return False
@@ -143,11 +151,11 @@ class IngestActor(Actor):
                                                raw_fields=entry.fields if ended[1] == "max_deliveries" else None))
             return
         try:
-            seq = await asyncio.to_thread(self._make_sequence, job, entry.entry_id)
+            request = await asyncio.to_thread(self._make_request, job, entry.entry_id)
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
             return
-        await self.scheduler.send(NewJob(delivery, job, seq))
+        await self.scheduler.send(NewJob(delivery, job, request))
 
     def _decode(self, entry: ReadEntry) -> JobRequest:
         if not entry.truncated:
@@ -199,15 +207,36 @@ class IngestActor(Actor):
                                                 f"of {cap} (max_tokens_cap)", None)
         return None
 
-    def _make_sequence(self, job: JobRequest, entry_id: str):
-        seq = self.inputs.sequence_for(job.job_id, job.prompt or job.prompt_token_ids,
-                                       SamplingParams(**job.sampling_params()), job.priority_class,
-                                       job.priority, _enqueue_time(entry_id), job.chat_messages())
-        cap = self.config.max_prompt_tokens
-        if cap is not None and seq.num_prompt_tokens > cap:
-            raise InvalidRequest("prompt", f"{seq.num_prompt_tokens} tokens is over this replica's limit of "
+    def _tool_reading(self, job: JobRequest) -> ToolReading | None:
+        mode = choice_mode(job.tool_choice)
+        if not job.tools or mode == "none":
+            return None
+        names = (job.tool_choice.function.name,) if mode == "named" else tuple(t.function.name for t in job.tools)
+        return ToolReading(mode, self.config.tool_call_parser or self.inputs.tool_parser(), names, job.job_id)
+
+    def _make_request(self, job: JobRequest, entry_id: str):
+        params = job.sampling_params()
+        tools = job.tools_given()
+        forced = tools and forced_call_schema(job.tools, job.tool_choice, job.parallel_tool_calls)
+        if forced:  # the grammar that makes the call valid (the job cannot also give one)
+            params["structured_outputs"] = forced
+        request = self.inputs.request_for(job.job_id, job.prompt or job.prompt_token_ids, SamplingParams(**params),
+                                          job.priority_class, job.priority, _enqueue_time(entry_id),
+                                          job.chat_messages(), tools and tools["tools"])
+        request = dataclasses.replace(request, lora_request=self._adapter(job.lora))
+        cap, num_prompt_tokens = self.config.max_prompt_tokens, len(request.prompt_token_ids)
+        if cap is not None and num_prompt_tokens > cap:
+            raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens is over this replica's limit of "
                                            f"{cap} (max_prompt_tokens)")
-        return seq
+        return request
+
+    def _adapter(self, name: str | None) -> LoRARequest | None:
+        if name is None:
+            return None
+        if name not in self.adapters:
+            served = ", ".join(self.adapters) or "none"
+            raise InvalidRequest("lora", f"this replica serves no adapter {name!r} (served: {served})")
+        return self.adapters[name]
 
 
 def _salvaged_job_id(stub_fields: dict) -> str | None:

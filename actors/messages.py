@@ -4,8 +4,9 @@ import asyncio
 from dataclasses import dataclass, field
 
 from clients.protocol import JobRequest
+from clients.tool_parsers import ToolReading
 from engine.outputs import RequestOutput
-from engine.sequence import Sequence
+from engine.core_request import EngineCoreRequest
 
 
 def _future() -> asyncio.Future:
@@ -23,6 +24,7 @@ class Delivery:
     metadata: dict = field(default_factory=dict, compare=False)  # the job's, read only
     deadline: float | None = None  # absolute epoch seconds
     size: int = 0  # bytes of the entry: counted against the replica's bytes in flight
+    tools: ToolReading | None = field(default=None, compare=False)  # a job with tools: how its outputs are read
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class ReadEntry:
 class NewJob:
     delivery: Delivery
     job: JobRequest
-    seq: Sequence
+    request: EngineCoreRequest
 
 
 @dataclass

@@ -3,6 +3,7 @@ EOS, chat template, tokenizer) under ``<ns>:model:<name>``, and the operator's q
 under ``<ns>:limits`` (the submit script enforces it), at start and periodically (both have
 a TTL, so what nobody serves any more disappears)."""
 import asyncio
+import dataclasses
 import logging
 
 from redis.exceptions import ResponseError
@@ -11,7 +12,7 @@ from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.streams import Streams
 from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
-from engine.core_process import CoreFacts
+from engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
 log = logging.getLogger(__name__)
@@ -21,7 +22,8 @@ class ModelAnnouncer(Actor):
     name = "model-announcer"
 
     def __init__(self, streams: Streams, facts: CoreFacts, tokenizer, model_name: str,
-                 max_queue_len: int | None = None, max_tokens_cap: int | None = None):
+                 max_queue_len: int | None = None, max_tokens_cap: int | None = None,
+                 lora_adapters: tuple[str, ...] = ()):
         super().__init__()
         self.streams = streams
         # what producers should know of the operator's limits (the submit script and the gateway read them)
@@ -30,6 +32,7 @@ class ModelAnnouncer(Actor):
         self.info = ModelInfo.from_hf_tokenizer(
             name=model_name, max_model_len=min(facts.max_model_len, facts.max_pool_tokens),
             eos_token_ids=facts.eos_token_ids, tokenizer=tokenizer)
+        self.info = dataclasses.replace(self.info, lora_adapters=tuple(lora_adapters))
 
     async def run(self) -> None:
         warnings = RateLimitedLog(log)

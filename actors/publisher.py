@@ -144,11 +144,12 @@ class PublisherActor(Actor):
         timings = Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e) \
             if metrics else Timings()
         first = output.outputs[0]
-        choices = [OutputChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
-                   for c in output.outputs] if len(output.outputs) > 1 else None
+        read = [_tool_output(delivery, c.text, c.index) for c in output.outputs]
+        choices = [OutputChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
+                                **tools) for c, tools in zip(output.outputs, read)] if len(output.outputs) > 1 else None
         return "done", DoneEvent(attempt=delivery.attempt, seq=num_events, finish_reason=first.finish_reason,
                                  text=first.text, token_ids=first.token_ids, usage=usage, timings=timings,
-                                 metadata=delivery.metadata, outputs=choices)
+                                 metadata=delivery.metadata, outputs=choices, **read[0])
 
     @staticmethod
     def _ended_event(message: JobEnded):
@@ -162,3 +163,10 @@ class PublisherActor(Actor):
         for delivery in deliveries:
             self.next_seq.pop(delivery.job_id, None)
             await self.ledger.send(Release(delivery))  # the ledger's mailbox never makes us wait
+
+
+def _tool_output(delivery: Delivery, text: str, index: int) -> dict:
+    """The tool calls read from one output of a job with tools (fields of its done event)."""
+    if delivery.tools is None:
+        return {}
+    return delivery.tools.read(text, index).model_dump(exclude_none=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from actors import faults
 from actors.config import ReplicaConfig
-from actors.engine_core import CoreProcessActor, EngineCoreProcess
-from actors.gpu import GPUActor
+from actors.engine_client import EngineCoreClient
+from actors.engine_core_actor import EngineCoreActor
 from actors.ingest import IngestActor
 from actors.ledger import JobLedger
 from actors.messages import Drain, HandBack
@@ -16,11 +16,8 @@ from actors.metrics import ReplicaMetrics
 from actors.model_announcer import ModelAnnouncer
 from actors.cancel_watcher import CancelWatcher
 from actors.publisher import PublisherActor
-from actors.scheduler_actor import SchedulerActor
 from actors.streams import Streams
 from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
-from engine import LLMEngine
-from engine.core_process import facts_of
 
 log = logging.getLogger(__name__)
 # an entry larger than any valid payload is refused from a stub; it never leaves the server
@@ -28,13 +25,13 @@ MAX_ENTRY_BYTES = max(MAX_MSGPACK_BYTES, MAX_JSON_BYTES) + 4096
 
 
 class Replica:
-    def __init__(self, engine: LLMEngine | EngineCoreProcess, config: ReplicaConfig):
-        """``engine``: an LLMEngine run on a thread of this process, or the handle of an
-        engine core process (what ``conveyor serve`` runs: actors/engine_core.py)."""
+    def __init__(self, engine: EngineCoreClient, config: ReplicaConfig):
+        """``engine``: the front door's end of the engine core, started in a process of its
+        own or on a thread (actors/engine_client.py); nothing here knows which."""
         assert config.redis_url, "a replica needs a Redis URL"
         self.engine = engine
         self.config = config
-        facts = engine.facts if isinstance(engine, EngineCoreProcess) else facts_of(engine)
+        facts = engine.facts
         self.model_name = config.served_model_name or Path(facts.model_name).name
         # credentials and TLS: clients/connection.py
         self.streams = Streams(config.redis.async_client(), config.redis.keys(config.namespace), config.consumer,
@@ -43,12 +40,13 @@ class Replica:
         self.metrics = ReplicaMetrics()
         self.ledger = JobLedger(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.ledger)
-        self.gpu, self.scheduler = self._scheduler_role(engine)
+        self.scheduler = EngineCoreActor(engine, self.publisher, self.metrics, faults.job_hooks())
         self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
         self.ledger.connect(self.ingest, self.scheduler)
         self.cancels = CancelWatcher(self.streams, self.ledger)
         self.announcer = ModelAnnouncer(self.streams, facts, engine.tokenizer, self.model_name,
-                                        config.max_queue_len, config.max_tokens_cap)
+                                        config.max_queue_len, config.max_tokens_cap,
+                                        tuple(config.lora_modules))
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
 
@@ -67,13 +65,6 @@ class Replica:
             await self._drain()
         await self._stop_actors()
         return 1 if self.crash else 0
-
-    def _scheduler_role(self, engine):
-        """(GPU actor or None, the actor that owns the jobs in the engine)."""
-        if isinstance(engine, EngineCoreProcess):
-            return None, CoreProcessActor(engine, self.publisher, self.metrics, faults.job_hooks())
-        gpu = GPUActor(engine.runner)
-        return gpu, SchedulerActor(engine, gpu, self.publisher, self.metrics, faults.job_hooks())
 
     def request_stop(self) -> None:
         self.stop_requested.set()
@@ -105,8 +96,7 @@ class Replica:
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
-        actors = (self.publisher, self.gpu, self.scheduler, self.ledger, self.cancels, self.announcer, self.ingest)
-        return tuple(actor for actor in actors if actor is not None)
+        return (self.publisher, self.scheduler, self.ledger, self.cancels, self.announcer, self.ingest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

@@ -1,5 +1,6 @@
 """Split a text into chunks of at most a token budget, cutting at the best boundary in reach:
-a paragraph break, else a sentence end, a line end, a space, and at worst between tokens.
+a section start (a heading, a new page: given by the caller), else a paragraph break, a
+sentence end, a line end, a space, and at worst between tokens.
 
 Token counts come from one encoding of the whole text (token start offsets); the caller's
 `excess` check then measures each chunk exactly (inside its full prompt) and the chunk is
@@ -11,9 +12,9 @@ from __future__ import annotations
 import re
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
-TOKEN, WORD, LINE, SENTENCE, PARAGRAPH, END = range(6)  # boundary strength
+TOKEN, WORD, LINE, SENTENCE, PARAGRAPH, SECTION, END = range(7)  # boundary strength
 BOUNDARY_PATTERNS = (
     (WORD, re.compile(r"\s+")),
     (LINE, re.compile(r"\n\s*")),
@@ -21,6 +22,7 @@ BOUNDARY_PATTERNS = (
     (PARAGRAPH, re.compile(r"\n[ \t]*\n\s*")),
 )
 MIN_FILL = 0.5  # a chunk ends at the strongest boundary past half its budget
+MIN_SECTION_FILL = 0.25  # or at a section start past a quarter of it
 
 
 @dataclass(frozen=True)
@@ -34,13 +36,16 @@ class Chunk:
 class Boundaries:
     """Token start offsets and candidate cut positions (with their strength) of one text."""
 
-    def __init__(self, text: str, token_offsets: list[tuple[int, int]]) -> None:
+    def __init__(self, text: str, token_offsets: list[tuple[int, int]], sections: Iterable[int] = ()) -> None:
         self.length = len(text)
         self.token_starts = sorted({start for start, _ in token_offsets})
         strength = dict.fromkeys(self.token_starts, TOKEN)
         for kind, pattern in BOUNDARY_PATTERNS:
             for match in pattern.finditer(text):
                 strength[match.end()] = max(kind, strength.get(match.end(), TOKEN))
+        for position in sections:
+            if 0 < position < self.length:
+                strength[position] = SECTION
         strength[self.length] = END
         self.positions = sorted(strength)
         self.strength = [strength[p] for p in self.positions]
@@ -56,11 +61,13 @@ class Boundaries:
         if limit >= self.length:
             return self.length
         fill = self.position_after_tokens(start, int(budget * MIN_FILL))
+        section_fill = self.position_after_tokens(start, int(budget * MIN_SECTION_FILL))
         first, last = bisect_right(self.positions, after), bisect_right(self.positions, limit)
         if first >= last:
             return None
         candidates = range(first, last)
-        filled = [i for i in candidates if self.positions[i] >= fill] or list(candidates)
+        filled = [i for i in candidates if self.positions[i] >= fill
+                  or (self.strength[i] >= SECTION and self.positions[i] >= section_fill)] or list(candidates)
         best = max(filled, key=lambda i: (self.strength[i], self.positions[i]))
         return self.positions[best]
 
@@ -78,8 +85,9 @@ class Boundaries:
 
 
 def split_text(text: str, token_offsets: list[tuple[int, int]], budget: int, overlap: int = 0,
-               excess: Callable[[str], int] | None = None) -> list[Chunk]:  # fmt: skip
-    """Chunks covering `text`, each of at most `budget` tokens and `excess(chunk) <= 0`.
+               excess: Callable[[str], int] | None = None, sections: Iterable[int] = ()) -> list[Chunk]:  # fmt: skip
+    """Chunks covering `text`, each of at most `budget` tokens and `excess(chunk) <= 0`,
+    preferring to end where a section starts (`sections`: character positions).
 
     `overlap` tokens (at most half the budget) of each chunk's end are repeated at the
     start of the next. `excess` returns how many tokens a chunk text is over its limit.
@@ -88,7 +96,7 @@ def split_text(text: str, token_offsets: list[tuple[int, int]], budget: int, ove
         raise ValueError(f"the token budget of a chunk must be at least 1, got {budget}")
     overlap = max(0, min(overlap, budget // 2))
     excess = excess or (lambda _: 0)
-    boundaries, chunks = Boundaries(text, token_offsets), []
+    boundaries, chunks = Boundaries(text, token_offsets, sections), []
     start = done = 0  # the next chunk starts at `start` and must cover text past `done`
     while done < len(text):
         chunk = _fitting_chunk(text, boundaries, start, done, budget, excess)

@@ -14,6 +14,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -29,6 +30,7 @@ from clients.gateway.cli import register_gateway
 from clients.keys import PRIORITY_CLASSES
 from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelNotPublished, only_model
 from clients.summarize import summarize_documents_async
+from clients.summarize_watch import watch_folder_async
 from clients.summary_prompts import SummarizeOptions
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -64,6 +66,7 @@ SUMMARIZE_OPTIONS = [
     ("--reduce-instruction", "reduce_instruction", str),
     ("--system", "system_prompt", str),
     ("--temperature", "temperature", float),
+    ("--repetition-penalty", "repetition_penalty", float),
     ("--max-in-flight", "max_in_flight", int),
     ("--job-timeout", "job_timeout", float),
     ("--result-ttl", "result_ttl", int),
@@ -149,14 +152,20 @@ SUMMARIZE_DESCRIPTION = (
     "symbolic link already at an output path is replaced, never written through; a symbolic "
     "link to a folder inside --out makes that document an error."
 )
-SUMMARIZE_PATHS_HELP = "text files, or folders of them (recursively; symlinks inside folders are skipped)"
+SUMMARIZE_PATHS_HELP = ("PDF, DOCX, HTML, Markdown, reST or text files (told apart by content), or folders of "
+                        "them (recursively; symlinks inside folders are skipped)")
 SUMMARIZE_OUT_HELP = "output folder, created if missing; it may itself be a symlink (default: ./summaries)"
 
 
 def _add_summarize(parser: argparse.ArgumentParser) -> None:
     parser.description = SUMMARIZE_DESCRIPTION
-    parser.add_argument("paths", nargs="+", metavar="PATH", help=SUMMARIZE_PATHS_HELP)
+    parser.add_argument("paths", nargs="*", metavar="PATH", help=SUMMARIZE_PATHS_HELP)
     parser.add_argument("--out", default="summaries", help=SUMMARIZE_OUT_HELP)
+    parser.add_argument("--watch", metavar="INBOX", help="keep summarizing new and changed files of this folder, "
+                        "each content once, until SIGTERM/SIGINT (then the documents in flight finish)")
+    parser.add_argument("--poll-s", type=float, default=2.0, help="--watch: seconds between looks at INBOX")
+    parser.add_argument("--schema", metavar="FILE.json", help="JSON schema every map and reduce step answers "
+                        "under (structured outputs); the final JSON is validated against it")
     for flag, field, kind in SUMMARIZE_OPTIONS:
         info = SummarizeOptions.model_fields[field]
         help_text = f"{info.description}; default: {info.default}" if info.description else f"default: {info.default}"
@@ -366,7 +375,17 @@ def run_summarize(args: argparse.Namespace) -> int:
 def _summarize(args: argparse.Namespace) -> int:
     names = [field for _, field, _ in SUMMARIZE_OPTIONS] + ["priority_class"]
     options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if bool(args.paths) == bool(args.watch):
+        return _fail("summarize: give PATH arguments or --watch INBOX (one of the two)", EXIT_USAGE)
+    if args.schema:
+        try:
+            options["schema"] = json.loads(Path(args.schema).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return _fail(f"--schema {args.schema}: cannot read a JSON schema there ({exc})", EXIT_USAGE)
     try:
+        if args.watch:
+            asyncio.run(_watch_on_client(args, options))
+            return EXIT_OK
         results = asyncio.run(_summarize_on_client(args, options))
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
@@ -381,6 +400,12 @@ async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]
     async with AsyncClient(namespace=args.namespace, connection=command_settings(args)) as client:
         return await summarize_documents_async(args.paths, args.out, client=client, progress=not args.quiet,
                                                wait_s=args.wait_s, **options)  # fmt: skip
+
+
+async def _watch_on_client(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
+        await watch_folder_async(args.watch, args.out, client=client, poll_s=args.poll_s, wait_s=args.wait_s,
+                                 progress=None if args.quiet else sys.stderr, **options)  # fmt: skip
 
 
 def _summary_line(record: dict[str, Any]) -> str:

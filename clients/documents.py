@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 
+from clients.doc_formats import ExtractError, decode_text, detect_format, text_format
+from clients.doc_layout import Span, assemble
+from clients.extract_markup import text_blocks
+from clients.extract_worker import ISOLATED_FORMATS, extract_isolated
+
 # Folders nested deeper than this under an input folder are reported, not read (each level
 # holds one open descriptor and one stack frame while the walk is below it).
 MAX_FOLDER_DEPTH = 64
@@ -36,15 +41,23 @@ UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs"})
 UNNAMED = "unnamed"
 
 
+MAX_DOCUMENT_BYTES = 64 << 20  # a larger file is refused before it is read
+
+
 @dataclass(frozen=True)
 class Document:
     """One text to summarize. `name` is unique in a run and names its output files;
-    `error` says why the text could not be read (then `text` is empty)."""
+    `error` says why the text could not be read (then `text` is empty). `spans` say where
+    each paragraph of `text` came from (page, heading path: see doc_layout); `encoding`
+    how a text file was decoded."""
 
     name: str
     text: str = ""
     source: str | None = None
     error: str | None = None
+    format: str = "text"
+    spans: tuple[Span, ...] = ()
+    encoding: str | None = None
 
     @property
     def sha256(self) -> str:
@@ -93,7 +106,8 @@ def load_documents(sources: str | Path | Document | Iterable[str | Path | Docume
 
 
 def read_document(path: Path, name: str, *, dir_fd: int | None = None) -> Document:
-    """The UTF-8 text of one regular file, or a Document saying why it cannot be read.
+    """The text of one regular file (any format of `document_from_bytes`), or a Document
+    saying why it cannot be read.
 
     Without `dir_fd`, `path` is opened as given (a symlink the caller named is followed).
     With `dir_fd`, the file `path.name` is opened inside that folder and never through a
@@ -107,13 +121,29 @@ def read_document(path: Path, name: str, *, dir_fd: int | None = None) -> Docume
         if dir_fd is not None and exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink swapped in
             return _symlink_skipped(path, name)
         return Document(name, source=str(path), error=f"cannot read {path}: {exc.strerror or exc}")
+    return document_from_bytes(data, name, str(path))
+
+
+def document_from_bytes(data: bytes, name: str, source: str | None = None) -> Document:
+    """A Document of PDF, DOCX, HTML, Markdown, reST or plain text bytes, told apart by
+    content (doc_formats). PDF, DOCX and HTML are parsed in a worker process under limits
+    (extract_worker); every failure is that document's error, naming it."""
+    label = source or name
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return Document(name, source=str(path), error=f"{path} is not UTF-8 text (byte {exc.start})")
-    if "\x00" in text:
-        return Document(name, source=str(path), error=f"{path} looks binary (it holds NUL bytes)")
-    return Document(name, text, source=str(path))
+        if len(data) > MAX_DOCUMENT_BYTES:
+            raise ExtractError(f"is {len(data)} bytes, over the limit of {MAX_DOCUMENT_BYTES} bytes")
+        kind = detect_format(data, name)
+        encoding = None
+        if kind in ISOLATED_FORMATS:
+            blocks = extract_isolated(data, kind)
+        else:
+            text, encoding = decode_text(data)
+            kind = text_format(text, name)
+            blocks = text_blocks(text, kind)
+    except ExtractError as exc:
+        return Document(name, source=source, error=f"{label} {exc}")
+    text, spans = assemble(blocks)
+    return Document(name, text, source=source, format=kind, spans=spans, encoding=encoding)
 
 
 class _NotRegularFile(Exception):
@@ -127,7 +157,7 @@ def _read_regular_file(path: str | Path, dir_fd: int | None) -> bytes:
     with open(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _NotRegularFile("not a regular file")
-        return file.read()
+        return file.read(MAX_DOCUMENT_BYTES + 1)  # one byte over tells the limit was passed
 
 
 def _folder_documents(root: Path) -> list[Document]:
@@ -256,6 +286,12 @@ def write_outputs(out_dir: Path, doc: Document, summary: str | None, record: dic
         if summary is not None:
             _replace_file(dir_fd, summary_path(out_dir, doc).name, summary + "\n")
         _replace_file(dir_fd, record_path(out_dir, doc).name, json.dumps(record, indent=2) + "\n")
+
+
+def write_top_file(out_dir: Path, name: str, text: str) -> None:
+    """Write `out_dir/name` (a report) the way outputs are written: temporary file, rename."""
+    with _output_folder(out_dir, []) as dir_fd:
+        _replace_file(dir_fd, name, text)
 
 
 def _output_folders(out_dir: Path, doc: Document) -> list[str]:

@@ -61,7 +61,27 @@ class Timings(BaseModel):
     e2e: float | None = None
 
 
-class OutputChoice(BaseModel):
+class ToolCall(BaseModel):
+    """A call the model made (a job with `tools`): `arguments` is JSON text, as OpenAI's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ToolOutput(BaseModel):
+    """What a replica read from one output of a job with `tools` (fields of the done event
+    and of OutputChoice, absent for other jobs): the calls and the text around them, or why
+    the text that looked like a call could not be read (then `content` is the whole text)."""
+
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
+    tool_call_error: str | None = None
+
+
+class OutputChoice(ToolOutput):
     """One output of a job with n > 1 (DoneEvent.outputs[index])."""
 
     model_config = ConfigDict(extra="ignore")
@@ -72,7 +92,7 @@ class OutputChoice(BaseModel):
     finish_reason: FinishReason
 
 
-class DoneEvent(_Event):
+class DoneEvent(ToolOutput, _Event):
     type: Literal["done"] = "done"
     seq: int = Field(default=0, ge=0)  # number of token events of this attempt
     finish_reason: FinishReason  # of output 0
@@ -86,7 +106,8 @@ class DoneEvent(_Event):
     def all_outputs(self) -> list[OutputChoice]:
         """Every output in index order; an n = 1 job's one output from the flat fields."""
         return self.outputs or [OutputChoice(index=0, text=self.text, token_ids=self.token_ids,
-                                             finish_reason=self.finish_reason)]
+                                             finish_reason=self.finish_reason, tool_calls=self.tool_calls,
+                                             content=self.content, tool_call_error=self.tool_call_error)]
 
 
 class ErrorEvent(_Event):
@@ -121,15 +142,19 @@ def encode_event(event: Event) -> dict[str, bytes]:
 
 
 # Fields of n > 1 jobs, left out at these values: an n = 1 job's events keep their shape
-OMITTED_AT = {"index": 0, "outputs": None}
+TOOL_FIELDS_AT = {"tool_calls": None, "content": None, "tool_call_error": None}  # jobs without tools
+OMITTED_AT = {"index": 0, "outputs": None, **TOOL_FIELDS_AT}
 
 
 def encode_event_data(event: Event) -> bytes:
-    data = event.model_dump()
-    for name, value in OMITTED_AT.items():
-        if name in data and data[name] == value:
-            del data[name]
+    data = _omitted(event.model_dump(), OMITTED_AT)
+    if data.get("outputs"):
+        data["outputs"] = [_omitted(output, TOOL_FIELDS_AT) for output in data["outputs"]]
     return msgpack.packb(data, use_bin_type=True)
+
+
+def _omitted(data: dict, defaults: dict) -> dict:
+    return {name: value for name, value in data.items() if name not in defaults or value != defaults[name]}
 
 
 def decode_event(fields: dict, entry_id: str | bytes | None = None) -> Event:

@@ -4,6 +4,10 @@
 name, max_model_len, EOS ids, chat template, special tokens and tokenizer.json bytes with
 their sha256, so producers count tokens exactly with `tokenizers` (TokenCounter), without
 torch. `<ns>:models` is the set of published names. Both have a TTL: replicas republish.
+
+Model info is input (any writer of the namespace may rewrite it): a fetch reads only the
+known fields, each after its size was checked against FIELD_LIMITS, so a record over a
+limit costs one ProtocolError for that model and never its bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import math
 import sys
 import time
@@ -26,6 +31,12 @@ MODEL_INFO_REPUBLISH_S = 600
 DEFAULT_MODEL_WAIT_S = 300.0  # pipelines started with their replicas wait this long for a model
 WAIT_POLL_S = 0.5
 WAIT_PROGRESS_S = 5.0
+MAX_CHAT_TEMPLATE_BYTES = 256 * 1024  # the largest published templates are a few tens of KiB
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # tokenizer.json of the largest vocabularies: ~35 MB
+FIELD_LIMITS = {"v": 16, "name": 1024, "max_model_len": 32, "eos_token_ids": 64 * 1024,
+                "chat_template": MAX_CHAT_TEMPLATE_BYTES, "special_tokens": 64 * 1024, "published_at": 64,
+                "tokenizer_json": MAX_TOKENIZER_BYTES, "tokenizer_sha256": 64}  # fmt: skip
+FIELDS = tuple(FIELD_LIMITS)
 
 
 class ModelNotPublished(ConveyorError):
@@ -47,6 +58,7 @@ class ModelInfo:
     tokenizer_json: bytes | None = field(default=None, repr=False)
     special_tokens: Mapping[str, Any] = field(default_factory=dict)  # bos_token, eos_token, ...
     published_at: float | None = None
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters a job may name in `lora` (conveyor serve --lora-modules)
 
     @property
     def tokenizer_sha256(self) -> str | None:
@@ -82,6 +94,7 @@ class ModelInfo:
             "chat_template": self.chat_template or "",
             "special_tokens": json.dumps(dict(self.special_tokens)),
             "published_at": repr(time.time() if self.published_at is None else self.published_at),
+            "lora_adapters": json.dumps(list(self.lora_adapters)),
         }
         if self.tokenizer_json is not None:
             fields.update(tokenizer_json=self.tokenizer_json, tokenizer_sha256=self.tokenizer_sha256)
@@ -99,6 +112,7 @@ class ModelInfo:
                 tokenizer_json=text.get("tokenizer_json"),
                 special_tokens=json.loads(text.get("special_tokens", b"{}")),
                 published_at=float(text["published_at"]) if "published_at" in text else None,
+                lora_adapters=adapter_names(text.get("lora_adapters")),
             )
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"model info is malformed: {type(exc).__name__}: {exc}") from None
@@ -111,7 +125,26 @@ class ModelInfo:
 
         if self.tokenizer_json is None:
             raise ModelNotPublished(f"model {self.name!r}: its model info carries no tokenizer.json")
-        return TokenCounter.from_json(self.tokenizer_json, self.chat_template, self.special_tokens)
+        try:
+            return TokenCounter.from_json(self.tokenizer_json, self.chat_template, self.special_tokens)
+        except Exception as exc:  # tokenizers' own errors for a tokenizer.json it cannot read
+            raise ProtocolError(f"model info of {self.name!r}: tokenizer_json is unusable: "
+                                f"{type(exc).__name__}") from None
+
+
+MAX_ADAPTERS = 256
+ADAPTER = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def adapter_names(raw: bytes | None) -> tuple[str, ...]:
+    """The published adapter names (producer-writable: junk is none, names are checked, at most MAX_ADAPTERS)."""
+    try:
+        names = json.loads(raw) if raw else []
+    except (ValueError, UnicodeDecodeError):
+        return ()
+    if not isinstance(names, list):
+        return ()
+    return tuple(n for n in names[:MAX_ADAPTERS] if isinstance(n, str) and ADAPTER.match(n))
 
 
 def _check_sha256(info: ModelInfo, published: bytes | None) -> None:
@@ -156,7 +189,12 @@ def fetch_model_info(redis: Any, keys: Keys, name: str | None = None) -> ModelIn
         for member in members:
             pipe.exists(keys.model_info(member.decode()))
         name = only_model(keys, members, pipe.execute())
-    return model_info_from(keys, name, redis.hgetall(keys.model_info(name)))
+    key = keys.model_info(name)
+    pipe = redis.pipeline(transaction=False)
+    for field_name in FIELDS:
+        pipe.hstrlen(key, field_name)
+    check_sizes(name, pipe.execute())
+    return model_info_from(keys, name, known_fields(redis.hmget(key, FIELDS)))
 
 
 async def fetch_model_info_async(redis: Any, keys: Keys, name: str | None = None) -> ModelInfo:
@@ -166,7 +204,28 @@ async def fetch_model_info_async(redis: Any, keys: Keys, name: str | None = None
         for member in members:
             pipe.exists(keys.model_info(member.decode()))
         name = only_model(keys, members, await pipe.execute())
-    return model_info_from(keys, name, await redis.hgetall(keys.model_info(name)))
+    key = keys.model_info(name)
+    pipe = redis.pipeline(transaction=False)
+    for field_name in FIELDS:
+        pipe.hstrlen(key, field_name)
+    check_sizes(name, await pipe.execute())
+    return model_info_from(keys, name, known_fields(await redis.hmget(key, FIELDS)))
+
+
+def check_sizes(name: str, sizes: list[int]) -> None:
+    """ProtocolError naming the first field of the model info over its FIELD_LIMITS entry."""
+    for field_name, size in zip(FIELDS, sizes):
+        if size > FIELD_LIMITS[field_name]:
+            raise ProtocolError(f"model info of {name[:200]!r}: {field_name} is {size} bytes, over the limit of "
+                                f"{FIELD_LIMITS[field_name]}")  # fmt: skip
+
+
+def known_fields(values: list[bytes | None]) -> dict[bytes, bytes]:
+    """HMGET's answer as the hash of the known fields that are set; sizes checked again (a
+    rewrite between the two reads costs this read, not the next)."""
+    fields = {name.encode(): value for name, value in zip(FIELDS, values) if value is not None}
+    check_sizes(fields.get(b"name", b"?").decode("utf-8", "replace"), [len(v or b"") for v in values])
+    return fields
 
 
 def only_model(keys: Keys, members: list[bytes], exists: list[int]) -> str:

@@ -15,7 +15,7 @@ import warnings
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from clients.errors import InvalidJob, ProtocolError
 from clients.events import (  # noqa: F401  (re-exported: events are part of the protocol)
@@ -66,7 +66,10 @@ from clients.limits import (  # noqa: F401  (re-exported)
     SEED_MIN,
 )
 from clients.safe_payload import read_payload, readable_job_id  # noqa: F401
+from clients.tool_schema import (MAX_TOOL_CALLS, MAX_TOOLS, MessageToolCall, ToolChoice, ToolSpec, check_tools,
+                                 tool_choice_of)
 
+ADAPTER_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Int32 = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
 
@@ -83,7 +86,28 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: str = Field(min_length=1, max_length=64)
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
+    tool_calls: list[MessageToolCall] | None = Field(default=None, min_length=1, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(default=None, max_length=128)  # a `tool` message: the call it answers
+    # None only for an assistant's tool calls (fields are validated in order: tool_calls first)
+    content: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_of_assistant(cls, value: list | None, info: ValidationInfo) -> list | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError(f"tool_calls are only allowed on assistant messages, not {info.data.get('role')!r}")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_calls(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("Field required (only an assistant message with tool_calls may omit content)")
+        return value
+
+    def size(self) -> int:
+        """Characters that count against MAX_PROMPT_CHARS: content and call arguments."""
+        return len(self.content or "") + sum(len(call.function.arguments) for call in self.tool_calls or [])
 
 
 STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
@@ -177,6 +201,9 @@ class JobRequest(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     n: int = Field(default=1, ge=1, le=MAX_N)  # outputs: sampled side by side, sharing the prompt's KV
     structured_outputs: StructuredOutputs | None = None
+    tools: list[ToolSpec] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)  # chat jobs only
+    tool_choice: ToolChoice | None = None  # default with tools: "auto"
+    parallel_tool_calls: bool = True
 
     priority_class: Literal["interactive", "batch"] = "interactive"
     priority: Int32 = 0
@@ -184,6 +211,7 @@ class JobRequest(BaseModel):
     result_ttl: int = Field(default=86_400, ge=1, le=MAX_RESULT_TTL)
     metadata: dict[str, Any] = Field(default_factory=dict)
     model: str | None = Field(default=None, min_length=1, max_length=256)
+    lora: str | None = Field(default=None, pattern=ADAPTER_NAME)  # a LoRA adapter the replica serves (--lora-modules)
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
@@ -208,9 +236,14 @@ class JobRequest(BaseModel):
     @field_validator("messages")
     @classmethod
     def _messages_size(cls, value: list[ChatMessage] | None) -> list[ChatMessage] | None:
-        if value and sum(len(m.content) for m in value) > MAX_PROMPT_CHARS:
+        if value and sum(m.size() for m in value) > MAX_PROMPT_CHARS:
             raise ValueError(f"total content must be at most {MAX_PROMPT_CHARS} characters")
         return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        return tool_choice_of(value)
 
     @field_validator("deadline")
     @classmethod
@@ -241,15 +274,39 @@ class JobRequest(BaseModel):
                 given[1] if len(given) > 1 else "prompt",
                 f"exactly one of prompt, messages, prompt_token_ids is required (got {got})",
             )
+        self._check_tools()
         if self.min_tokens > self.max_tokens:
             raise FieldValueError(
                 "min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         return self
 
-    def chat_messages(self) -> list[dict[str, str]] | None:
-        """`messages` as plain dicts (for a tokenizer's chat template)."""
-        return None if self.messages is None else [m.model_dump() for m in self.messages]
+    def _check_tools(self) -> None:
+        if self.tools is None and self.tool_choice is None:
+            return
+        if self.messages is None:
+            raise FieldValueError("tools" if self.tools else "tool_choice", "tools need a chat job (messages)")
+        problem = check_tools(self.tools, self.tool_choice)
+        if problem:
+            field, message = problem.split(": ", 1)
+            raise FieldValueError(field, message)
+        forced = self.tool_choice not in (None, "none", "auto")
+        if forced and self.structured_outputs is not None:
+            raise FieldValueError("tool_choice", "a forced tool call is its own structured output: "
+                                                 "give tool_choice required/named or structured_outputs, not both")
+
+    def chat_messages(self) -> list[dict[str, Any]] | None:
+        """`messages` as plain dicts (for a tokenizer's chat template), unset fields left out."""
+        return None if self.messages is None else [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def tools_given(self) -> dict[str, Any] | None:
+        """tools, tool_choice and parallel_tool_calls as plain JSON (None when the job has no tools)."""
+        if self.tools is None:
+            return None
+        choice = self.tool_choice
+        return {"tools": [tool.model_dump(exclude_none=True) for tool in self.tools],
+                "tool_choice": choice if isinstance(choice, str) or choice is None else choice.model_dump(),
+                "parallel_tool_calls": self.parallel_tool_calls}
 
     def sampling_params(self) -> dict[str, Any]:
         """Keyword arguments for vLLM-style `SamplingParams(**job.sampling_params())`
@@ -365,7 +422,8 @@ def _check_version(payload: dict) -> None:
 # digest") defines it, with a JavaScript reference and test vectors.
 
 DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
-OPTIONAL_DIGEST_FIELDS = ("structured_outputs",)  # hashed only when given: older digests stay valid
+# hashed only when given (tools: all three): older digests stay valid
+OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora")
 
 
 def payload_digest(job: JobRequest) -> str:
@@ -383,6 +441,10 @@ def digest_input(job: JobRequest) -> str:
                     if getattr(job, name) != default})
     if job.structured_outputs is not None:
         content["structured_outputs"] = job.structured_outputs_given()
+    if job.tools is not None:  # hashed only when given, as structured_outputs
+        content.update(job.tools_given())
+    if job.lora is not None:
+        content["lora"] = job.lora
     return canonical_json(content)
 
 

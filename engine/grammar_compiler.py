@@ -32,7 +32,7 @@ WHAT = {"json": "the JSON schema", "regex": "the regex", "choice": "the choices"
 class Grammar:
     """A compiled constraint (immutable, shared): what a sequence's matcher runs on.
 
-    Pickled (to the engine core process, engine/core_process.py) it travels as xgrammar's
+    Pickled (to the engine core, engine/engine_core.py) it travels as xgrammar's
     JSON; the receiving side's GrammarCompiler.adopt rebuilds it on its own tokenizer info."""
 
     def __init__(self, compiled: "xgr.CompiledGrammar | None", key: tuple, serialized: str | None = None):

@@ -1,6 +1,8 @@
-"""Turns a user's prompt + parameters into a validated Sequence (or an InvalidRequest)."""
+"""Turns a user's prompt + parameters into a validated request for the engine core (or an InvalidRequest)."""
 import time
 
+from engine import chat_tools
+from engine.core_request import EngineCoreRequest
 from engine.errors import InvalidRequest
 from engine.grammar_compiler import GrammarCompiler
 from engine.sampling_params import SamplingParams
@@ -38,25 +40,37 @@ class InputProcessor:
             return list(prompt)
         raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat; `tools` (OpenAI's function tools) as engine/chat_tools.py renders them."""
         if not messages:
             raise InvalidRequest("messages", "must not be empty")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("messages", "this model's tokenizer has no chat template")
         for index, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str) \
-                    or not isinstance(message.get("role"), str):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content", ""), str):
                 raise InvalidRequest(f"messages[{index}]", "must be {'role': str, 'content': str}")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if chat_tools.uses_tools(messages, tools):
+            text = chat_tools.chat_text(self.tokenizer, messages, tools)
+        else:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenize(text, add_special_tokens=False)  # the template has them
 
-    def sequence_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                     priority_class: str = "interactive", priority: int = 0,
-                     arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
-        """Tokenize (or apply the chat template) and validate: a Sequence or InvalidRequest."""
+    def tool_parser(self) -> str:
+        """The tool-call parser this model's output needs (engine/chat_tools.py)."""
+        return chat_tools.default_tool_parser(self.tokenizer)
+
+    def request_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
+                    priority_class: str = "interactive", priority: int = 0,
+                    arrival_time: float | None = None, messages: list[dict] | None = None,
+                    tools: list[dict] | None = None) -> EngineCoreRequest:
+        """Tokenize (or apply the chat template) and validate: a request or InvalidRequest."""
         params = params or SamplingParams()
-        token_ids = self.apply_chat_template(messages) if messages is not None else self.tokenize(prompt)
-        return self.make_sequence(request_id, token_ids, params, priority_class, priority, arrival_time)
+        token_ids = self.apply_chat_template(messages, tools) if messages is not None else self.tokenize(prompt)
+        return self.make_request(request_id, token_ids, params, priority_class, priority, arrival_time)
+
+    def sequence_for(self, *args, **kwargs) -> Sequence:
+        return self.request_for(*args, **kwargs).to_sequence()
 
     def with_tokenizer(self, tokenizer) -> "InputProcessor":
         """The same limits over another tokenizer instance (one per thread: a fast tokenizer
@@ -64,9 +78,9 @@ class InputProcessor:
         return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens,
                               self.eos_token_ids)
 
-    def make_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                      priority_class: str = "interactive", priority: int = 0,
-                      arrival_time: float | None = None) -> Sequence:
+    def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                     priority_class: str = "interactive", priority: int = 0,
+                     arrival_time: float | None = None) -> EngineCoreRequest:
         params.validate(self.vocab_size)
         if priority_class not in PRIORITY_CLASSES:
             raise InvalidRequest("priority_class", f"must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
@@ -78,8 +92,11 @@ class InputProcessor:
             which = "max_model_len" if limit == self.max_model_len else "the KV cache pool"
             raise InvalidRequest("prompt", f"{len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
                                            f"exceed {which} ({limit} tokens)")
-        return Sequence(request_id, list(token_ids), params, max_tokens, priority_class, priority,
-                        arrival_time or time.time(), grammar=self.compile_grammar(params))
+        return EngineCoreRequest(request_id, tuple(token_ids), params, max_tokens, priority_class, priority,
+                                 arrival_time or time.time(), self.compile_grammar(params))
+
+    def make_sequence(self, *args, **kwargs) -> Sequence:
+        return self.make_request(*args, **kwargs).to_sequence()
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured request (None for others); InvalidRequest."""

@@ -47,11 +47,13 @@ class LLM:
         self.close()
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None,
+                 lora_request=None) -> list[RequestOutput]:
         """``prompts``: one prompt or a list (engine/prompt_inputs.py: strings, token-id lists,
         vLLM's prompt dicts). Outputs come back in prompt order; a bad request yields
-        ``finish_reason='error'`` on its own output."""
-        return self._run(prompt_list(prompts), sampling_params, use_tqdm, priority)
+        ``finish_reason='error'`` on its own output. ``lora_request``: one engine.LoRARequest
+        for every prompt, or a list (one per prompt, None for the base model)."""
+        return self._run(prompt_list(prompts), sampling_params, use_tqdm, priority, lora_request=lora_request)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """``messages``: one conversation (list of {role, content}) or a list of them."""
@@ -59,27 +61,30 @@ class LLM:
         return self._run(conversations, sampling_params, use_tqdm, None, chat=True)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority,
-             chat: bool = False) -> list[RequestOutput]:
+             chat: bool = False, lora_request=None) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, param, prio in zip(prompts, params, priorities):
+        for prompt, param, prio, lora in zip(prompts, params, priorities, loras):
             request_id = str(next(self._ids))
             order.append(request_id)
             try:
-                self._add(request_id, prompt, param, prio, chat)
+                self._add(request_id, prompt, param, prio, chat, lora)
             except InvalidRequest as exc:
                 results[request_id] = _error_output(request_id, prompt, param, exc)
         self._drain(results, len(order), use_tqdm)
         return [results[request_id] for request_id in order]
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, priority: int, chat: bool) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, priority: int, chat: bool, lora=None) -> None:
         if chat:
-            self.engine.add_request(request_id, params=params, priority=priority, messages=prompt)
+            self.engine.add_request(request_id, params=params, priority=priority, messages=prompt, lora_request=lora)
             return
         value, text = engine_prompt(prompt)
-        seq = self.engine.make_sequence(request_id, value, params, priority=priority)
+        seq = self.engine.make_sequence(request_id, value, params, priority=priority, lora_request=lora)
         self.engine.add_sequence(seq, text)
 
     def _drain(self, results: dict, total: int, use_tqdm: bool) -> None:

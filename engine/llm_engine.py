@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ModelLoadError
 from engine.finishing import StopRules
 from engine.input_processor import InputProcessor
+from engine.lora.adapter import check_adapter
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_spec
 from engine.output_processor import OutputProcessor
@@ -51,17 +52,30 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                     priority_class: str = "interactive", priority: int = 0,
-                    arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
+                    arrival_time: float | None = None, messages: list[dict] | None = None,
+                    lora_request=None) -> Sequence:
         """``prompt``: text or token ids; or ``messages`` (chat). Raises InvalidRequest."""
-        seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time, messages)
+        seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time, messages,
+                                 lora_request)
         self.add_sequence(seq, prompt_text_of(self.tokenizer, prompt, messages, seq))
         return seq
 
     def make_sequence(self, request_id: str, prompt=None, params: SamplingParams | None = None,
                       priority_class: str = "interactive", priority: int = 0,
-                      arrival_time: float | None = None, messages: list[dict] | None = None) -> Sequence:
-        """Tokenize and validate without touching engine state."""
-        return self.inputs.sequence_for(request_id, prompt, params, priority_class, priority, arrival_time, messages)
+                      arrival_time: float | None = None, messages: list[dict] | None = None,
+                      lora_request=None) -> Sequence:
+        """Tokenize and validate without touching engine state; ``lora_request``: an engine.LoRARequest."""
+        seq = self.inputs.sequence_for(request_id, prompt, params, priority_class, priority, arrival_time, messages)
+        seq.lora_request = self._checked_lora(lora_request)
+        return seq
+
+    def _checked_lora(self, request):
+        if request is None:
+            return None
+        if not self.config.enable_lora:
+            raise InvalidRequest("lora_request", "this engine serves no adapters (start it with enable_lora=True)")
+        check_adapter(request, self.config.max_lora_rank)
+        return request
 
     def own_input_processor(self) -> InputProcessor:
         """Inputs for another thread (the replica's ingest), with a tokenizer of its own."""
@@ -157,8 +171,7 @@ class LLMEngine:
     def overlaps_steps(self) -> bool:
         """Whether ``step()`` runs the model for step N+1 on its own thread while it applies
         step N's tokens: only when asked (``async_scheduling=True``), offline and in the
-        engine core process alike. A replica running the engine on a thread of its own
-        process decides for itself (actors/scheduler_actor.py: on unless ``async_scheduling=False``)."""
+        engine core alike (engine/engine_core.py steps this engine, whichever way it runs)."""
         return self.config.async_scheduling is True
 
     def seconds_until_ready(self) -> float:

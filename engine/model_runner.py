@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, PrefillSpan
+from engine.attention_metadata import AttentionMetadata, PrefillSpan, pack_prefills
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, graph_buckets
 from engine.distributed.group import TPGroup, rank_device
 from engine.distributed.launcher import Workers
 from engine.distributed.shard import check_shardable, shard_model
 from engine.distributed.step_message import Tail, encode_step, sampled_tails
 from engine.grammar_masks import GrammarMasks, GrammarState
+from engine.lora.manager import LoRAManager
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
 from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_copies
@@ -23,7 +25,7 @@ from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
 from engine.vllm_options import kv_budget_from_utilization
 from engine.spec_decode.verifier import verify
-from kernels.backend import prepare
+from kernels.prepare import prepare
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -34,6 +36,7 @@ CUDA_KV_CACHE_FRACTION = 0.5  # of the memory free after the weights are loaded
 class RunnerSeq(SamplingRow):
     block_table: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: its matcher (kept across preemption)
+    lora_request: object | None = None  # engine.LoRARequest (None: the base model)
 
 
 @dataclass
@@ -44,12 +47,25 @@ class InputBatch:
     logits_indices: torch.Tensor
     sampling_ids: list[str]
     prompt_spans: list[PromptSpan] = field(default_factory=list)  # prompt positions to score
+    row_loras: list = field(default_factory=list)  # each token's LoRARequest or None (enable_lora only)
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """``auto``: Triton on CUDA where it is installed, else the torch reference; ``triton``
+    where it cannot run is refused with the reason."""
+    from kernels.triton import unusable_reason
+    reason = unusable_reason(device.type)
+    if name == "auto":
+        return "triton" if device.type == "cuda" and reason is None else "torch"
+    if name == "triton" and reason is not None:
+        raise ValueError(f"attention_backend='triton' on {device.type}: {reason}")
+    return name
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -60,31 +76,61 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int, tp: TPGroup | None = None):
-        """``tp``: a follower rank's group (engine/distributed/worker.py); rank 0 starts the
+        """``tp``: a follower rank's group (engine/tp_worker.py); rank 0 starts the
         other ranks itself when ``config.tensor_parallel_size`` > 1."""
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.workers: Workers | None = None  # rank 0 of a tensor-parallel group: the other ranks
         self.tp = tp or self._start_workers(spec)
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)
         if self.tp is None:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
-            self.backend = prepare(self.model, self.device, decoder_layout,
+            # the CPU's compiled whole-model decoder has its own attention: not with Triton's
+            layout = decoder_layout if self.attention_backend == "torch" else None
+            self.backend = prepare(self.model, self.device, layout,
                                    batch_copies=gguf_batch_copies(config.quantization))
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)
             self.backend = prepare(self.model, self.device)
+        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
+            if config.enable_lora else None  # after prepare: it wraps the backend's projections
         self._tails: list[Tail] = []  # rank 0: what the last step sampled, sent with the next plan
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self._bind_triton_kernels()
         self.num_blocks = self._allocate_kv_cache()
-        self.sampler = Sampler(self.device, config.seed)
+        self.graphs = self._capture_decode_graphs()
+        self.sampler = Sampler(self.device, config.seed,
+                               fused=self.attention_backend == "triton" and self.device.type == "cuda")
         self.grammar_masks = GrammarMasks(spec.hf_config.vocab_size)
         self.seqs: dict[str, RunnerSeq] = {}
+
+    def _bind_triton_kernels(self) -> None:
+        if self.attention_backend != "triton":
+            return
+        from kernels import layer_ops
+        from kernels.triton import attention
+        for layer in self.attention_layers:
+            layer.triton = attention
+        if self.device.type == "cuda":  # the fused norms and SiLU-and-mul too (CPU has its own)
+            layer_ops.use_triton_on_cuda()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode-only steps: on CUDA with the Triton backend (whose kernels
+        take padded rows), one process, unless ``enforce_eager``."""
+        if (self.device.type != "cuda" or self.attention_backend != "triton" or self.config.enforce_eager
+                or self.tp is not None):
+            return None
+        graphs = DecodeGraphs(self.model, graph_buckets(self.config.max_num_seqs),
+                              -(-self.max_model_len // self.block_size), self.device)
+        graphs.capture()
+        log.info("CUDA graphs captured for decode batches %s", graphs.buckets)
+        return graphs
 
     def _start_workers(self, spec: ModelSpec) -> TPGroup | None:
         size = self.config.tensor_parallel_size
@@ -188,7 +234,11 @@ class ModelRunner:
         """Final hidden states: the backend's whole-model decoder where it serves the step,
         else the model's layers."""
         meta, tokens = batch.meta, batch.input_ids.shape[0]
-        if meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
+        with_adapters = self.lora is not None and self.lora.set_batch(batch.row_loras)
+        # captured graphs and the backend's whole-model decoder hold the base projections: steps without adapters only
+        if not with_adapters and self.graphs is not None and self.graphs.serves(tokens, meta):
+            return self.graphs.replay(batch.input_ids, batch.positions, meta)
+        if not with_adapters and meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
             return self.backend.decode(batch.input_ids, batch.positions, meta.slot_mapping,
                                        meta.decode_block_tables, meta.decode_context_lens)
         return self.model(batch.input_ids, batch.positions, meta)
@@ -202,7 +252,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
             self.seqs[new.seq_id] = RunnerSeq(new.params, list(new.token_ids), len(new.token_ids),
                                               new.min_tokens_stop_ids, generator,
-                                              grammar=GrammarState(new.grammar) if new.grammar else None)
+                                              grammar=GrammarState(new.grammar) if new.grammar else None,
+                                              lora_request=new.lora_request)
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
         for seq_id, num_blocks in plan.trimmed_tables.items():
@@ -214,8 +265,8 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledSeq]) -> InputBatch:
         # decodes (one new token, or one and its drafts) first: they share one batched attention call
         ordered = sorted(scheduled, key=lambda s: not _decodes(s))
-        input_ids, positions, logits_indices, sampling_ids, prompt_spans = [], [], [], [], []
-        decode_tables, decode_lens, prefills = [], [], []
+        input_ids, positions, logits_indices, sampling_ids, prompt_spans, row_loras = [], [], [], [], [], []
+        decode_tables, decode_lens, prefills, prefill_tables = [], [], [], []
         for item in ordered:
             seq = self.seqs[item.seq_id]
             start, end = item.num_computed, item.num_computed + item.num_new
@@ -223,12 +274,14 @@ class ModelRunner:
             offset = len(input_ids)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
+            row_loras += [seq.lora_request] * item.num_new if self.lora is not None else []
             if _decodes(item):  # each verified draft too: a decode query over the cache up to itself
                 decode_tables += [seq.block_table] * item.num_new
                 decode_lens += range(start + 1, end + 1)
             else:
                 prefills.append(PrefillSpan(offset, offset + item.num_new, start,
                                             self._tensor(seq.block_table)))
+                prefill_tables.append(seq.block_table)
             if end == len(seq.token_ids):  # logits at the last token and at each draft
                 last = offset + item.num_new
                 logits_indices += range(last - 1 - len(item.draft_token_ids), last)
@@ -239,12 +292,14 @@ class ModelRunner:
         num_decode = len(decode_lens)
         positions_t = self._tensor(positions)
         meta = AttentionMetadata(self._slots(ordered, positions_t), num_decode, prefills=prefills)
+        if prefills and self.attention_backend == "triton":
+            meta.packed_prefills = pack_prefills(prefills, prefill_tables, self.device)
         if num_decode:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
         return InputBatch(self._tensor(input_ids), positions_t, meta, self._tensor(logits_indices),
-                          sampling_ids, prompt_spans)
+                          sampling_ids, prompt_spans, row_loras)
 
     def _slots(self, ordered: list[ScheduledSeq], positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of every token: block_table[pos // block_size] * block_size + pos % block_size."""
@@ -257,6 +312,8 @@ class ModelRunner:
         return blocks * self.block_size + positions % self.block_size
 
     def _tensor(self, values) -> torch.Tensor:
+        if self.device.type == "cuda":  # from pinned host memory, copied without waiting for the device
+            return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 

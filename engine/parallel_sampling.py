@@ -47,6 +47,7 @@ def make_children(seq: Sequence, share_prefix: bool) -> list[Sequence]:
                          seq.max_tokens, seq.priority_class, seq.priority, seq.arrival_time,
                          grammar=seq.grammar)  # compiled once; each child's runner row gets its own matcher
         child.sample_index = index
+        child.lora_request = seq.lora_request
         child.leader = children[0] if index and share_prefix else None
         children.append(child)
     return children

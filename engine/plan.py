@@ -15,6 +15,7 @@ class NewSeqData:
     params: SamplingParams
     min_tokens_stop_ids: tuple[int, ...] = ()  # token ids banned until min_tokens is reached
     grammar: object | None = None  # structured outputs: the compiled grammar (engine/grammar_compiler.py)
+    lora_request: object | None = None  # engine.LoRARequest (None: the base model)
 
 
 @dataclass

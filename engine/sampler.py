@@ -23,9 +23,14 @@ class SamplingRow:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, fused: bool = False):
+        """``fused``: penalties and the draw in Triton kernels (kernels/triton/sampling.py; CUDA)."""
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.fused = None
+        if fused:
+            from kernels.triton import sampling
+            self.fused = sampling
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]):
         """Returns (token ids, {row index: TokenLogprobs} for rows that asked for logprobs)."""
@@ -35,10 +40,13 @@ class Sampler:
         if any(r.params.has_penalties for r in rows):
             logits = self._penalize(logits, rows)
         self._ban_until_min_tokens(logits, rows)
-        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._sample(logits, rows))
+        if all(r.params.greedy for r in rows):  # decided on the host: no device sync
+            tokens = logits.argmax(dim=-1)
+        elif self.fused is not None:  # the kernel takes greedy rows itself
+            tokens = self._sample_fused(logits, rows)
+        else:
+            greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+            tokens = torch.where(greedy, logits.argmax(dim=-1), self._sample(logits, rows))
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, rows, token_list)
 
@@ -52,6 +60,14 @@ class Sampler:
                 self._column([p.top_p for p in params]), self._column([p.min_p for p in params]))
         probs = logits.softmax(dim=-1)
         return sample_with_noise(probs, self._exponential_noise(probs, rows))
+
+    def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        params = [r.params for r in rows]
+        noise = self._exponential_noise(logits, rows)
+        return self.fused.sample(logits.contiguous(), self._column([0.0 if p.greedy else p.temperature for p in params]),
+                                 self._column([p.top_k for p in params], torch.long),
+                                 self._column([p.top_p for p in params]), self._column([p.min_p for p in params]),
+                                 noise)
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -72,7 +88,8 @@ class Sampler:
         output_counts = self._counts([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab)
         prompt_counts = self._counts([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab)
         params = [r.params for r in rows]
-        return apply_penalties(logits, (output_counts + prompt_counts) > 0, output_counts,
+        penalize = apply_penalties if self.fused is None else self.fused.apply_penalties_
+        return penalize(logits.contiguous(), (output_counts + prompt_counts) > 0, output_counts,
                                self._column([p.repetition_penalty for p in params]),
                                self._column([p.presence_penalty for p in params]),
                                self._column([p.frequency_penalty for p in params]))
@@ -114,6 +131,8 @@ class Sampler:
                 for index, rank in zip(wanted, ranks)}
 
     def _column(self, values: list, dtype=torch.float32) -> torch.Tensor:
+        if self.device.type == "cuda":  # from pinned memory: the copy does not wait for the device
+            return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(values, dtype=dtype, device=self.device)
 
 

@@ -199,6 +199,8 @@ class Scheduler:
                 return budget
             if waits_for_leader(seq):
                 continue  # n > 1: it will share its leader's prompt blocks once they are computed
+            if not self._adapter_fits(seq):
+                continue  # its adapter would be one more than max_loras among the running
             if not seq.block_table:
                 seq.num_computed_tokens = self.block_manager.reuse_cached_prefix(seq)
             num_new = min(seq.num_unscheduled_tokens, budget)
@@ -217,6 +219,12 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        if seq.lora_request is None:
+            return True
+        running = {s.lora_request.lora_int_id for s in self.running if s.lora_request is not None}
+        return seq.lora_request.lora_int_id in running or len(running) < self.config.max_loras
+
     def _schedule(self, seq: Sequence, num_new: int, plan: StepPlan, now: float) -> None:
         assert num_new > 0
         if num_new < seq.num_unscheduled_tokens:
@@ -226,7 +234,8 @@ class Scheduler:
         new_block_ids = self._unsent_blocks(seq)
         if not seq.known_to_runner:
             plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
-                                            self.stop_rules.min_tokens_stop_ids(seq), seq.grammar))
+                                            self.stop_rules.min_tokens_stop_ids(seq), seq.grammar,
+                                            seq.lora_request))
             seq.known_to_runner = True
         seq.first_scheduled_time = seq.first_scheduled_time or now
         plan.scheduled.append(ScheduledSeq(seq.seq_id, start, num_new, new_block_ids))

@@ -39,6 +39,7 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None  # why it ended with finish_reason 'error'
     grammar: object | None = None  # structured outputs: its compiled grammar (engine/grammar_compiler.py)
+    lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
     num_preemptions: int = 0
     known_to_runner: bool = False
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted

@@ -3,13 +3,12 @@ onto Conveyor's EngineConfig are translated, the ones that cannot change anythin
 accepted (each with the reason it is a no-op), and the rest are refused with a message
 that names the option and why. Names with the same meaning in both (dtype, seed,
 max_model_len, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
-quantization, tensor_parallel_size) pass through, with vLLM's spellings of their values normalised."""
+quantization, tensor_parallel_size, enforce_eager) pass through, with vLLM's spellings of their values normalised."""
 import logging
 
 log = logging.getLogger(__name__)
 
 NO_OPS = {
-    "enforce_eager": "Conveyor never captures CUDA graphs: it always runs eagerly",
     "swap_space": "preempted sequences are recomputed, never swapped to CPU memory (as in vLLM V1)",
     "disable_log_stats": "the offline engine keeps no periodic stats log",
 }

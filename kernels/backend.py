@@ -1,17 +1,11 @@
-"""Device backends: what a device does to a model once it is loaded, and the whole-model
-fast paths it offers afterwards.
-
-``prepare(model, device)`` is the one entry point, called once by the model runner after
-the weights are in place: on CPU it swaps the linears for the fast ones, moves the weights
-into huge pages and packs them (kernels/cpu/); elsewhere the model runs as it is, on the
-torch reference ops (a GPU backend sits beside the CPU one). The model files stay plain
-modules calling plain layer ops.
+"""What a device backend is (kernels/prepare.py picks one): the whole-model fast paths it
+offers once a model is loaded, and the plain description of a decoder it may run whole.
+The model files stay plain modules calling plain layer ops.
 """
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch import nn
 
 
 @dataclass
@@ -43,17 +37,3 @@ class Backend:
                block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
         """Final hidden states of a decode-only step (one new token per sequence)."""
         raise NotImplementedError
-
-
-def prepare(model: nn.Module, device: torch.device,
-            layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None,
-            batch_copies: bool = False) -> Backend:
-    """Ready ``model`` (weights loaded, on ``device`` in their final dtype) for ``device``, in
-    place, and return its backend. ``layout_of(model)`` describes the model as a decoder the
-    backend may run whole (None where it is not one), read once the KV cache is bound.
-    ``batch_copies``: quantized layers may also keep a dequantized copy for steps of many
-    rows, where the device runs it faster than the blocks (CPU: oneDNN float32)."""
-    if device.type == "cpu":
-        from kernels.cpu import prepare as prepare_cpu
-        return prepare_cpu(model, layout_of, batch_copies)
-    return Backend()

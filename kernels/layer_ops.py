@@ -11,8 +11,26 @@ import torch.nn.functional as F
 from kernels.cpu.extension import for_tensors as _compiled
 from kernels.attention import write_kv_cache
 
+_triton = None  # kernels.triton.layer_ops once a CUDA engine chose the Triton backend
+
+
+def use_triton_on_cuda() -> None:
+    """From now on CUDA tensors take the fused Triton norms and SiLU-and-mul (process-wide:
+    the kernels are exact stand-ins for the reference, so sharing the switch is harmless)."""
+    global _triton
+    from kernels.triton import layer_ops
+    _triton = layer_ops
+
+
+def _fused(*tensors: torch.Tensor):
+    if _triton is not None and tensors[0].is_cuda and tensors[0].dim() == 2 and tensors[0].stride(-1) == 1:
+        return _triton
+    return None
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fused(x) is not None:
+        return _triton.rms_norm(x, weight, eps)
     kernels = _compiled(x, weight)
     if kernels is not None and x.dim() == 2 and x.is_contiguous():
         return kernels.rms_norm(x, weight, eps)
@@ -30,6 +48,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual + x`` (the new residual stream) and its RMSNorm. May reuse the storage of
     both inputs, which the caller must not read again."""
+    if _fused(x) is not None and residual.stride(-1) == 1:
+        return _triton.add_rms_norm(x, residual, weight, eps)
     kernels = _compiled(x, residual, weight)
     if kernels is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
         kernels.add_rms_norm_(x, residual, weight, eps)
@@ -40,6 +60,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for rows laid out ``[gate | up]``."""
+    if _fused(gate_up) is not None:
+        return _triton.silu_and_mul(gate_up)
     kernels = _compiled(gate_up)
     if kernels is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
         return kernels.silu_and_mul(gate_up)

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# two test workers, one per core (a module's tests stay together: its fixtures start once);
+# the ten slowest tests are printed at the end
+exec .venv/bin/python -m pytest -q -n "${CONVEYOR_TEST_WORKERS:-2}" --dist loadfile --durations=10 "$@"

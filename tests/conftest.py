@@ -76,10 +76,16 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the run's own process, not a pytest-xdist worker
+        import fault_harness
+        config.reliability_start = fault_harness.start_reliability_file()
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The reliability figures of this run, before pytest's closing line."""
+    """The reliability figures of this run (all test workers'), before pytest's closing line."""
     import fault_harness
-    table = fault_harness.recorded_table()
+    table = fault_harness.recorded_table(getattr(terminalreporter.config, "reliability_start", 0))
     if table:
         terminalreporter.write_sep("-", f"reliability figures ({fault_harness.reliability_file()})")
         terminalreporter.write_line(table)

@@ -331,16 +331,26 @@ def raw_job(job: dict) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- reliability table
 
 
-_recorded: list[dict] = []
 
 
 def reliability_file() -> Path:
-    """$CONVEYOR_RELIABILITY_FILE (appended to), else a temp file rewritten by each test run."""
+    """$CONVEYOR_RELIABILITY_FILE (appended to), else a temp file rewritten by each test run
+    (conftest's ``start_reliability_file``, once per run, before any test worker starts)."""
     path = os.environ.get(RELIABILITY_FILE_ENV)
     if path:
         return Path(path)
     import tempfile
     return Path(tempfile.gettempdir()) / "conveyor-reliability.jsonl"
+
+
+def start_reliability_file() -> int:
+    """Called once per run by the process that prints the table: every test worker then
+    appends to the same file; returns where this run's rows start."""
+    path = reliability_file()
+    if not os.environ.get(RELIABILITY_FILE_ENV):
+        path.write_text("")
+        os.environ[RELIABILITY_FILE_ENV] = str(path)
+    return path.stat().st_size if path.exists() else 0
 
 
 def record(fault: str, *, submitted: int, completed: int, lost: int, duplicates: int, **extra) -> dict:
@@ -350,17 +360,21 @@ def record(fault: str, *, submitted: int, completed: int, lost: int, duplicates:
     details = "".join(f", {k}={v}" for k, v in extra.items())
     print(f"\nRELIABILITY: fault={fault}, submitted={submitted}, completed={completed}, lost={lost}, "
           f"duplicates={duplicates}{details}", flush=True)
-    path = reliability_file()
-    mode = "a" if _recorded or os.environ.get(RELIABILITY_FILE_ENV) else "w"
-    with open(path, mode) as out:
+    with open(reliability_file(), "a") as out:
         out.write(json.dumps(row) + "\n")
-    _recorded.append(row)
     return row
 
 
-def recorded_table() -> str | None:
-    """This run's rows as a table (conftest prints it in pytest's terminal summary)."""
-    return markdown_table(_recorded) if _recorded else None
+def recorded_table(start: int) -> str | None:
+    """This run's rows (from ``start`` in the file: every test worker's) as a table (conftest
+    prints it in pytest's terminal summary)."""
+    path = reliability_file()
+    if not path.exists():
+        return None
+    with open(path) as source:
+        source.seek(start)
+        rows = [json.loads(line) for line in source if line.strip()]
+    return markdown_table(rows) if rows else None
 
 
 def markdown_table(rows: list[dict]) -> str:

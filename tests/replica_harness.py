@@ -1,8 +1,9 @@
-"""Runs a real replica (engine + actors) on its own event loop in a background thread."""
+"""Runs a real replica (engine core on a thread + actors) on its own event loop in a background thread."""
 import asyncio
 import threading
 
 from actors.config import ReplicaConfig
+from actors.engine_client import EngineCoreClient
 from actors.replica import Replica
 from engine import EngineConfig, LLMEngine
 
@@ -37,9 +38,11 @@ class ReplicaThread:
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.replica = Replica(self.engine, self.config)
+        core = EngineCoreClient.on_thread(self.engine)  # the production core loop, on a thread
+        self.replica = Replica(core, self.config)
         self.loop.call_soon(self._ready.set)
         self.exit_code = self.loop.run_until_complete(self.replica.run())
+        self.loop.run_until_complete(core.aclose())
         self.loop.close()
 
     def __enter__(self):

@@ -492,7 +492,7 @@ def sent_to_the_builder(path: str) -> bool:
 
 def test_the_build_context_leaves_out_the_venv_git_data_secrets_and_caches():
     for path in (".venv/bin/python", ".git/HEAD", "conveyor-data/password", "conveyor-data/appendonlydir/x.aof",
-                 "compose/redis_password.txt", "compose/gateway_keys.txt", "clients/__pycache__/cli.cpython-311.pyc",
+                 "compose/redis_password.txt", "compose/gateway_keys.json", "clients/__pycache__/cli.cpython-311.pyc",
                  ".pytest_cache/v/x", "engine/.hypothesis/x", "conveyor.egg-info/PKG-INFO", "tests/test_compose.py",
                  "benchmarks/results/x.json", "actors/conveyor-data/url"):  # fmt: skip
         assert not sent_to_the_builder(path), f"{path} would be sent to the builder"
@@ -543,3 +543,23 @@ def test_entrypoint_hands_the_secret_to_the_conveyor_user_then_drops_root(tmp_pa
     assert (out.stat().st_uid, out.stat().st_mode & 0o777) == (CONVEYOR_UID, 0o700)
     done, ran, _ = run_entrypoint(open_dir, secrets_in, "gateway", as_uid=CONVEYOR_UID)  # as the image's USER
     assert done.returncode == 0 and ran == [str(CONVEYOR_UID), str(CONVEYOR_UID), "gateway"], done.stderr
+
+
+def test_gateway_needs_api_keys_from_a_secret(compose):
+    """Any container of the compose network reaches the gateway's 0.0.0.0: every request needs
+    a key, read from a secret file kept out of git; the example's key is refused, and the
+    command refuses to listen beyond loopback without keys at all."""
+    from clients.gateway.tenants import load_grants
+
+    gateway = compose["services"]["gateway"]
+    assert gateway["environment"]["CONVEYOR_GATEWAY_KEYS_FILE"] == "/run/conveyor/secrets/gateway_keys"  # entrypoint's copy
+    assert "gateway_keys" in gateway["secrets"]
+    keys_file = Path(compose["secrets"]["gateway_keys"]["file"]).name
+    assert f"compose/{keys_file}" in (COMPOSE.parent / ".gitignore").read_text().split(), "kept out of git"
+    with pytest.raises(ValueError, match="example"):
+        load_grants(str(COMPOSE / "gateway_keys.json.example"), None)
+    conveyor = Path(sys.executable).with_name("conveyor")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_GATEWAY_")}
+    refused = subprocess.run([str(conveyor), "gateway", "--host", "0.0.0.0", "--redis-url", "redis://127.0.0.1:1"],
+                             capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert refused.returncode == 2 and "no API keys" in refused.stderr, refused.stderr

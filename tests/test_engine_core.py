@@ -1,4 +1,4 @@
-"""The engine core in its own process (engine/core_process.py, actors/engine_core.py): what
+"""The engine core (engine/engine_core.py, actors/engine_client.py) in its own process: what
 `conveyor serve` runs by default. Real replicas on the session's Valkey; the core process is
 found as the replica's child and faults are real signals to it."""
 from __future__ import annotations
@@ -24,10 +24,10 @@ def spawn(request, tmp_path, redis_url, namespace):
 
 
 def core_of(replica) -> psutil.Process:
-    """The replica's engine core: its child running engine.core_process."""
+    """The replica's engine core: its child running engine.engine_core."""
     def find():
         children = psutil.Process(replica.pid).children()
-        return next((c for c in children if "engine.core_process" in " ".join(c.cmdline())), None)
+        return next((c for c in children if "engine.engine_core" in " ".join(c.cmdline())), None)
     return wait_until(find, 30, f"the engine core process of {replica.consumer}")
 
 
@@ -95,14 +95,16 @@ def test_sigterm_drains_through_the_core_and_exits_cleanly(spawn, tiny_model, re
 
 
 def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
-    from actors.engine_core import EngineCoreProcess
+    from actors.engine_client import EngineCoreClient
     from engine import EngineConfig
     started = time.monotonic()
     with pytest.raises(ModelLoadError, match="model") as in_core:
-        EngineCoreProcess(EngineConfig(model=str(tmp_path / "missing")))
+        EngineCoreClient.in_child_process(EngineConfig(model=str(tmp_path / "missing")))
+    with pytest.raises(ModelLoadError) as on_thread:
+        EngineCoreClient.on_thread(EngineConfig(model=str(tmp_path / "missing")))
     with pytest.raises(ModelLoadError) as in_process:
         LLM(str(tmp_path / "missing"))
-    assert str(in_core.value) == str(in_process.value)
+    assert str(in_core.value) == str(in_process.value) == str(on_thread.value)
     assert time.monotonic() - started < 60
 
 
@@ -123,7 +125,7 @@ def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
 
 
 def test_a_load_error_that_cannot_be_pickled_still_reaches_the_front_door():
-    from engine.core_process import portable
+    from engine.engine_core import portable
     from engine.errors import InvalidRequest
     unpicklable = InvalidRequest("model", "whatever went wrong")  # its __init__ takes two arguments
     with pytest.raises(TypeError):

@@ -386,7 +386,7 @@ CHAT = [{"role": "user", "content": "hi"}]
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
     ("chat", {"n": 0}, "n"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"response_format": {"type": "grammar", "grammar": "root ::= x"}}, "response_format.type"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -395,7 +395,8 @@ CHAT = [{"role": "user", "content": "hi"}]
     ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat", {"service_tier": "turbo"}, "service_tier"),
-    ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ("chat", {"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
 ])  # fmt: skip

@@ -70,7 +70,8 @@ def producer_acl(ns: str) -> list[str]:
             "+ping", "+client|setinfo",
             "+evalsha", "+script|load", "+script|exists",                   # submit and cancel scripts...
             "+exists", "+hget", "+hset", "+del", "+expire", "+xlen", "+xadd", "+publish",  # ...what they call
-            "+xread", "+hgetall", "+smembers", "+xinfo|groups", "+xinfo|consumers"]
+            "+xread", "+hgetall", "+hmget", "+hstrlen",                     # model info, field by field
+            "+smembers", "+xinfo|groups", "+xinfo|consumers"]
 
 
 def set_user(admin: redis.Redis, name: str, password: str, rules: list[str]) -> None:

@@ -13,7 +13,6 @@ Every generation response carries `X-Conveyor-Job-Id` (also the tail of the resp
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -28,18 +27,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.background import BackgroundTask
-from starlette.requests import ClientDisconnect
 
 from clients.async_client import AsyncJob
 from clients.errors import ConveyorError
 from clients.event_reader import outcome
 from clients.events import Event, TokenEvent
+from clients.gateway.adapters import adapter_objects, resolve_model
+from clients.gateway.batch_store import MAX_UPLOAD_BYTES
+from clients.gateway.body_limit import BodyLimit, read_json
 from clients.gateway.errors import OpenAIError, from_conveyor, invalid
 from clients.gateway.settings import GatewaySettings
 from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
+from clients.gateway.tool_requests import counted_messages, reads_tools
+from clients.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 from clients.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
 from clients.gateway.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
                                        job_from_completion, stream_flags)  # fmt: skip
+from clients.gateway.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
 
 log = logging.getLogger("conveyor.gateway")
 DEADLINE_GRACE_S = 2.0  # past a job's deadline, wait this long for the replica to report it
@@ -54,12 +58,20 @@ def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[
     app.state.settings = settings
     app.state.keyring = KeyRing(load_grants(settings.keys_file, settings.api_keys))
     app.state.metrics = Metrics()
+    app.add_middleware(BodyLimit, limit_of=_body_limit_of(settings), timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     _add_error_handlers(app)
     app.include_router(router)
     for extra in extra_routers:
         app.include_router(extra)
     return app
+
+
+def _body_limit_of(settings: GatewaySettings) -> Callable[[str], int]:
+    def limit_of(path: str) -> int:
+        return MAX_UPLOAD_BYTES if path.rstrip("/") == "/v1/files" else settings.max_body_bytes
+
+    return limit_of
 
 
 @asynccontextmanager
@@ -181,7 +193,8 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(tenant: Tenant = Depends(tenant_of)) -> dict:
     """Models with a live replica in the tenant's namespace (ModelDirectory says how)."""
-    return {"object": "list", "data": [_model_object(m) for m in await tenant.models.live()]}
+    live = await tenant.models.live()
+    return {"object": "list", "data": [_model_object(m) for m in live] + adapter_objects(live)}
 
 
 @router.get("/v1/models/{model_id}")
@@ -294,6 +307,8 @@ async def generate(request: Request, tenant: Tenant, endpoint: Endpoint) -> Resp
     run = JobRun(job, plan.options.keep_on_disconnect)
     writer = ChunkWriter(endpoint.chat, endpoint.id_prefix + job.job_id, plan.fields["model"], int(time.time()),
                          plan.include_usage, plan.vocab, plan.fields.get("n", 1))  # fmt: skip
+    if endpoint.chat and reads_tools(plan.fields):
+        writer = ToolChunkWriter(**vars(writer), job_id=job.job_id, named=named_function(plan.fields))
     events = job.events(timeout=plan.options.timeout_s + DEADLINE_GRACE_S, idle=False)
     try:
         if plan.stream:
@@ -319,11 +334,13 @@ async def _plan(request: Request, tenant: Tenant, endpoint: Endpoint, settings: 
     stream, include_usage = stream_flags(body)
     options = RequestOptions.of(request, settings)
     fields["priority_class"] = tenant.priority_for(options.priority_class or fields.get("priority_class"))
-    model = await tenant.models.require(fields["model"])
+    model = await resolve_model(tenant, fields)  # an adapter's name: its base model, and `lora`
     vocab = await _vocabulary(tenant, model) if "logprobs" in fields else None
+    caps = WorkCaps(settings.max_samples, settings.max_total_tokens)
+    caps.check(fields, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
     if endpoint.chat and "max_tokens" not in fields:
-        left = await tenant.models.context_left(model.name, fields["messages"])
-        fields.update({"max_tokens": left} if left else {})
+        left = await tenant.models.context_left(model.name, counted_messages(fields))
+        fields["max_tokens"] = min(left or DEFAULT_MAX_TOKENS, caps.share(fields))
     return Plan(fields, options, stream, include_usage, vocab)
 
 
@@ -348,7 +365,8 @@ def _response_body(endpoint: Endpoint, result: Any, writer: ChunkWriter, logprob
     if endpoint.chat:
         tier = "flex" if fields["priority_class"] == "batch" else "default"
         rendered = {i: chat_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
-        return chat_body(result, **common, logprobs=rendered, service_tier=tier)
+        body = chat_body(result, **common, logprobs=rendered, service_tier=tier)
+        return with_tool_calls(body, result.outputs) if reads_tools(fields) else body
     rendered = {i: completion_logprobs(logprobs.get(i, []), writer.vocab) for i in indices} if writer.vocab else None
     return completion_body(result, **common, logprobs=rendered)
 
@@ -397,27 +415,3 @@ async def _vocabulary(tenant: Tenant, model: ServedModel) -> Any:
     except ConveyorError:
         raise invalid(f"logprobs are not available for model `{model.name}` (no tokenizer published)",
                       param="logprobs") from None
-
-
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object, at most `limit` bytes (413 beyond)."""
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise OpenAIError(413, f"request body over {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise OpenAIError(413, f"request body over {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise invalid("the client went away before sending the whole body", code="body_incomplete") from None
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError):
-        raise invalid("the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object", code="invalid_json")
-    return body
-

@@ -16,7 +16,8 @@ lifespan starts the gateway's runner loop (batch_runner.BatchRunners), which dri
 unfinished batches of every namespace the gateway serves (its API keys', else its
 --namespace), so a batch outlives the gateway that accepted it. Runner options
 come from the environment: CONVEYOR_BATCH_LEASE_S, _MAX_IN_FLIGHT, _POLL_S, _SCAN_S,
-_MAX_BATCHES, _CANCEL_WAIT_S (see RunnerSettings for the defaults).
+_MAX_BATCHES, _MAX_BATCHES_PER_TENANT, _CANCEL_WAIT_S (see RunnerSettings for the defaults;
+batch_runner.FairShare for how tenants share a gateway's runners).
 """
 
 from __future__ import annotations
@@ -24,24 +25,27 @@ from __future__ import annotations
 import asyncio
 import os
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from clients.gateway.batch_runner import BatchRunners, RunnerSettings
 from clients.gateway.batch_store import (
-    COMPLETION_WINDOWS, ENDPOINTS, MAX_FILE_BYTES, BatchStore, FileInUse, FileTooLarge, check_jsonl, check_metadata,
+    COMPLETION_WINDOWS, ENDPOINTS, MAX_FILE_BYTES, MAX_UPLOAD_BYTES, BatchStore, FileInUse, FileTooLarge,
+    check_jsonl, check_metadata,
 )  # fmt: skip
+from clients.gateway.body_limit import read_json
 from clients.gateway.errors import OpenAIError, invalid
+from clients.gateway.work_caps import WorkCaps
 from clients.gateway.tenants import load_grants, tenant_of
 
-FORM_SLACK_BYTES = 1024 * 1024  # multipart framing and the purpose field around the file
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
 MAX_FILES_LIMIT = 10_000  # OpenAI's bound and default for files.list
 ORDERS = ("asc", "desc")
 STOP_WAIT_S = 5.0  # shutdown: how long the runner loop gets to see it is closed
 ENV_SETTINGS = {"lease_s": float, "max_in_flight": int, "poll_s": float, "scan_s": float, "max_batches": int,
-                "cancel_wait_s": float}  # fmt: skip
+                "max_batches_per_tenant": int, "cancel_wait_s": float}  # fmt: skip
 
 
 def settings_from_env(env: dict[str, str] | None = None) -> RunnerSettings:
@@ -54,7 +58,11 @@ def settings_from_env(env: dict[str, str] | None = None) -> RunnerSettings:
 @asynccontextmanager
 async def runner_lifespan(app: FastAPI):
     """Start this gateway's batch runner loop; stop it (leases released) on shutdown."""
-    runners = BatchRunners(getattr(app.state, "batch_settings", None) or settings_from_env())
+    settings = getattr(app.state, "batch_settings", None) or settings_from_env()
+    gateway = getattr(app.state, "settings", None)
+    if gateway is not None and settings.caps is None:  # each line as capped as a live request
+        settings = replace(settings, caps=WorkCaps(gateway.max_samples, gateway.max_total_tokens))
+    runners = BatchRunners(settings)
     namespaces = getattr(app.state, "namespaces", None)  # the core app's lifespan, entered first
     for namespace in configured_namespaces(app) if namespaces else ():
         runners.watch(namespaces.client(namespace))
@@ -135,7 +143,7 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
 
     @router.post("/v1/batches")
     async def create_batch(request: Request, store: BatchStore = Depends(store_of)) -> dict[str, Any]:
-        body = await _json_object(request)
+        body = await _json_object(request)  # bounded in bytes and depth: a 400 or 413, never a 500
         input_file_id = await _input_file(store, body.get("input_file_id"))
         batch, _ = await store.create_batch(input_file_id=input_file_id, endpoint=_endpoint(body.get("endpoint")),
                                             completion_window=_window(body.get("completion_window")),
@@ -174,11 +182,13 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
 
 async def _read_upload(request: Request) -> tuple[bytes, str, str]:
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_FILE_BYTES + FORM_SLACK_BYTES:
+    if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
         raise OpenAIError(413, f"file is over the limit of {MAX_FILE_BYTES} bytes", param="file",
                           code="file_too_large")  # fmt: skip
     try:
         form = await request.form(max_files=1, max_fields=8)
+    except OpenAIError:  # the body limit's 413 or timeout's 408 (body_limit.BodyLimit counts as it arrives)
+        raise
     except Exception as exc:  # not multipart, or over the form's limits
         raise invalid(f"expected a multipart form with `file` and `purpose`: {exc}", "file") from None
     upload, purpose = form.get("file"), form.get("purpose")
@@ -195,13 +205,7 @@ async def _read_upload(request: Request) -> tuple[bytes, str, str]:
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise invalid("the request body must be JSON") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
+    return await read_json(request, request.app.state.settings.max_body_bytes)
 
 
 async def _input_file(store: BatchStore, file_id: Any) -> str:

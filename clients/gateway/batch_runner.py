@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -36,7 +37,9 @@ from clients.event_reader import outcome, terminal_from_hash
 from clients.gateway.batch_store import (
     ANY_ENDPOINT, BATCH_TTL_S, MAX_ERRORS, OK, TERMINAL, BatchStore, derived_file_id,
 )  # fmt: skip
+from clients.gateway.body_limit import MAX_JSON_DEPTH, depth_over
 from clients.gateway.errors import OpenAIError, from_conveyor
+from clients.gateway.work_caps import WorkCaps
 from clients.job_record import FINAL_STATUSES
 from clients.model_info import fetch_model_info_async
 from clients.submission import build_job
@@ -47,6 +50,7 @@ JOB_TERMINAL = FINAL_STATUSES
 MAX_CUSTOM_ID_CHARS = 512
 FAILED_RETRY_S = 60.0  # a batch whose run raised is left alone this long
 STREAM_FIELDS = ("stream", "stream_options")  # a batch answers whole bodies
+TOO_DEEP = object()
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,11 @@ class RunnerSettings:
     max_in_flight: int = 64  # jobs of one batch queued or running at once
     poll_s: float = 0.25  # how often jobs in flight and the batch status are looked at
     scan_s: float = 1.0  # how often a gateway looks for unfinished batches
-    max_batches: int = 4  # batches one gateway drives at once
+    max_batches: int = 16  # batches one gateway drives at once, but see FairShare: never a tenant's first
+    max_batches_per_tenant: int = 2  # batches of one namespace one gateway drives at once
     cancel_wait_s: float = 10.0  # how long a wind-down waits for cancelled jobs to stop
     job_result_ttl: int = 2 * 86_400  # a job's result outlives the 24 h window
+    caps: WorkCaps | None = None  # the gateway's --max-samples and --max-total-tokens, per line
 
     @property
     def lease_ms(self) -> int:
@@ -115,7 +121,8 @@ def line_job_id(job_key: str, custom_id: str, raw: bytes, model: str | None) -> 
 
 def parse_input(content: bytes, batch_id: str, endpoint: str, endpoints: dict[str, Endpoint],
                 model: str | None = None, job_result_ttl: int = RunnerSettings.job_result_ttl,
-                job_key: str | None = None) -> tuple[list[BatchLine], list[dict[str, Any]]]:  # fmt: skip
+                job_key: str | None = None,
+                caps: WorkCaps | None = None) -> tuple[list[BatchLine], list[dict[str, Any]]]:  # fmt: skip
     """Every request line checked: (lines, errors in OpenAI's shape, at most MAX_ERRORS).
 
     `model` replaces every body's model (`conveyor batch`); job ids hash `job_key` (default:
@@ -128,7 +135,7 @@ def parse_input(content: bytes, batch_id: str, endpoint: str, endpoints: dict[st
             continue
         try:
             line = _parse_line(raw, number, len(lines), batch_id, endpoint, endpoints, model, job_result_ttl,
-                               job_key or batch_id)
+                               job_key or batch_id, caps)
             if line.custom_id in seen:
                 raise LineError("duplicate_custom_id", f"custom_id {line.custom_id!r} is used more than once",
                                 "custom_id")  # fmt: skip
@@ -145,11 +152,17 @@ def parse_input(content: bytes, batch_id: str, endpoint: str, endpoints: dict[st
 
 
 def _parse_line(raw: bytes, number: int, index: int, batch_id: str, endpoint: str, endpoints: dict[str, Endpoint],
-                model: str | None, job_result_ttl: int, job_key: str) -> BatchLine:  # fmt: skip
+                model: str | None, job_result_ttl: int, job_key: str,
+                caps: WorkCaps | None = None) -> BatchLine:  # fmt: skip
     try:
         item = json.loads(raw)
     except ValueError as exc:
         raise LineError("invalid_json_line", f"line {number} is not valid JSON: {exc}") from None
+    except RecursionError:  # deeper than the parser goes
+        item = TOO_DEEP
+    if item is TOO_DEEP or depth_over(item, MAX_JSON_DEPTH):
+        raise LineError("invalid_json_line", f"line {number} nests objects and arrays more than {MAX_JSON_DEPTH} "
+                        "levels deep")  # fmt: skip
     if not isinstance(item, dict):
         raise LineError("invalid_json_line", f"line {number} is not a JSON object")
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
@@ -168,13 +181,16 @@ def _parse_line(raw: bytes, number: int, index: int, batch_id: str, endpoint: st
     if model:
         body["model"] = model
     job = _job_of(endpoints[url], body, batch_id, custom_id, line_job_id(job_key, custom_id, raw, model),
-                  job_result_ttl)  # fmt: skip
+                  job_result_ttl, caps)  # fmt: skip
     return BatchLine(index, number, custom_id, body.get("model"), endpoints[url], job)
 
 
-def _job_of(endpoint: Endpoint, body: dict, batch_id: str, custom_id: str, job_id: str, ttl: int) -> dict[str, Any]:
+def _job_of(endpoint: Endpoint, body: dict, batch_id: str, custom_id: str, job_id: str, ttl: int,
+            caps: WorkCaps | None = None) -> dict[str, Any]:  # fmt: skip
     try:
         job = dict(endpoint.to_job(body))
+        if caps:
+            caps.check(job)
     except OpenAIError as exc:
         param = f"body.{exc.param}" if exc.param else "body"
         raise LineError(exc.code or "invalid_request", exc.message, param) from None
@@ -306,9 +322,14 @@ class BatchRun:
         if content is None:
             return [], [{"code": "file_not_found", "message": f"input file {fields['input_file_id']} not found "
                          "(expired or deleted)", "param": "input_file_id", "line": None}]  # fmt: skip
-        return await asyncio.to_thread(parse_input, content, self.batch_id, fields["endpoint"], self.endpoints,
-                                       fields.get("model_override") or None, self.settings.job_result_ttl,
-                                       fields.get("job_key") or None)  # fmt: skip
+        try:
+            return await asyncio.to_thread(parse_input, content, self.batch_id, fields["endpoint"], self.endpoints,
+                                           fields.get("model_override") or None, self.settings.job_result_ttl,
+                                           fields.get("job_key") or None, self.settings.caps)  # fmt: skip
+        except Exception as exc:  # a line no check foresaw: the batch fails now, it is not parsed again
+            log.warning("batch %s: the input file cannot be parsed: %s", self.batch_id, type(exc).__name__)
+            return [], [{"code": "invalid_file", "message": f"the input file cannot be parsed ({type(exc).__name__})",
+                         "param": "input_file_id", "line": None}]  # fmt: skip
 
     async def _validated(self, errors: list[dict]) -> str:
         self._check_lease()
@@ -399,8 +420,13 @@ class BatchRun:
             except ConveyorError:  # not published (yet), or no tokenizer: the replica judges
                 return line.job
         max_model_len, counter = self._counters[line.model]
-        used = await asyncio.to_thread(counter.count_chat, line.job["messages"])
-        return {**line.job, "max_tokens": max(1, max_model_len - used)}
+        try:
+            used = await asyncio.to_thread(counter.checked_count_chat, line.job["messages"])
+        except Exception as exc:  # a template that fails or is refused (token_counter's bounds): the job's default
+            log.debug("batch %s: cannot count a chat prompt for %s: %s", self.batch_id, line.model, exc)
+            return line.job
+        share = self.settings.caps.share(line.job) if self.settings.caps else max_model_len
+        return {**line.job, "max_tokens": max(1, min(max_model_len - used, share))}
 
     async def _collect(self, in_flight: dict[str, BatchLine], pending: deque[BatchLine] | None) -> None:
         """Record the jobs of `in_flight` that finished (and forget them); a job gone is resubmitted."""
@@ -507,6 +533,7 @@ class BatchRunners:
         self._wake = asyncio.Event()
         self._closing = False
         self._failed_at: dict[tuple[str, str], float] = {}  # batches whose run raised: left alone a while
+        self._share = FairShare(settings.max_batches, settings.max_batches_per_tenant)
 
     def watch(self, client: AsyncClient) -> None:
         if client.keys.ns not in self._stores:
@@ -538,14 +565,21 @@ class BatchRunners:
     async def scan(self) -> None:
         now = time.monotonic()
         self._failed_at = {key: t for key, t in self._failed_at.items() if now - t < FAILED_RETRY_S}
-        for ns, (store, client) in list(self._stores.items()):
-            for batch_id in await store.active_batch_ids():
-                if self._closing or len(self._running) >= self.settings.max_batches:
-                    return
-                # a run that raised (e.g. a record a producer corrupted) is retried after
-                # FAILED_RETRY_S, not at every scan: one traceback a minute, not one a second
-                if (ns, batch_id) not in self._running and (ns, batch_id) not in self._failed_at:
-                    await self._try_start(store, client, batch_id)
+        waiting = {ns: await self._waiting(store, ns) for ns, (store, _) in list(self._stores.items())}
+        for ns, batch_id, cancelling in self._share.order(waiting):
+            if self._closing:
+                return
+            if cancelling or self._share.may_start(ns, self._running):
+                store, client = self._stores[ns]
+                await self._try_start(store, client, batch_id)
+
+    async def _waiting(self, store: BatchStore, ns: str) -> list[tuple[str, bool]]:
+        """(batch id, cancelling) of the namespace's active batches this gateway does not drive;
+        a run that raised is retried after FAILED_RETRY_S, not at every scan."""
+        ids = [i for i in await store.active_batch_ids() if (ns, i) not in self._running
+               and (ns, i) not in self._failed_at]  # fmt: skip
+        statuses = await store.statuses(ids)
+        return [(i, status == "cancelling") for i, status in zip(ids, statuses)]
 
     async def _try_start(self, store: BatchStore, client: AsyncClient, batch_id: str) -> None:
         lease = Lease(store, batch_id, self.owner, self.settings)
@@ -577,6 +611,35 @@ class BatchRunners:
         for task in list(self._running.values()):
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+
+class FairShare:
+    """Which waiting batches a gateway starts, so that no tenant's batches crowd out another's.
+
+    Namespaces take turns (round robin, the first turn rotating from scan to scan); a
+    namespace drives at most `per_tenant` batches at once, and the gateway `total`, except
+    that a namespace driving none may always start one. A batch being cancelled is started
+    whatever the counts (its wind-down is short) and before the others. The bound: a
+    tenant's batch, when none of its own runs, is claimed at the first scan after it is
+    created (at once on the gateway that accepted it, else within scan_s), however many
+    batches other tenants have; its jobs then queue in its own namespace's streams."""
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total, self.per_tenant = total, per_tenant
+        self._turn = 0
+
+    def order(self, waiting: dict[str, list[tuple[str, bool]]]) -> list[tuple[str, str, bool]]:
+        """(namespace, batch id, cancelling): cancelling ones first, then one of each namespace in turn."""
+        names = sorted(waiting)
+        self._turn += 1
+        names = names[self._turn % len(names):] + names[:self._turn % len(names)] if names else []
+        lists = [[(ns, i, c) for i, c in waiting[ns]] for ns in names]
+        interleaved = [item for rank in itertools.zip_longest(*lists) for item in rank if item]
+        return sorted(interleaved, key=lambda item: not item[2])  # stable: the turns stay in order
+
+    def may_start(self, ns: str, running: dict[tuple[str, str], Any]) -> bool:
+        own = sum(1 for key in running if key[0] == ns)
+        return own == 0 or (own < self.per_tenant and len(running) < self.total)
 
 
 async def _quietly(awaitable: Any) -> None:

@@ -33,6 +33,7 @@ from clients.redis_cluster import is_cluster, queue_script
 FILE_TTL_S = 7 * 86_400  # uploaded files
 BATCH_TTL_S = 30 * 86_400  # batches, their results and output files
 MAX_FILE_BYTES = 64 * 1024 * 1024
+MAX_UPLOAD_BYTES = MAX_FILE_BYTES + 1024 * 1024  # a whole upload: the file, multipart framing, `purpose`
 MAX_FILE_LINES = 50_000
 MAX_LINE_BYTES = MAX_JSON_BYTES  # a line is at most what the protocol takes as one JSON job
 COMPLETION_WINDOWS = {"24h": 86_400}
@@ -375,6 +376,14 @@ class BatchStore:
         if junk:  # no batch can ever have such an id: forget it, so it cannot crowd out real ones
             await self.redis.srem(self.keys.active, *junk)
         return sorted(text for text in ours.values() if valid_id(text))
+
+    async def statuses(self, batch_ids: list[str]) -> list[str | None]:
+        """The status of each batch (None: no such batch)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hget(self.keys.batch(batch_id), "status")
+        replies = await pipe.execute(raise_on_error=False) if batch_ids else []  # a producer's junk: not a hash
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else None for v in replies]
 
     async def forget_active(self, batch_id: str) -> None:
         """A batch whose hash is gone (expired) is no runner's business any more."""

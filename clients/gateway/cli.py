@@ -3,6 +3,8 @@ imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import sys
 
 from clients.connection import check_credentials, settings_from_args
@@ -26,6 +28,20 @@ OPTIONS = [
     ("--result-ttl", "result_ttl", int, "seconds jobs' results stay in Redis (env CONVEYOR_GATEWAY_RESULT_TTL, "
                                         "default 3600)"),
     ("--log-level", "log_level", str, "uvicorn's log level (env CONVEYOR_LOG_LEVEL, default info)"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body but uploads (env "
+                                                "CONVEYOR_GATEWAY_MAX_BODY_BYTES, default 16 MiB)"),
+    ("--max-connections", "max_connections", int, "open connections at most; one more gets 503 and is closed "
+                                                  "(env CONVEYOR_GATEWAY_MAX_CONNECTIONS, default 1000)"),
+    ("--header-timeout-s", "header_timeout_s", float, "a request's headers must arrive within this (env "
+                                                      "CONVEYOR_GATEWAY_HEADER_TIMEOUT_S, default 10)"),
+    ("--body-timeout-s", "body_timeout_s", float, "a request's whole body must arrive within this, else 408 (env "
+                                                  "CONVEYOR_GATEWAY_BODY_TIMEOUT_S, default 60)"),
+    ("--keep-alive-s", "keep_alive_s", float, "idle keep-alive connections are closed after this (env "
+                                              "CONVEYOR_GATEWAY_KEEP_ALIVE_S, default 5)"),
+    ("--max-samples", "max_samples", int, "largest n (samples) of one request (env CONVEYOR_GATEWAY_MAX_SAMPLES, "
+                                          "default 16)"),
+    ("--max-total-tokens", "max_total_tokens", int, "largest n x max_tokens of one request (env "
+                                                    "CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS, default 32768)"),
 ]  # fmt: skip
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -35,6 +51,9 @@ def register_gateway(subparsers: argparse._SubParsersAction, connection_parent: 
                                    help="OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions)")
     for flag, name, kind, help_text in OPTIONS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    parser.add_argument("--allow-no-keys", action="store_true", default=bool(os.environ.get(
+        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS")), help="listen beyond loopback without API keys (env "
+        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS=1): anyone who reaches the port uses --namespace")
     parser.set_defaults(func=run_gateway)
 
 
@@ -50,16 +69,27 @@ def run_gateway(args: argparse.Namespace) -> int:
         settings = settings_from(args)
     except (ValueError, OSError, ConveyorError) as exc:  # ConveyorError: no server to connect to
         return _fail(str(exc), EXIT_USAGE)
+    if not (settings.keys_file or settings.api_keys) and not _loopback(settings.host) and not args.allow_no_keys:
+        return _fail(f"--host {settings.host} reaches beyond this machine, and no API keys are set (--keys-file, "
+                     "CONVEYOR_GATEWAY_API_KEYS): every caller would get in; set keys, or --allow-no-keys",
+                     EXIT_USAGE)  # fmt: skip
     problem = check_credentials(settings.redis)
     if problem:
         return _fail(problem, EXIT_FAILED)
-    from clients.gateway import batch_routes  # fastapi + uvicorn: only now
+    from clients.gateway import batch_routes, responses  # fastapi + uvicorn: only now
     from clients.gateway.server import serve
 
     try:
-        return serve(settings, extra_routers=(batch_routes.router,))
+        return serve(settings, extra_routers=(batch_routes.router, responses.router))
     except (ValueError, OSError) as exc:  # a bad keys file, a port in use
         return _fail(str(exc), EXIT_USAGE)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _fail(message: str, code: int) -> int:

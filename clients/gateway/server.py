@@ -7,8 +7,10 @@ import uvicorn
 from fastapi import APIRouter
 
 from clients.gateway.app import create_app
+from clients.gateway.connection_limits import limited_protocol
 from clients.gateway.settings import GatewaySettings
 
+MAX_HEADER_BYTES = 16 * 1024  # request line and headers (h11's bound of an incomplete event)
 GRACEFUL_SHUTDOWN_S = 10  # open streams get this long after SIGTERM; then their jobs are cancelled
 
 
@@ -16,7 +18,9 @@ def make_server(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = 
     """A uvicorn Server of the app on settings.host:settings.port (`options` go to uvicorn.Config)."""
     config = uvicorn.Config(create_app(settings, extra_routers), host=settings.host, port=settings.port,
                             log_level=settings.log_level, lifespan="on", server_header=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **options)  # fmt: skip
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=settings.keep_alive_s,
+                            http=limited_protocol(settings.max_connections, settings.header_timeout_s),
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)  # fmt: skip
     return uvicorn.Server(config)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from clients.connection import RedisSettings, resolve_settings
 from clients.keys import NAMESPACE_PATTERN, NAMESPACE_RULE, default_namespace
+from clients.limits import MAX_N
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -42,6 +43,14 @@ class GatewaySettings:
     # how long one look at the published models and their replicas is reused
     model_cache_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_MODEL_CACHE_S", 1.0))
     log_level: str = field(default_factory=lambda: _env("CONVEYOR_LOG_LEVEL", "info").lower())
+    # connection limits (docs/security.md "Hostile HTTP clients")
+    max_connections: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_CONNECTIONS", 1000))
+    header_timeout_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_HEADER_TIMEOUT_S", 10.0))
+    body_timeout_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_BODY_TIMEOUT_S", 60.0))
+    keep_alive_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_KEEP_ALIVE_S", 5.0))
+    # work one request may ask for: n (samples), and n x max_tokens
+    max_samples: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_SAMPLES", MAX_N))
+    max_total_tokens: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS", 32768))
 
     def __post_init__(self) -> None:
         if not NAMESPACE_PATTERN.fullmatch(self.namespace):
@@ -50,8 +59,11 @@ class GatewaySettings:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.model_cache_s < 0:
             raise ValueError(f"model_cache_s must be >= 0, got {self.model_cache_s}")
-        for name in ("timeout_s", "replica_idle_s", "result_ttl", "max_body_bytes"):
+        for name in ("timeout_s", "replica_idle_s", "result_ttl", "max_body_bytes", "max_connections",
+                     "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_total_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 1 <= self.max_samples <= MAX_N:
+            raise ValueError(f"max_samples must be 1..{MAX_N}, got {self.max_samples}")
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")

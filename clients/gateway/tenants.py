@@ -29,11 +29,12 @@ from fastapi import Request
 from clients.async_client import AsyncClient
 from clients.gateway.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
-from clients.model_info import fetch_model_info_async
+from clients.model_info import adapter_names, fetch_model_info_async
 
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")
 MAX_MODELS = 256  # names read from <ns>:models per look
+EXAMPLE_KEY = "REPLACE-ME"  # compose/gateway_keys.json.example's placeholder
 
 
 # ---------------------------------------------------------------- API keys
@@ -86,6 +87,8 @@ def load_grants(keys_file: str | None, api_keys: str | None) -> dict[str, Grant]
     listed = parse_key_list(api_keys or "")
     if (keys_file and not grants) or (api_keys and api_keys.strip() and not listed):
         raise ValueError("API keys were configured but none could be read: refusing to run without auth")
+    if any(EXAMPLE_KEY in key for key in {**grants, **listed}):
+        raise ValueError("an API key is still the example's (REPLACE-ME...): make one, e.g. openssl rand -hex 24")
     return {**grants, **listed}
 
 
@@ -139,6 +142,13 @@ class ServedModel:
     published_at: float
     tokenizer_sha256: str | None
     idle_s: float | None  # since a replica of it last touched a request stream; None: never seen
+    template_bytes: int = 0  # of its chat template: with the two above, when to fetch the model info again
+    adapters: tuple[str, ...] = ()  # its LoRA adapters (a request's model may name one)
+
+    @property
+    def version(self) -> tuple:
+        """What changes when a replica republishes, or a writer of the namespace rewrites, the model info."""
+        return self.tokenizer_sha256, self.template_bytes, self.published_at
 
     def live(self, replica_idle_s: float) -> bool:
         return self.idle_s is not None and self.idle_s <= replica_idle_s
@@ -195,11 +205,11 @@ class ModelDirectory:
     async def token_counter(self, model: ServedModel) -> Any:
         """A TokenCounter (clients.token_counter) with the model's tokenizer, fetched once
         per tokenizer. Raises ModelNotPublished when the model info carries none."""
-        sha, counter = self._counters.get(model.name, (None, None))
-        if counter is None or sha != model.tokenizer_sha256:
+        version, counter = self._counters.get(model.name, (None, None))
+        if counter is None or version != model.version:
             info = await fetch_model_info_async(self.client.redis, self.client.keys, model.name)
             counter = await asyncio.to_thread(info.token_counter)  # parsing tokenizer.json takes a while
-            self._counters[model.name] = (info.tokenizer_sha256, counter)
+            self._counters[model.name] = (model.version, counter)
         return counter
 
     async def context_left(self, name: str, messages: list[dict]) -> int | None:
@@ -211,8 +221,8 @@ class ModelDirectory:
             return None
         try:
             counter = await self.token_counter(model)
-            used = await asyncio.to_thread(counter.count_chat, messages)  # big prompts: off the event loop
-        except Exception as exc:  # no tokenizer or chat template, a template that fails to render
+            used = await asyncio.to_thread(counter.checked_count_chat, messages)  # big prompts: off the event loop
+        except Exception as exc:  # no tokenizer or chat template, a template that fails or is refused
             log.debug("cannot count the chat prompt for %s: %s", name, exc)
             return None
         return max(1, min(model.max_model_len - used, await self._max_tokens_cap()))
@@ -232,17 +242,20 @@ class ModelDirectory:
         names = sorted({n for n in (m.decode("utf-8", "replace") for m in members) if 0 < len(n) <= 256})
         pipe = redis.pipeline(transaction=False)
         for name in names:
-            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256")
+            pipe.hmget(keys.model_info(name), "max_model_len", "published_at", "tokenizer_sha256", "lora_adapters")
+            pipe.hstrlen(keys.model_info(name), "chat_template")
         streams = [*keys.all_requests, *(s for name in names for s in keys.all_model_requests(name))]
         for stream in streams:
             pipe.xinfo_consumers(stream, GROUP)
         replies = await pipe.execute(raise_on_error=False)
-        infos, consumers = replies[: len(names)], dict(zip(streams, replies[len(names):]))
+        infos, consumers = replies[: 2 * len(names)], dict(zip(streams, replies[2 * len(names):]))
         return {model.name: model for model in (
-            _served(keys, name, info, consumers) for name, info in zip(names, infos)) if model}  # fmt: skip
+            _served(keys, name, info, template_bytes, consumers)
+            for name, info, template_bytes in zip(names, infos[::2], infos[1::2])) if model}  # fmt: skip
 
 
-def _served(keys: Keys, name: str, info: Any, consumers: dict[str, Any]) -> ServedModel | None:
+def _served(keys: Keys, name: str, info: Any, template_bytes: Any,
+            consumers: dict[str, Any]) -> ServedModel | None:  # fmt: skip
     if not isinstance(info, list) or info[0] is None:
         return None  # expired (or never a hash): not published
     try:
@@ -250,7 +263,9 @@ def _served(keys: Keys, name: str, info: Any, consumers: dict[str, Any]) -> Serv
     except ValueError:
         return None  # unreadable model info: as good as none
     sha = info[2].decode("ascii", "replace") if isinstance(info[2], bytes) else None  # junk bytes: no crash
-    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers))
+    template_bytes = template_bytes if isinstance(template_bytes, int) else 0
+    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers), template_bytes,
+                       adapter_names(info[3] if len(info) > 3 else None))
 
 
 def _idle_s(keys: Keys, name: str, consumers: dict[str, Any]) -> float | None:

@@ -3,7 +3,7 @@ results -> OpenAI response objects and stream chunks. Pure functions: no I/O.
 
 A field is accepted only if the job honours it or it cannot change the output (`user`,
 `metadata`, `store`, ...); one that would change the output and is not supported
-(`best_of > 1`, `tools`, `logit_bias`, `echo`...) is a 400 naming it, and so is an unknown
+(`best_of > 1`, `functions`, `logit_bias`, `echo`...) is a 400 naming it, and so is an unknown
 field (as OpenAI does: a new SDK option is never silently dropped). `n` is the job's `n`:
 its outputs are `choices[i]`.
 """
@@ -17,12 +17,13 @@ from clients.errors import InvalidJob
 from clients.event_reader import JobResult
 from clients.events import Usage
 from clients.gateway.errors import from_conveyor, invalid
+from clients.gateway.tool_requests import TOOL_FIELDS, message_tool_fields, tool_fields
 from clients.submission import build_job
 
 BATCH_TIERS = ("flex",)
 INTERACTIVE_TIERS = ("auto", "default", "priority", "scale", "fast")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-MESSAGE_FIELDS = ("role", "content", "name")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 UNLIKELY_LOGPROB = -9999.0  # OpenAI's stand-in for a logprob that is not a finite number
 
 
@@ -50,13 +51,13 @@ COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "best_of": _one, "echo": _false, "suffix": _absent, "logit_bias": _absent,
 }  # fmt: skip
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _absent, "tools": _absent, "tool_choice": _no_tool, "functions": _absent,
+    "logit_bias": _absent, "functions": _absent,
     "function_call": _no_tool, "audio": _absent, "modalities": lambda v: v is None or v == ["text"],
     "prediction": _absent, "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent,
     "moderation": _absent,
 }  # fmt: skip
 # accepted and not passed on: they do not change what is generated
-NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tier", "parallel_tool_calls",
+NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tier",
            "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options")  # fmt: skip
 # OpenAI's sampling fields and vLLM's extras: same names and meaning as the job's
 SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
@@ -67,7 +68,7 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "logprobs", *SAMPLING, *STRUCTURED, *NEUTRAL,
                      *COMPLETION_UNSUPPORTED}  # fmt: skip
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *SAMPLING,
-               *STRUCTURED, *NEUTRAL, *CHAT_UNSUPPORTED}  # fmt: skip
+               *STRUCTURED, *NEUTRAL, *CHAT_UNSUPPORTED, *TOOL_FIELDS}  # fmt: skip
 
 
 def _check_fields(body: Any, known: set[str], unsupported: dict[str, Callable[[Any], bool]]) -> None:
@@ -103,7 +104,7 @@ def job_from_chat(body: dict) -> dict:
     stream_flags(body)
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     fields = {**_common(body), "messages": _messages(body.get("messages")), "max_tokens": body.get(limit_name),
-              "logprobs": _chat_logprobs(body)}  # fmt: skip
+              "logprobs": _chat_logprobs(body), **tool_fields(body)}  # fmt: skip
     top = "top_logprobs" if body.get("top_logprobs") is not None else "logprobs"
     return _validated(fields, {"max_tokens": limit_name, "logprobs": top, **_structured_params(body)})
 
@@ -217,13 +218,16 @@ def _message(index: int, message: Any) -> dict:
         raise invalid(f"{where} must be an object with role and content", param=where)
     role = message.get("role")
     if role not in CHAT_ROLES:
-        hint = " (tools are not supported)" if role in ("tool", "function") else ""
+        hint = " (use tool messages: function messages are not supported)" if role == "function" else ""
         raise invalid(f"{where}.role must be one of {CHAT_ROLES}, got {_short(role)}{hint}", param=f"{where}.role")
     for name, value in message.items():
         if name not in MESSAGE_FIELDS and not _absent(value):
             raise invalid(f"{where}.{name} is not supported by this server", param=f"{where}.{name}",
                           code="unsupported_value")
-    return {"role": role, "content": _content(where, message.get("content"), role)}
+    extras = message_tool_fields(where, message)
+    content = None if extras.get("tool_calls") and not message.get("content") else \
+        _content(where, message.get("content"), role)
+    return {"role": role, **({} if content is None else {"content": content}), **extras}
 
 
 def _content(where: str, content: Any, role: str) -> str:

@@ -1,5 +1,5 @@
 """Rank 0's side of tensor parallelism: starts the other ranks (one ``python -m
-engine.distributed.worker`` process each: unlike multiprocessing's spawn it never re-runs
+engine.tp_worker`` process each: unlike multiprocessing's spawn it never re-runs
 the caller's main script), watches that they live, and turns a dead or hung rank into one
 clear error."""
 import contextlib
@@ -97,7 +97,7 @@ class Workers:
 
 def _start_rank(config, rank: int, port: int, max_model_len: int) -> subprocess.Popen:
     """One rank's process; its arguments travel pickled on its stdin (trusted: our own child)."""
-    process = subprocess.Popen([sys.executable, "-m", "engine.distributed.worker"], stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "engine.tp_worker"], stdin=subprocess.PIPE,
                                env=child_env())
     arguments = dict(config=config, rank=rank, port=port, max_model_len=max_model_len,
                      num_threads=torch.get_num_threads())  # as many as rank 0 uses: the ranks share the machine

@@ -41,17 +41,21 @@ class RotaryEmbedding(nn.Module):
 
 class PagedAttention(nn.Module):
     """Writes this step's keys/values into the layer's cache, then attends over it.
-    The runner binds ``k_cache``/``v_cache`` after allocating the pool."""
+    The runner binds ``k_cache``/``v_cache`` after allocating the pool, and ``triton`` (the
+    kernels.triton.attention module) when it selected the Triton attention backend."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
+        self.triton = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """With ``cos_sin``, ``q`` and ``k`` get the rotary embedding first."""
+        if self.triton is not None:
+            return self._forward_triton(q, k, v, meta, cos_sin)
         if cos_sin is None:
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         else:
@@ -66,6 +70,26 @@ class PagedAttention(nn.Module):
             rows = slice(span.start, span.end)
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], self.k_cache, self.v_cache,
                                           span.block_table, span.prefix_len, self.scale)
+        return out
+
+    def _forward_triton(self, q, k, v, meta: AttentionMetadata, cos_sin) -> torch.Tensor:
+        kernels = self.triton
+        if cos_sin is not None:
+            q, k = kernels.rotary(q, k, cos_sin)
+        kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == q.shape[0]:
+            return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, self.scale)
+        out = torch.empty_like(q)
+        if num_decode:
+            out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache,
+                                                              meta.decode_block_tables, meta.decode_context_lens,
+                                                              self.scale)
+        packed = meta.packed_prefills
+        kernels.prefill_attention_varlen(q, self.k_cache, self.v_cache, out, packed.starts, packed.lens,
+                                         packed.prefix_lens, packed.block_tables, packed.max_len, self.scale,
+                                         exact=q.dtype == torch.float32)
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

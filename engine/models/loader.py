@@ -101,7 +101,7 @@ def gguf_batch_copies(quantization: str) -> bool:
 
 def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
                 device: torch.device, quantization: str = "none") -> torch.nn.Module:
-    """The plain model on ``device``; its backend (kernels.backend.prepare) readies it further.
+    """The plain model on ``device``; its backend (kernels.prepare.prepare) readies it further.
     See ``native_quantization`` for ``quantization``: packed GGUF blocks replace the layers
     whose weights have them, and the float32 load skips those checkpoint tensors."""
     cls, architecture = ARCHITECTURES[spec.model_type]

@@ -1,33 +1,33 @@
-"""The engine core in a process of its own, as vLLM's EngineCore: the replica's front door
-(asyncio, Redis, msgpack: actors/) lives in another process and talks to this one over a
-socket, so its Python never takes the GIL from under the model's steps.
+"""The engine core, as vLLM's EngineCore: one loop that steps ``LLMEngine`` while it has
+work and, between steps, applies what its socket brings (new requests, aborts, a shutdown).
+It is started two ways, with the same class and the same frames either way (the front
+door's end is actors/engine_client.py):
 
-Measured on the 2-core CPU (docs/performance.md "Front door cost"): with the model on a
-thread of the replica's process, decode steps took twice their offline time, a quarter of
-the model thread's samples waiting to get the GIL back after a kernel while the event loop
-held it. Here the core runs exactly the offline loop (``LLMEngine.step``) and, between
-steps, takes what the socket brings: new sequences, aborts, a shutdown.
-
-    python -m engine.core_process <fd>   (started by actors/engine_core.py)
+- in a process of its own (``conveyor serve``): ``python -m engine.engine_core <fd>``, so the
+  front door's Python (asyncio, Redis, msgpack) never takes the GIL from the model's steps.
+  Measured on the 2-core CPU (docs/performance.md "Front door cost"): with the model on a
+  thread of the replica's process, decode steps took twice their offline time;
+- on a thread of the front door's process (tests, ``conveyor demo``, ``--engine-process
+  false``): ``serve(sock, engine)``.
 
 Wire: frames of a 4-byte length and a pickle, both ways, over a socketpair that only the
-replica holds the other end of (never a network socket: pickle trusts its peer). The first
-frame from the front door is the EngineConfig; the core answers CoreReady (or CoreFailed),
-then StepDone after each step.
+front door holds the other end of (never a network socket: pickle trusts its peer). The
+first frame from the front door is the EngineConfig (or, on a thread with an engine already
+built, nothing); the core answers CoreReady (or CoreFailed), then StepDone after each step.
 """
 import logging
 import os
 import pickle
 import select
-import signal
 import socket
 import struct
 import sys
 from dataclasses import dataclass, field
 
+from engine.child_env import die_with_parent, ignore_stop_signals
 from engine.config import EngineConfig
+from engine.core_request import EngineCoreRequest
 from engine.outputs import RequestOutput
-from engine.sequence import Sequence
 
 log = logging.getLogger("conveyor.core")
 FRAME_HEADER = struct.Struct("!I")
@@ -58,9 +58,8 @@ class CoreFailed:
 
 
 @dataclass
-class AddSequence:
-    seq: Sequence
-    prompt: str | None = None
+class AddRequest:
+    request: EngineCoreRequest
 
 
 @dataclass
@@ -130,9 +129,10 @@ class EngineCore:
             timeout = 0
 
     def _apply(self, message) -> None:
-        if isinstance(message, AddSequence):
-            self.engine.inputs.adopt_grammar(message.seq)
-            self.engine.add_sequence(message.seq, message.prompt)
+        if isinstance(message, AddRequest):
+            seq = message.request.to_sequence()
+            self.engine.inputs.adopt_grammar(seq)
+            self.engine.add_sequence(seq)
         elif isinstance(message, AbortRequest):
             self.engine.abort_request(message.request_id)
         elif isinstance(message, Shutdown):
@@ -143,7 +143,7 @@ class EngineCore:
     def _check_ranks(self) -> None:
         workers = self.engine.runner.workers
         if workers is not None:
-            workers.check_alive()  # RankFailed ends this process; the front door sees it and stops
+            workers.check_alive()  # RankFailed ends the core; the front door sees its socket close
 
 
 def facts_of(engine) -> CoreFacts:
@@ -153,22 +153,38 @@ def facts_of(engine) -> CoreFacts:
                      max_num_seqs=engine.config.max_num_seqs)
 
 
-def serve(sock: socket.socket) -> int:
-    from engine.llm_engine import LLMEngine
-    config: EngineConfig = receive_frame(sock)
-    try:
-        engine = LLMEngine(config)
-    except Exception as exc:  # noqa: BLE001 - the front door raises it as its own
-        sock.sendall(encode_frame(CoreFailed(portable(exc))))
-        return 1
+def serve(sock: socket.socket, engine=None) -> int:
+    """The core's whole life on ``sock``: build the engine from the first frame's config
+    (unless the caller gives one it owns), report it, run until Shutdown or until the front
+    door goes away, then close the engine it built (and its tensor-parallel ranks)."""
+    with sock:
+        if engine is not None:
+            return _run(engine, sock)
+        engine = _build_engine(sock, receive_frame(sock))
+        if engine is None:
+            return 1
+        try:
+            return _run(engine, sock)
+        finally:
+            engine.close()
+
+
+def _run(engine, sock: socket.socket) -> int:
     try:
         sock.sendall(encode_frame(CoreReady(facts_of(engine))))
         EngineCore(engine, sock).run()
     except (EOFError, OSError):  # closed, or reset with unread frames (ECONNRESET, EPIPE)
         log.info("engine core: the front door went away; stopping")
-    finally:
-        engine.close()
     return 0
+
+
+def _build_engine(sock: socket.socket, config: EngineConfig):
+    from engine.llm_engine import LLMEngine
+    try:
+        return LLMEngine(config)
+    except Exception as exc:  # noqa: BLE001 - the front door raises it as its own
+        sock.sendall(encode_frame(CoreFailed(portable(exc))))
+        return None
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -182,26 +198,8 @@ def portable(exc: BaseException) -> BaseException:
         return ModelLoadError(f"{type(exc).__name__}: {exc}")
 
 
-def ignore_stop_signals() -> None:
-    """A Ctrl-C (the whole process group) or a SIGTERM to every process of a container must
-    not end the core or its tensor-parallel ranks under a front door that is still
-    draining: the front door ends them (Shutdown, or its socket closing; the ranks follow
-    rank 0). A Python handler, not SIG_IGN, which exec'd children would inherit."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: None)
-
-
-def _die_with_parent() -> None:
-    """A front door killed with SIGKILL leaves no core computing for nobody (Linux)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> int:
-    _die_with_parent()
+    die_with_parent()
     ignore_stop_signals()
     logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -211,5 +209,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from engine.core_process import main as module_main  # messages pickle as engine.core_process's, not __main__'s
+    from engine.engine_core import main as module_main  # messages pickle as engine.engine_core's, not __main__'s
     sys.exit(module_main())

@@ -1,0 +1,141 @@
+"""EngineCoreActor: the replica's one actor that talks to the engine core (the scheduler
+role), whichever way the core was started (actors/engine_client.py). It owns the jobs in
+the engine: their deliveries, why each was aborted, cancels that came before their job,
+and deadlines. New jobs and aborts go to the core as frames; a reader task publishes each
+StepDone the core sends, with the deliveries, to the publisher. The core dying ends the
+actor, so the replica stops (exit 1) and another replica reclaims its jobs once their
+leases lapse."""
+import asyncio
+import pickle
+import time
+from collections import OrderedDict
+
+from actors.base import Actor, drain
+from actors.engine_client import CoreDied, EngineCoreClient
+from actors.messages import AbortJob, Delivery, NewJob, StepOutputs
+from actors.metrics import ReplicaMetrics
+from engine.engine_core import FRAME_HEADER, AbortRequest, AddRequest, StepDone
+from engine.outputs import RequestOutput
+
+EARLY_CANCEL_MEMORY_S = 60.0  # a cancel can overtake its job on the way in: remember it this long
+EARLY_CANCEL_MAX = 4096  # ... and at most this many of them (oldest forgotten first)
+DEADLINE_POLL_S = 0.5  # deadlines of running jobs are checked at least this often
+CORE_EXIT_WAIT_S = 5.0
+
+
+class EngineCoreActor(Actor):
+    name = "scheduler"
+    mailbox_size = 1024
+
+    def __init__(self, core: EngineCoreClient, publisher: Actor, metrics: ReplicaMetrics, job_hooks: tuple = ()):
+        super().__init__()
+        self.core = core
+        self.job_hooks = job_hooks  # test-only seam (actors/faults.py): called with each new job's metadata
+        self.publisher = publisher
+        self.metrics = metrics
+        self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
+        self.abort_reasons: dict[str, str] = {}  # job id -> why it was aborted, until its last output
+        self.early_cancels: OrderedDict[str, float] = OrderedDict()  # job id -> when its cancel came, oldest first
+        self.steps = 0
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self.deliveries)
+
+    async def run(self) -> None:
+        reader = await self.core.open_reader()
+        halves = [asyncio.ensure_future(self._forward_mail()), asyncio.ensure_future(self._publish_steps(reader))]
+        try:
+            done, _ = await asyncio.wait(halves, return_when=asyncio.FIRST_EXCEPTION)
+            for half in done:
+                half.result()  # the first one's exception ends the actor
+        finally:
+            for half in halves:
+                half.cancel()  # neither half outlives the other
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.core.writer is not None:
+            self.core.request_shutdown()
+
+    # ---- front door -> core ---------------------------------------------------------
+    async def _forward_mail(self) -> None:
+        while not self.stopped:
+            await self._wait_for_mail(DEADLINE_POLL_S)
+            for message in drain(self.mailbox):
+                self._apply(message)
+            self._expire_deadlines()
+            try:
+                await self.core.drain()
+            except ConnectionError:
+                raise await self._core_died() from None
+
+    async def _wait_for_mail(self, timeout: float) -> None:
+        try:
+            self._apply(await asyncio.wait_for(self.mailbox.get(), timeout))
+        except asyncio.TimeoutError:
+            pass
+
+    def _apply(self, message) -> None:
+        if isinstance(message, NewJob):
+            for hook in self.job_hooks:
+                hook(message.delivery.metadata)
+            self.deliveries[message.delivery.job_id] = message.delivery
+            self.core.send(AddRequest(message.request))
+            if self.early_cancels.pop(message.delivery.job_id, None) is not None:
+                self._abort(message.delivery.job_id, "cancelled")
+        elif isinstance(message, AbortJob):
+            if message.job_id in self.deliveries:
+                self._abort(message.job_id, message.reason)
+            else:
+                self._remember_early_cancel(message.job_id)
+
+    def _abort(self, job_id: str, reason: str) -> None:
+        if job_id not in self.abort_reasons:
+            self.abort_reasons[job_id] = reason
+            self.core.send(AbortRequest(job_id))
+
+    def _remember_early_cancel(self, job_id: str) -> None:
+        """O(1) amortized: expired or surplus entries leave from the old end."""
+        now = time.time()
+        self.early_cancels.pop(job_id, None)
+        self.early_cancels[job_id] = now
+        while self.early_cancels and (len(self.early_cancels) > EARLY_CANCEL_MAX
+                                      or now - next(iter(self.early_cancels.values())) >= EARLY_CANCEL_MEMORY_S):
+            self.early_cancels.popitem(last=False)
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for job_id, delivery in list(self.deliveries.items()):
+            if delivery.deadline is not None and delivery.deadline <= now:
+                self._abort(job_id, "deadline_exceeded")
+
+    # ---- core -> publisher ----------------------------------------------------------
+    async def _publish_steps(self, reader: asyncio.StreamReader) -> None:
+        while not self.stopped:
+            try:
+                (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
+                done: StepDone = pickle.loads(await reader.readexactly(length))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                raise await self._core_died() from None
+            self.steps += 1
+            await self.publish(done.outputs, done.stats)
+
+    async def publish(self, outputs: list[RequestOutput], stats: dict) -> None:
+        """One step's outputs to the publisher; a finished job leaves the engine's jobs here."""
+        self.metrics.record_step(stats, outputs)
+        items = []
+        for output in outputs:
+            delivery = self.deliveries[output.request_id]
+            abort_reason = None
+            if output.finished:
+                del self.deliveries[output.request_id]
+                abort_reason = self.abort_reasons.pop(output.request_id, None)
+            items.append((delivery, output, abort_reason))
+        if items:
+            await self.publisher.send(StepOutputs(items))
+
+    async def _core_died(self) -> CoreDied:
+        """Why the socket broke, once the core has ended (or CORE_EXIT_WAIT_S have passed)."""
+        await self.core.wait_for_exit(CORE_EXIT_WAIT_S)
+        return CoreDied(self.core.exit_description())

@@ -1,0 +1,230 @@
+"""Our summarization pipeline vs a LangChain map-reduce over our own gateway, and vs the
+same jobs sent straight through the queue; alternating rounds in one run.
+
+    python benchmarks/summarize.py [--model smollm2] [--rounds 2] [--max-tokens 64]
+                                   [--max-chunk-tokens 384] [--json out.json] [--png out.png]
+
+One embedded Valkey, one `conveyor serve` replica and one `conveyor gateway`. The folder
+holds mixed documents made here or shipped by Debian: a PDF (fpdf2) and a DOCX
+(python-docx) of the bzip2 manual's first sections, two HTML pages, a Markdown file.
+
+- ours: `summarize_documents_async` over the folder: parsing (worker processes), chunking,
+  map and reduce jobs of every document in flight together (max_in_flight 8), cited points.
+- langchain: langchain-openai's ChatOpenAI against the gateway, the map-reduce pattern of
+  LangChain's summarization guide: per document, the map prompts through `abatch`
+  (max_concurrency 8), then the summaries collapsed by the same grouping until one is
+  left; documents one after another, as a chain is invoked per document. Same chunks, same
+  prompts, same max_tokens (parsing done for it beforehand, not timed).
+- direct: the same jobs as ours, submitted straight with AsyncClient (no parsing, records,
+  citations): what the pipeline costs over the queue itself.
+
+Each round gives every mode a system prompt of its own ("Run r-m."), so neither reuses the
+other's prefix cache or finished jobs; the order of the modes rotates every round. Prints
+the CPU and its ISA, docs/hour and output tok/s per mode (median, min-max), ours/langchain
+and the overhead of ours over direct per round. On a shared machine read the spread first.
+"""
+import argparse
+import asyncio
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import describe_cpu, embedded_valkey, spawned_gateway, spawned_replica, write_json  # noqa: E402
+
+MODES = ("ours", "langchain", "direct")
+HTML_PAGES = [Path("/usr/share/doc/libjson-c5/README.html"), Path("/usr/share/doc/base-passwd/users-and-groups.html")]
+BZIP2 = Path("/usr/share/doc/bzip2/manual.html")
+
+
+def make_folder(folder: Path, paragraphs: int) -> list[Path]:
+    """A PDF and a DOCX of the bzip2 manual's first paragraphs, two HTML pages, the README."""
+    import docx
+    from fpdf import FPDF
+
+    from clients.documents import document_from_bytes
+
+    text = document_from_bytes(BZIP2.read_bytes(), BZIP2.name).text.split("\n\n")
+    pdf = FPDF()
+    pdf.set_font("helvetica", size=11)
+    for start in range(0, paragraphs, 6):
+        pdf.add_page()
+        for paragraph in text[start:start + 6]:
+            pdf.multi_cell(0, 6, paragraph.encode("latin-1", "replace").decode("latin-1"))
+            pdf.ln(3)
+    (folder / "bzip2.pdf").write_bytes(bytes(pdf.output()))
+    document = docx.Document()
+    for paragraph in text[paragraphs:2 * paragraphs]:
+        document.add_paragraph(paragraph)
+    buffer = io.BytesIO()
+    document.save(buffer)
+    (folder / "bzip2-part2.docx").write_bytes(buffer.getvalue())
+    for page in HTML_PAGES:
+        (folder / f"{page.parent.name}.html").write_bytes(page.read_bytes())
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    (folder / "README.md").write_text(readme.read_text()[:6000])
+    return sorted(folder.iterdir())
+
+
+async def run_ours(client, paths, options) -> int:
+    from clients.summarize import summarize_documents_async
+
+    results = await summarize_documents_async(paths, client=client, wait_s=60, **options)
+    failed = [r.error for r in results if not r.ok]
+    assert not failed, failed
+    return sum(r.record["usage"]["completion_tokens"] for r in results)
+
+
+async def run_direct(client, docs, prompts, options) -> int:
+    """The map and reduce jobs of every document, straight through the queue."""
+    from clients.summary_prompts import SummarizeOptions
+
+    settings, semaphore = SummarizeOptions(**options), asyncio.Semaphore(options.get("max_in_flight", 8))
+
+    async def job(messages) -> tuple[str, int]:
+        async with semaphore:
+            result = await (await client.submit(messages=messages, **settings.job_fields())).result()
+        return result.text.strip(), result.usage.completion_tokens
+
+    async def document(doc) -> int:
+        return await map_reduce(prompts, [c.text for c in prompts.chunks(doc)], lambda ms: asyncio.gather(*map(job, ms)))
+
+    return sum(await asyncio.gather(*map(document, docs)))
+
+
+async def run_langchain(llm, docs, prompts) -> int:
+    """LangChain's map-reduce: per document, abatch the maps, collapse, one document at a time."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    def as_langchain(messages):
+        kinds = {"system": SystemMessage, "user": HumanMessage}
+        return [kinds[m["role"]](content=m["content"]) for m in messages]
+
+    async def batch(messages_list) -> list[tuple[str, int]]:
+        replies = await llm.abatch([as_langchain(m) for m in messages_list], config={"max_concurrency": 8})
+        return [(r.content.strip(), r.usage_metadata["output_tokens"]) for r in replies]
+
+    tokens = 0
+    for doc in docs:
+        tokens += await map_reduce(prompts, [c.text for c in prompts.chunks(doc)], batch)
+    return tokens
+
+
+async def map_reduce(prompts, chunks: list[str], run_batch) -> int:
+    """Map every chunk, then reduce groups that fit, level by level; returns output tokens."""
+    replies = await run_batch([prompts.map_messages(c) for c in chunks])
+    tokens = sum(n for _, n in replies)
+    summaries = [text for text, _ in replies]
+    while len(summaries) > 1:
+        groups = prompts.groups(summaries)
+        replies = await run_batch([prompts.reduce_messages(g) for g in groups])
+        tokens += sum(n for _, n in replies)
+        summaries = [text for text, _ in replies]
+    return tokens
+
+
+async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> dict[str, list[dict]]:
+    import httpx
+    from langchain_openai import ChatOpenAI
+
+    from clients import AsyncClient
+    from clients.documents import load_documents
+    from clients.model_info import wait_for_model_info_async
+    from clients.summary_prompts import Prompts, SummarizeOptions
+
+    base = dict(max_tokens=args.max_tokens, max_chunk_tokens=args.max_chunk_tokens, max_in_flight=8,
+                priority_class="interactive")  # fmt: skip
+    docs = load_documents(paths)
+    rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    async with AsyncClient(redis_url) as client:
+        info = await wait_for_model_info_async(client.redis, client.keys, None, 600, True)
+        model = httpx.get(f"{gateway_url}/v1/models").json()["data"][0]["id"]
+        for round_index in range(-1, args.rounds):  # round -1 warms everything up, untimed
+            order = MODES[round_index % 3:] + MODES[:round_index % 3]
+            for mode in order:
+                options = {**base, "system_prompt": f"Run {round_index}-{mode}."}
+                prompts = Prompts(SummarizeOptions(**options), info.token_counter(), info.max_model_len)
+                llm = ChatOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", model=model, temperature=0,
+                                 max_tokens=args.max_tokens, max_retries=0, timeout=1800,
+                                 frequency_penalty=None)  # fmt: skip
+                llm = llm.bind(extra_body={"repetition_penalty": SummarizeOptions().repetition_penalty})
+                started = time.perf_counter()
+                if mode == "ours":
+                    tokens = await run_ours(client, paths, options)
+                elif mode == "direct":
+                    tokens = await run_direct(client, docs, prompts, options)
+                else:
+                    tokens = await run_langchain(llm, docs, prompts)
+                seconds = time.perf_counter() - started
+                if round_index < 0:
+                    continue
+                row = {"round": round_index, "seconds": seconds, "tokens": tokens,
+                       "docs_per_hour": len(docs) * 3600 / seconds, "tok_s": tokens / seconds}  # fmt: skip
+                rows[mode].append(row)
+                print(f"round {round_index + 1}/{args.rounds} {mode:>9}: {row['docs_per_hour']:7.1f} docs/h, "
+                      f"{row['tok_s']:6.1f} output tok/s ({seconds:.1f} s, {tokens} tokens)", flush=True)
+    return rows
+
+
+def report(rows: dict[str, list[dict]], args, docs: int) -> dict:
+    print(f"\n{describe_cpu()}\n{docs} documents x {args.rounds} rounds, {args.model}, max_tokens {args.max_tokens}, "
+          f"max_chunk_tokens {args.max_chunk_tokens}")
+    summary = {}
+    for mode, values in rows.items():
+        for metric in ("docs_per_hour", "tok_s"):
+            figures = [v[metric] for v in values]
+            summary[f"{mode} {metric}"] = {"median": statistics.median(figures), "min": min(figures),
+                                           "max": max(figures)}  # fmt: skip
+            print(f"  {mode:>9} {metric:>13}: {statistics.median(figures):8.1f} (min {min(figures):.1f}, "
+                  f"max {max(figures):.1f})")
+    for name, ratio in (("ours / langchain (docs/h)", lambda o, l, d: o["docs_per_hour"] / l["docs_per_hour"]),
+                        ("ours overhead over direct (time)", lambda o, l, d: o["seconds"] / d["seconds"] - 1)):
+        per_round = [ratio(o, l, d) for o, l, d in zip(rows["ours"], rows["langchain"], rows["direct"])]
+        summary[name] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
+        print(f"  {name}: {statistics.median(per_round):.2f} (per round {min(per_round):.2f} to {max(per_round):.2f})")
+    return summary
+
+
+def plot(rows: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3.2))
+    for position, mode in enumerate(MODES):
+        values = [r["docs_per_hour"] for r in rows[mode]]
+        axis.bar(position, statistics.median(values), yerr=[[statistics.median(values) - min(values)],
+                                                             [max(values) - statistics.median(values)]], capsize=4)  # fmt: skip
+    axis.set_xticks(range(len(MODES)), MODES)
+    axis.set_ylabel("documents per hour (median, min-max)")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-chunk-tokens", type=int, default=384)
+    parser.add_argument("--paragraphs", type=int, default=24, help="bzip2 manual paragraphs in the PDF and the DOCX")
+    parser.add_argument("--json")
+    parser.add_argument("--png")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="conveyor-summarize-bench-") as folder, embedded_valkey() as url:
+        paths = make_folder(Path(folder), args.paragraphs)
+        with spawned_replica(args.model, url, ["--max-num-seqs", "16"]), spawned_gateway(url) as (gateway_url, _):
+            rows = asyncio.run(measure(args, url, gateway_url, paths))
+        summary = report(rows, args, len(paths))
+    if args.png:
+        plot(rows, args.png)
+    write_json(args.json, {"cpu": describe_cpu(), "rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()

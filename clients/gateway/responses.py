@@ -1,0 +1,326 @@
+"""OpenAI's Responses API over the queue: each response is one chat job.
+
+    POST   /v1/responses               create: plain, streamed (typed events), or background
+    GET    /v1/responses/{id}          a stored response (a background one: its state now)
+    POST   /v1/responses/{id}/cancel   a background response: its job cancelled
+    DELETE /v1/responses/{id}          forget a stored response
+
+Mounted with `create_app(settings, extra_routers=(responses.router,))` (`conveyor gateway`
+does). `store` (default true) keeps the response and its conversation in Redis for the
+gateway's --result-ttl (response_store.py), so `previous_response_id` continues it.
+`background: true` submits a batch-priority job (no deadline: it runs when the queue has
+room) and answers at once with status `queued`; GET polls it. What a body may hold, and
+how it becomes the job: response_items.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from redis.exceptions import RedisError
+from starlette.background import BackgroundTask
+
+from clients.async_client import AsyncJob
+from clients.errors import ConveyorError, JobCancelled, JobFailed
+from clients.event_reader import JobResult, outcome
+from clients.events import TokenEvent
+from clients.gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
+from clients.gateway.adapters import resolve_model
+from clients.gateway.errors import OpenAIError, from_conveyor, invalid
+from clients.gateway.response_items import (chat_body, check_fields, history_of, input_messages, message_item,
+                                            output_items, usage)  # fmt: skip
+from clients.gateway.response_store import ResponseStore
+from clients.gateway.streaming import Relay, StreamDiverged
+from clients.gateway.tenants import Tenant, tenant_of
+from clients.gateway.tool_requests import counted_messages, reads_tools
+from clients.gateway.translate import job_from_chat
+from clients.job_record import FINAL_STATUSES
+
+router = APIRouter()
+CANCEL_WAIT_S = 5.0  # a cancel waits this long for the job to end before answering
+RESULT_READ_S = 5.0
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request, tenant: Tenant = Depends(tenant_of)) -> Any:
+    settings = request.app.state.settings
+    body = await read_json(request, settings.max_body_bytes)
+    draft = await _draft(request, tenant, body)
+    deadline = None if draft.background else time.time() + draft.options.timeout_s
+    job = await _submit(tenant, draft.fields, settings, deadline)
+    draft.response_id = "resp_" + job.job_id
+    if draft.background:
+        await draft.store.save(draft.object("queued"), draft.conversation, job.job_id)
+        return draft.object("queued")
+    run = JobRun(job, draft.options.keep_on_disconnect)
+    events = job.events(timeout=draft.options.timeout_s + DEADLINE_GRACE_S, idle=False)
+    if body.get("stream"):
+        return StreamingResponse(_stream(draft, run, events), media_type="text/event-stream",
+                                 headers={"X-Conveyor-Job-Id": job.job_id, "Cache-Control": "no-cache"},
+                                 background=BackgroundTask(run.abandon))  # fmt: skip
+    try:
+        terminal = await _terminal(events)
+        await run.end()
+        return await draft.finish(outcome(job.job_id, terminal))
+    except ConveyorError as exc:
+        await run.abandon()
+        raise from_conveyor(exc) from None
+    except BaseException:
+        await run.abandon()
+        raise
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, tenant: Tenant = Depends(tenant_of)) -> dict:
+    store = _store(request, tenant)
+    return (await _refreshed(store, tenant, await _record(store, response_id)))["response"]
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request, tenant: Tenant = Depends(tenant_of)) -> dict:
+    store = _store(request, tenant)
+    record = await _record(store, response_id)
+    if not record["response"].get("background"):
+        raise invalid("only a background response can be cancelled", param="response_id")
+    job = tenant.client.job(record["job_id"])
+    await job.cancel()
+    ends = time.monotonic() + CANCEL_WAIT_S
+    while (await job.status()).status not in FINAL_STATUSES and time.monotonic() < ends:
+        await asyncio.sleep(0.1)
+    return (await _refreshed(store, tenant, record))["response"]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, tenant: Tenant = Depends(tenant_of)) -> dict:
+    if not await _store(request, tenant).delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+# ---------------------------------------------------------------- one response
+
+
+@dataclass
+class Draft:
+    """A validated Responses request: its job's fields, and how to answer and store it."""
+
+    body: dict
+    fields: dict
+    conversation: list[dict]  # the history a next response continues (no instructions)
+    options: RequestOptions
+    store: ResponseStore
+    created: int
+    response_id: str = ""
+
+    @property
+    def background(self) -> bool:
+        return self.body.get("background") is True
+
+    @property
+    def reads_tools(self) -> bool:
+        return reads_tools(self.fields)
+
+    def object(self, status: str, output: list[dict] | None = None, result: JobResult | None = None,
+               error: dict | None = None) -> dict:  # fmt: skip
+        body = self.body
+        return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.fields["model"], "output": output or [], "usage": usage(result), "error": error,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+                "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+                "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+                "previous_response_id": body.get("previous_response_id"),
+                "text": body.get("text") or {"format": {"type": "text"}}, "background": self.background,
+                "store": body.get("store", True), "max_output_tokens": body.get("max_output_tokens"),
+                "truncation": "disabled"}  # fmt: skip
+
+    async def finish(self, result: JobResult) -> dict:
+        """The completed (or incomplete) response, stored when asked."""
+        return await finished(self.store, self.object("in_progress"), self.conversation, result)
+
+
+async def finished(store: ResponseStore, response: dict, conversation: list[dict], result: JobResult) -> dict:
+    output = output_items(result, response["id"])
+    status = "incomplete" if result.outputs[0].finish_reason == "length" else "completed"
+    final = {**response, "status": status, "output": output, "usage": usage(result)}
+    if response.get("store", True):
+        await store.save(final, history_of(conversation, output), result.job_id)
+    return final
+
+
+async def _draft(request: Request, tenant: Tenant, body: dict) -> Draft:
+    settings = request.app.state.settings
+    check_fields(body)
+    if body.get("background") and body.get("stream"):
+        raise invalid("a background response is polled (GET), not streamed", param="stream", code="unsupported_value")
+    store = _store(request, tenant)
+    history = await _history(store, tenant, body.get("previous_response_id"))
+    conversation = history + input_messages(body.get("input"))
+    fields = job_from_chat(chat_body(body, conversation))
+    options = RequestOptions.of(request, settings)
+    wanted = "batch" if body.get("background") else options.priority_class or fields.get("priority_class")
+    fields["priority_class"] = tenant.priority_for(wanted)
+    model = await resolve_model(tenant, fields)
+    if "max_tokens" not in fields:
+        left = await tenant.models.context_left(model.name, counted_messages(fields))
+        fields.update({"max_tokens": left} if left else {})
+    return Draft(body, fields, conversation, options, store, int(time.time()))
+
+
+async def _history(store: ResponseStore, tenant: Tenant, previous: Any) -> list[dict]:
+    if previous is None:
+        return []
+    if not isinstance(previous, str):
+        raise invalid("previous_response_id must be a string", param="previous_response_id")
+    record = await _refreshed(store, tenant, await _record(store, previous, "previous_response_id"))
+    if record["response"]["status"] not in ("completed", "incomplete"):
+        raise invalid(f"previous response {previous!r} is {record['response']['status']}, not completed",
+                      param="previous_response_id")
+    return record["messages"]
+
+
+async def _record(store: ResponseStore, response_id: str, param: str = "response_id") -> dict:
+    record = await store.load(response_id)
+    if record is None:
+        raise _not_found(response_id, param)
+    return record
+
+
+async def _refreshed(store: ResponseStore, tenant: Tenant, record: dict) -> dict:
+    """A background response's record brought up to its job's state (stored once final)."""
+    response = record["response"]
+    if response["status"] not in ("queued", "in_progress"):
+        return record
+    job = tenant.client.job(record["job_id"])
+    status = (await job.status()).status
+    if status not in FINAL_STATUSES:
+        return {**record, "response": {**response, "status": "in_progress" if status == "running" else "queued"}}
+    try:
+        final = await finished(store, response, record["messages"], await job.result(timeout=RESULT_READ_S))
+    except JobCancelled:
+        final = {**response, "status": "cancelled"}
+    except JobFailed as exc:
+        final = {**response, "status": "failed", "error": {"code": exc.code, "message": exc.reason}}
+    if final["status"] in ("cancelled", "failed"):
+        await store.save(final, record["messages"], record["job_id"])
+    return await store.load(response["id"]) or {**record, "response": final}
+
+
+def _store(request: Request, tenant: Tenant) -> ResponseStore:
+    return ResponseStore(tenant.client.redis, tenant.namespace, request.app.state.settings.result_ttl)
+
+
+def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:
+    return OpenAIError(404, f"No response found with id {response_id[:80]!r}", param=param, code="not_found")
+
+
+async def _submit(tenant: Tenant, fields: dict, settings: Any, deadline: float | None) -> AsyncJob:
+    try:
+        return await tenant.client.submit(**fields, deadline=deadline, result_ttl=settings.result_ttl,
+                                          max_queue_len=settings.max_queue_len or None)  # fmt: skip
+    except ConveyorError as exc:
+        raise from_conveyor(exc) from None
+
+
+async def _terminal(events: AsyncIterator) -> Any:
+    async for event in events:
+        if not isinstance(event, TokenEvent):
+            return event
+    raise AssertionError("events() ended without a terminal event")
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class EventWriter:
+    """Typed server-sent events, numbered as OpenAI numbers them (`sequence_number`)."""
+
+    def __init__(self) -> None:
+        self.number = 0
+
+    def __call__(self, kind: str, **data: Any) -> str:
+        payload = {"type": kind, "sequence_number": self.number, **data}
+        self.number += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(draft: Draft, run: JobRun, events: AsyncIterator) -> AsyncIterator[str]:
+    """response.created, in_progress, the output's text deltas as they come (a chat with
+    tools: its items at the end, see tools.py), then the items' done events and completed."""
+    send, relay, opened = EventWriter(), Relay(), False
+    yield send("response.created", response=draft.object("in_progress"))
+    yield send("response.in_progress", response=draft.object("in_progress"))
+    try:
+        async for event in events:
+            if not isinstance(event, TokenEvent):
+                result = outcome(run.job.job_id, event)  # raises for error and cancelled
+                rest, _ = relay.finish(result.text, result.token_ids)
+                final = await draft.finish(result)
+                await run.end()
+                for line in _closing(send, draft, final, rest, opened):
+                    yield line
+                return
+            delta, _ = relay.feed(event)
+            if event.index or draft.reads_tools or not delta:
+                continue
+            if not opened:
+                opened = True
+                for line in _open_message(send, draft.response_id):
+                    yield line
+            yield send("response.output_text.delta", item_id=_msg_id(draft), output_index=0, content_index=0,
+                       delta=delta, logprobs=[])
+    except (ConveyorError, StreamDiverged, RedisError) as exc:
+        error = from_conveyor(exc) if isinstance(exc, ConveyorError) else OpenAIError(500, str(exc))
+        yield send("response.failed", response=draft.object("failed", error={"code": error.code or "server_error",
+                                                                              "message": error.message}))
+    finally:
+        await run.abandon()  # a no-op once the job ended
+
+
+def _msg_id(draft: Draft) -> str:
+    return message_item(draft.response_id, None)["id"]
+
+
+def _open_message(send: EventWriter, response_id: str) -> list[str]:
+    item = message_item(response_id, None, status="in_progress")
+    return [send("response.output_item.added", output_index=0, item=item),
+            send("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+                 part={"type": "output_text", "text": "", "annotations": []})]
+
+
+def _closing(send: EventWriter, draft: Draft, final: dict, rest: str, opened: bool) -> list[str]:
+    lines = []
+    for index, item in enumerate(final["output"]):
+        if item["type"] == "message":
+            text = item["content"][0]["text"] if item["content"] else ""
+            was_open = opened and index == 0 and not draft.reads_tools
+            lines += [] if was_open else _open_message(send, draft.response_id)
+            pending = rest if was_open else text
+            if pending:
+                lines.append(send("response.output_text.delta", item_id=item["id"], output_index=index,
+                                  content_index=0, delta=pending, logprobs=[]))
+            part = {"type": "output_text", "text": text, "annotations": []}
+            lines += [send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=text, logprobs=[]),
+                      send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                           part=part)]
+        else:
+            lines += _function_call_events(send, index, item)
+        lines.append(send("response.output_item.done", output_index=index, item=item))
+    ending = "response.completed" if final["status"] == "completed" else "response.incomplete"
+    return lines + [send(ending, response=final)]
+
+
+def _function_call_events(send: EventWriter, index: int, item: dict) -> list[str]:
+    opening = {**item, "status": "in_progress", "arguments": ""}
+    return [send("response.output_item.added", output_index=index, item=opening),
+            send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                 delta=item["arguments"]),
+            send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                 arguments=item["arguments"], name=item["name"])]

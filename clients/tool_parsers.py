@@ -1,0 +1,134 @@
+"""Reading a model's output as tool calls. Pure functions, no I/O.
+
+Parsers (chosen per model by its chat template, overridable with `--tool-call-parser`):
+
+  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text
+               before them is the content (Qwen2.5, Qwen3, Hermes; and the fallback
+               prompt of engine/chat_tools.py for templates that know no tools)
+  llama3_json  the whole output is `{"name": ..., "parameters": {...}}` (optionally after
+               `<|python_tag|>`), several separated by `;` (Llama 3.1-3.3)
+
+With `tool_choice` required or named the output was generated under a grammar
+(clients/tool_grammar.py) and is read by that grammar's shape, whatever the parser.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from clients.events import ToolCall, ToolOutput
+
+PARSERS = ("hermes", "llama3_json")
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Unreadable(ValueError):
+    """Text that looks like a tool call and is not one."""
+
+
+@dataclass(frozen=True)
+class ToolReading:
+    """How a job's outputs are read: `mode` is auto, required or named (tool_choice),
+    `names` the functions the job offered."""
+
+    mode: str
+    parser: str
+    names: tuple[str, ...]
+    job_id: str
+
+    def read(self, text: str, index: int = 0) -> ToolOutput:
+        """The calls in one output; an unreadable call comes back as content with the reason."""
+        try:
+            calls = self._calls(text)
+        except Unreadable as exc:
+            return ToolOutput(content=text, tool_call_error=str(exc))
+        if calls is None:
+            return ToolOutput()
+        content, found = calls
+        unknown = [name for name, _ in found if name not in self.names]
+        if unknown:
+            return ToolOutput(content=text, tool_call_error=f"the model called {unknown[0]!r}, which is not a tool "
+                                                            f"of this request")
+        return ToolOutput(content=content or None, tool_calls=[
+            ToolCall(id=call_id(self.job_id, index, n), name=name, arguments=arguments)
+            for n, (name, arguments) in enumerate(found)])
+
+    def _calls(self, text: str) -> tuple[str, list[tuple[str, str]]] | None:
+        if self.mode == "named":
+            _json(text)  # a grammar made it: only a truncated output (max_tokens) fails here
+            return "", [(self.names[0], text)]
+        if self.mode == "required":
+            return "", [_named(item) for item in _json_list(text)]
+        return parse(text, self.parser)
+
+
+def parse(text: str, parser: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(content, [(name, arguments JSON)]) of free text, None when it holds no call; Unreadable."""
+    if parser == "hermes":
+        return _hermes(text)
+    if parser == "llama3_json":
+        return _llama3(text)
+    raise ValueError(f"unknown tool call parser {parser!r}; one of {PARSERS}")
+
+
+def call_id(job_id: str, index: int, n: int) -> str:
+    """A call's id, the same on every attempt of the job (a rerun reproduces its output)."""
+    return "call_" + hashlib.sha256(f"{job_id}/{index}/{n}".encode()).hexdigest()[:24]
+
+
+def _hermes(text: str) -> tuple[str, list[tuple[str, str]]] | None:
+    start = text.find("<tool_call>")
+    if start < 0:
+        return None
+    return text[:start].strip(), [_named(_json(body)) for body in HERMES_CALL.findall(text[start:])]
+
+
+def _llama3(text: str) -> tuple[str, list[tuple[str, str]]] | None:
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except ValueError as exc:
+            raise Unreadable(f"the tool call is not JSON: {exc}") from None
+        calls.append(_named(value))
+        at = _skip_separator(body, end)
+    return "", calls
+
+
+def _skip_separator(body: str, at: int) -> int:
+    while at < len(body) and body[at] in " \t\r\n;":
+        at += 1
+    return at
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise Unreadable(f"the tool call is not JSON: {exc}") from None
+
+
+def _json_list(text: str) -> list:
+    value = _json(text)
+    if not isinstance(value, list) or not value:
+        raise Unreadable("the tool calls are not a non-empty JSON list")
+    return value
+
+
+def _named(call: Any) -> tuple[str, str]:
+    """(name, arguments JSON) of one decoded call object."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise Unreadable("a tool call must be a JSON object with a string `name`")
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        arguments = _json(arguments)
+    if not isinstance(arguments, dict):
+        raise Unreadable(f"the arguments of {call['name']!r} are not a JSON object")
+    return call["name"], json.dumps(arguments, ensure_ascii=False)

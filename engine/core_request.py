@@ -1,0 +1,25 @@
+"""EngineCoreRequest: what a front door hands the engine core for one request (as vLLM's
+EngineCoreRequest). Only validated inputs cross; the engine's own ``Sequence`` (block table,
+progress, timestamps) is made and kept inside the core."""
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int  # resolved against the model's limits: never None
+    priority_class: str
+    priority: int
+    arrival_time: float
+    grammar: object | None = None  # compiled grammar (serialized where it crosses a process: grammar_compiler.py)
+    lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
+
+    def to_sequence(self) -> Sequence:
+        return Sequence(self.request_id, list(self.prompt_token_ids), self.params, self.max_tokens,
+                        self.priority_class, self.priority, self.arrival_time, grammar=self.grammar,
+                        lora_request=self.lora_request)
