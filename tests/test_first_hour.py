@@ -4,9 +4,8 @@ then from another folder, with no URL and no password anywhere, `conveyor submit
 gateway. Plus the README's snippets that use the local server, run as written.
 
 One serve for the module (the tiny random Llama, served as `smollm2` so the README's
-model name works; its engine on a thread, which spares two process starts: what is tested
-here is the front door), its data folder under a temporary $XDG_DATA_HOME: real
-processes, a real embedded Valkey, the real openai SDK.
+model name works), its data folder under a temporary $XDG_DATA_HOME: real processes, a
+real embedded Valkey, the real openai SDK.
 """
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ class Walk:
         start = len(self.serve_log.read_text()) if self.serve_log.exists() else 0
         with open(self.serve_log, "ab") as log:
             self.serve = subprocess.Popen([str(CONVEYOR), "serve", "--model", self.model, "--served-model-name",
-                                           "smollm2", "--grace-s", "1", "--engine-process", "false"], stdout=log, stderr=subprocess.STDOUT,
+                                           "smollm2", "--grace-s", "1"], stdout=log, stderr=subprocess.STDOUT,
                                           env=self.env, cwd=self.serve_dir, start_new_session=True)  # fmt: skip
         wait_until(lambda: self._serving_since(start), READY_S, "conveyor serve to start serving")
 
