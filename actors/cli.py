@@ -7,6 +7,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (``--max-num-seqs`` ...), defaults from the config."""
     import typing
+
     from engine.config import EngineConfig
     hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
@@ -177,6 +179,9 @@ def _serve_embedded(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         return _usage_error(str(exc))
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    # SIGTERM while the model loads (before the replica's loop takes it over) must still run
+    # the finally below: an orphaned server would keep the data dir, refusing the next serve
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         server = EmbeddedValkey(data_dir, password=explicit.password or GENERATE).start()
     except RuntimeError as exc:  # EmbeddedValkeyError: its data dir is already served, the binary failed
@@ -219,6 +224,10 @@ def _conveyor_command() -> str:
     if found and ours.exists() and Path(found).resolve() == ours.resolve():
         return "conveyor"
     return shlex.quote(str(ours if ours.exists() else Path(sys.argv[0]).resolve()))
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _usage_error(message: str) -> int:

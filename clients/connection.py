@@ -61,18 +61,17 @@ from clients.errors import ConveyorError
 from clients.local_server import (PASSWORD_FILE, URL_FILE, NoServerFound, default_data_dir, find_local_server,
                                   following_options, no_server_message)  # fmt: skip
 
-__all__ = ["PASSWORD_FILE", "URL_FILE", "NoServerFound", "RedisSettings", "resolve_settings"]
 log = logging.getLogger("conveyor.connection")
-
-
-class ServerUnavailable(ConveyorError):
-    """The local server does not answer, or refused the credentials (a one-shot command's check)."""
 
 DEFAULT_DATA_DIR = "$XDG_DATA_HOME/conveyor or ~/.local/share/conveyor"  # for help texts
 NO_RETRY = Retry(NoBackoff(), 0)
 GIVEN = "as given"
 MASK = "***"
 SCHEMES = ("redis", "rediss", "unix")
+
+
+class ServerUnavailable(ConveyorError):
+    """The local server does not answer, or refused the credentials (a one-shot command's check)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +160,7 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
     file > environment > URL > the local server's password file)."""
     env = os.environ if env is None else env
     folder = Path(data_dir) if data_dir else default_data_dir(env)
-    chosen_url, source = choose_server(url, folder, env)
+    chosen_url, source, local = choose_server(url, folder, env)
     bare_url, url_user, url_password = split_credentials(chosen_url)
     password_file = password_file or env.get("REDIS_PASSWORD_FILE")
     chosen_password = _first(password, read_password_file(password_file) if password_file else None,
@@ -179,20 +178,21 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
         key=_first(key, env.get("REDIS_KEY")),
         cluster=cluster if cluster is not None else _truthy(env.get("REDIS_CLUSTER")),
         partitions=partitions or partitions_setting(env.get("CONVEYOR_PARTITIONS")),
-        local_dir=str(folder) if source.startswith("the local server") else None,
+        local_dir=str(folder) if local else None,
     )
 
 
-def choose_server(url: str | None, data_dir: Path, env: Mapping[str, str]) -> tuple[str, str]:
-    """(the URL to use, where it came from): `url`, else $REDIS_URL, else the local server."""
+def choose_server(url: str | None, data_dir: Path, env: Mapping[str, str]) -> tuple[str, str, bool]:
+    """(the URL to use, where it came from, whether that is the local server): `url`, else
+    $REDIS_URL, else the local server recorded in `data_dir`."""
     if url:
-        return url, GIVEN
+        return url, GIVEN, False
     if env.get("REDIS_URL"):
-        return env["REDIS_URL"], "from $REDIS_URL"
+        return env["REDIS_URL"], "from $REDIS_URL", False
     server = find_local_server(data_dir)
     if server is None:
         raise NoServerFound(no_server_message(data_dir))
-    return server.url, f"the local server (conveyor serve's, recorded in {data_dir / URL_FILE})"
+    return server.url, f"the local server (conveyor serve's, recorded in {data_dir / URL_FILE})", True
 
 
 _said: set[str] = set()

@@ -332,7 +332,7 @@ def test_engine_command_serves_jobs_and_exits_cleanly_on_sigterm(compose, passwo
         host, port = urlsplit(url).hostname, urlsplit(url).port
         client = Client(f"redis://:{password}@{host}:{port}", namespace=namespace)
         job = client.submit(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
-        result = job.result(timeout=120)
+        result = job.result(timeout=300)  # submitted at once: it waits for SmolLM2 to load (minutes on a busy box)
         assert result.text and result.finish_reason in ("stop", "length")
         deadline = time.monotonic() + 30
         while subprocess.run(health, capture_output=True, timeout=30).returncode != 0:

@@ -4,15 +4,15 @@ then from another folder, with no URL and no password anywhere, `conveyor submit
 gateway. Plus the README's snippets that use the local server, run as written.
 
 One serve for the module (the tiny random Llama, served as `smollm2` so the README's
-model name works; its engine on a thread, which spares two process starts: what is tested
-here is the front door), its data folder under a temporary $XDG_DATA_HOME: real
-processes, a real embedded Valkey, the real openai SDK.
+model name works), its data folder under a temporary $XDG_DATA_HOME: real processes, a
+real embedded Valkey, the real openai SDK.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fault_harness import CONVEYOR, REPO_ROOT, wait_until
@@ -59,7 +60,7 @@ class Walk:
         start = len(self.serve_log.read_text()) if self.serve_log.exists() else 0
         with open(self.serve_log, "ab") as log:
             self.serve = subprocess.Popen([str(CONVEYOR), "serve", "--model", self.model, "--served-model-name",
-                                           "smollm2", "--grace-s", "1", "--engine-process", "false"], stdout=log, stderr=subprocess.STDOUT,
+                                           "smollm2", "--grace-s", "1"], stdout=log, stderr=subprocess.STDOUT,
                                           env=self.env, cwd=self.serve_dir, start_new_session=True)  # fmt: skip
         wait_until(lambda: self._serving_since(start), READY_S, "conveyor serve to start serving")
 
@@ -224,6 +225,46 @@ def test_the_readme_shell_and_python_snippets_that_use_the_local_server_run_as_w
         run = subprocess.run([sys.executable, "-c", block], cwd=walk.user_dir, env=walk.env, capture_output=True,
                              text=True, timeout=COMMAND_S)  # fmt: skip
         assert run.returncode == 0, f"README block failed:\n{block}\n--- stderr:\n{run.stderr[-3000:]}"
+
+
+GATEWAY_LINE = re.compile(r"^\.venv/bin/conveyor gateway [^&#\n]*", re.M)
+README_PORT = "8000"
+
+
+def test_the_readme_gateway_snippets_run_as_written_on_a_free_port(walk):
+    """The README's gateway line (port 8000, which a shared machine may have taken: a free
+    one instead), then its curl and openai SDK snippets against it."""
+    blocks = [b for b in readme_blocks("bash") if (line := GATEWAY_LINE.search(b)) and "--redis-url" not in line[0]]
+    python = [b for b in readme_blocks("python") if f'base_url="http://127.0.0.1:{README_PORT}/v1"' in b]
+    assert len(blocks) == 1 and python, "the README shows the gateway on the local server"
+    port = str(free_port())
+    line = GATEWAY_LINE.search(blocks[0]).group(0)
+    assert f"--port {README_PORT}" in line
+    argv = shlex.split(line.replace(f"--port {README_PORT}", f"--port {port}"))
+    gateway = subprocess.Popen(argv, cwd=walk.user_dir, env=walk.env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: healthy(port), READY_S, "the README's gateway to listen", interval=0.2)
+        rest = "\n".join(text for text in blocks[0].splitlines() if not GATEWAY_LINE.match(text))
+        curl = rest.replace(f"127.0.0.1:{README_PORT}", f"127.0.0.1:{port}")
+        run = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], cwd=walk.user_dir, env=walk.env,
+                             capture_output=True, text=True, timeout=COMMAND_S)  # fmt: skip
+        assert run.returncode == 0 and json.loads(run.stdout)["choices"], f"{curl}\n{run.stdout}{run.stderr}"
+        for block in python:
+            code = block.replace(f"127.0.0.1:{README_PORT}", f"127.0.0.1:{port}")
+            run = subprocess.run([sys.executable, "-c", code], cwd=walk.user_dir, env=walk.env,
+                                 capture_output=True, text=True, timeout=COMMAND_S)  # fmt: skip
+            assert run.returncode == 0, f"README block failed:\n{block}\n--- stderr:\n{run.stderr[-3000:]}"
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+
+
+def healthy(port: str) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 # ---------------------------------------------------------------- serve restarted (last: it restarts)
