@@ -56,6 +56,11 @@ class ThreadStart:
     frame's config or one the caller built (and closes)."""
 
     def __init__(self, core_end: socket.socket, engine=None):
+        # imported here, before the thread starts: transformers' lazy modules are not safe to
+        # import from two threads at once (seen: "cannot import name AutoTokenizer")
+        from transformers import AutoTokenizer  # noqa: F401
+        import engine.input_processor  # noqa: F401
+        import engine.llm_engine  # noqa: F401
         from engine.engine_core import serve
         self.pid = None
         self.error: BaseException | None = None
