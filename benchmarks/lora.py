@@ -73,11 +73,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quantization", default="auto", help="the engine's (none: float weights)")
     parser.add_argument("--json", default="benchmarks/results/lora.json")
     args = parser.parse_args()
     from engine import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    llm = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
+              quantization=args.quantization)
     config = llm.engine.spec.hf_config
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{k}", k + 1, write_adapter(Path(tmp) / f"a{k}", config, args.rank, k))

@@ -83,8 +83,8 @@ def test_bad_adapter_requests_fail_alone(setup, tmp_path):
     outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=[missing, None])
     assert outputs[0].outputs[0].finish_reason == "error" and "adapter_config.json" in outputs[0].error
     assert outputs[1].outputs[0].finish_reason == "length"
-    too_big = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=4)
-    [out] = too_big.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=requests["b"])
+    wide = make_adapter(model_dir, tmp_path / "wide", 4, ["q_proj"], 16)  # rank 16 > max_lora_rank 8
+    [out] = llm.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=LoRARequest("wide", 9, wide))
     assert out.outputs[0].finish_reason == "error" and "max_lora_rank" in out.error
     plain = LLM(model_dir)
     [out] = plain.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=requests["a"])

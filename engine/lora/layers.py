@@ -1,6 +1,7 @@
 """A base projection plus each row's own LoRA adapter: the shrink (x A^T, to the rank) and
-expand (. B^T, back to the outputs) matmuls of punica / S-LoRA, done per group of rows
-that share an adapter (the rows of one sequence are contiguous in a step).
+expand (. B^T, back to the outputs) matmuls of punica / S-LoRA, done per run of rows that
+share an adapter (the rows of one sequence are contiguous in a step: slices, not gathers,
+which on CPU cost more than the matmuls themselves).
 
 A packed projection (qkv, gate_up) holds its parts' adapters side by side: A stacks the
 parts' A matrices, B is block diagonal, so one shrink and one expand serve all parts."""
@@ -12,9 +13,9 @@ from torch import nn
 
 @dataclass
 class LoRABatch:
-    """This step's rows per resident adapter slot (set by the manager before the forward)."""
+    """This step's runs of rows per resident adapter slot (set by the manager before the forward)."""
 
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, row indices)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first row, end row)
 
 
 class LoRALinear(nn.Module):
@@ -41,7 +42,6 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for slot, rows in self.batch.groups:
-            shrunk = x[rows] @ self.lora_a[slot].T
-            y.index_add_(0, rows, shrunk @ self.lora_b[slot].T)
+        for slot, start, end in self.batch.runs:
+            y[start:end] += (x[start:end] @ self.lora_a[slot].T) @ self.lora_b[slot].T
         return y

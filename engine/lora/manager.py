@@ -42,12 +42,12 @@ class LoRAManager:
         return out
 
     def set_batch(self, row_loras: list[LoRARequest | None]) -> bool:
-        """Make this step's adapters resident and group its rows by slot; True when any row has one."""
+        """Make this step's adapters resident and cut its rows into runs of one slot; True when any row has one."""
         wanted = {request.lora_int_id: request for request in row_loras if request is not None}
         assert len(wanted) <= self.max_loras, "the scheduler admits at most max_loras adapters at once"
         slot_of = {lora_id: self._resident(request, wanted) for lora_id, request in wanted.items()}
-        ids = torch.tensor([slot_of[r.lora_int_id] if r is not None else -1 for r in row_loras], device=self.device)
-        self.batch.groups = [(slot, torch.nonzero(ids == slot).flatten()) for slot in sorted(set(slot_of.values()))]
+        slots = [None if r is None else slot_of[r.lora_int_id] for r in row_loras]
+        self.batch.runs = _runs(slots)
         return bool(wanted)
 
     def _resident(self, request: LoRARequest, keep: dict) -> int:
@@ -74,3 +74,14 @@ class LoRAManager:
             for lora in layer.values():
                 lora.set_slot(slot, mine)
         self.loads += 1
+
+
+def _runs(slots: list[int | None]) -> list[tuple[int, int, int]]:
+    """(slot, start, end) of each maximal run of rows with the same slot (None rows: the base, no run)."""
+    runs, start = [], 0
+    for index in range(1, len(slots) + 1):
+        if index == len(slots) or slots[index] != slots[start]:
+            if slots[start] is not None:
+                runs.append((slots[start], start, index))
+            start = index
+    return runs
