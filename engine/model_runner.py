@@ -17,13 +17,14 @@ from engine.distributed.step_message import Tail, encode_step, sampled_tails
 from engine.grammar_masks import GrammarMasks, GrammarState
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
-from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_copies
+from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_path
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
 from engine.vllm_options import kv_budget_from_utilization
 from engine.spec_decode.verifier import verify
 from kernels.backend import prepare
+from kernels.cpu.dispatch import cpu_auto_dtype, cpu_flags
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -53,6 +54,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto" and device.type == "cpu":  # the fastest on the CPU found (kernels/cpu/dispatch.py)
+        dtype, why = cpu_auto_dtype(cpu_flags())
+        log.info("dtype auto on CPU: %s (%s)", str(dtype).removeprefix("torch."), why)
+        return dtype
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -74,7 +79,7 @@ class ModelRunner:
         if self.tp is None:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
             self.backend = prepare(self.model, self.device, decoder_layout,
-                                   batch_copies=gguf_batch_copies(config.quantization))
+                                   gguf_batch=gguf_batch_path(config.quantization))
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)

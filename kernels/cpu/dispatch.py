@@ -1,0 +1,70 @@
+"""Which CPU path serves what: pure functions of the CPU's ISA flags (the names of
+/proc/cpuinfo's ``flags`` line), so every choice is tested on any machine with every ISA
+combination (tests/test_cpu_dispatch.py); ``cpu_flags()`` reads this machine's."""
+import functools
+from pathlib import Path
+
+import torch
+
+# torch's own capability names -> the flags they imply, for where /proc/cpuinfo is missing
+_CAPABILITY_FLAGS = {"AVX2": {"avx2", "fma"}, "AVX512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+# Steps of more rows than this run GGUF blocks by integer dots; fewer keep float32 activations
+# (the register-unpacking kernel, exact up to summation order). Measured on a 2-core AVX2
+# EPYC (benchmarks/quant_speed.py --layers): see docs/performance.md "Integer-dot GGUF".
+INT8_MIN_ROWS = 1
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's ISA flags: /proc/cpuinfo's, else what torch's detected capability implies."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset(_CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), ()))
+
+
+def int8_dot_isa(flags: frozenset[str]) -> str | None:
+    """The integer-dot variant to run (kernels/csrc/int8_dot_cpu.cpp), None without AVX2+FMA:
+    dpbusd with AVX512-VNNI (+VL: it runs on 256-bit registers) or AVX-VNNI, else AVX2's
+    maddubs + madd."""
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return "avx512vnni"
+    if "avx_vnni" in flags:
+        return "avxvnni"
+    return "avx2"
+
+
+@functools.cache  # called per GGUF layer per step: flags and rows repeat
+def gguf_linear_path(flags: frozenset[str], rows: int, activations: str = "int8") -> str:
+    """How a linear over GGUF blocks multiplies ``rows`` rows of float32 activations:
+    ``"int8:<isa>"`` (activations quantized per 32-block, integer dots) or ``"float32"``
+    (blocks unpacked to float32 in registers or tiles). ``activations``: "int8" (the default
+    path, where the ISA has integer dots and the step is big enough) or "float32" (exact up to
+    summation order: quantization="gguf")."""
+    isa = int8_dot_isa(flags)
+    if activations == "int8" and isa is not None and rows >= INT8_MIN_ROWS:
+        return f"int8:{isa}"
+    return "float32"
+
+
+def has_bf16_hardware(flags: frozenset[str]) -> bool:
+    """Native bf16 dot products: AMX-BF16 tiles or AVX512-BF16 (vdpbf16ps). Without either,
+    oneDNN emulates bf16 and it is the slowest dtype (docs/performance.md)."""
+    return "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
+
+
+def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
+    """dtype="auto" on CPU, and why. bfloat16 only with AMX-BF16: measured on a 2-vCPU Xeon with
+    AVX512-BF16 but no AMX, bf16 ran 0.6x float32 over GGUF blocks (77 vs 113-121 tok/s, the
+    issue's table), while vLLM's bf16 on AMX ran ~2x its float32; elsewhere float32 (which
+    also keeps a .gguf model's blocks)."""
+    if "amx_bf16" in flags and has_bf16_hardware(flags):
+        return torch.bfloat16, "AMX-BF16 found: bfloat16 matmuls on the AMX tiles"
+    if has_bf16_hardware(flags):
+        return torch.float32, "AVX512-BF16 without AMX: float32 (bf16 measured slower there)"
+    return torch.float32, "no bf16 hardware (AVX512-BF16/AMX): float32"
