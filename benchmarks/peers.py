@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py [--engines ours,vllm,llamacpp] [--rounds 3]
         [--workloads single,mixed16,mixed32,saturated64] [--ours-dtype every]
-        [--ours-quantization auto,gguf_float32_copy]
+        [--ours-quantization auto,gguf_int8,gguf]
         [--ours-option key=value ...] [--vllm-dtypes float32,bfloat16] [--quick]
         [--json benchmarks/results/peers.json] [--png benchmarks/results/peers.png]
 
@@ -628,7 +628,7 @@ def main():
                         help="comma-separated: one variant of ours per dtype (float32, bfloat16, auto); "
                              "every (default): each the CPU allows, bfloat16 only with native bf16")
     parser.add_argument("--ours-quantization", default=["auto"], type=lambda s: s.split(","),
-                        help="float32 variants: one per quantization mode, e.g. auto,gguf_float32_copy,gguf")
+                        help="float32 variants: one per quantization mode, e.g. auto,gguf_int8,gguf")
     parser.add_argument("--ours-option", action="append", default=[], type=parse_option, metavar="KEY=VALUE",
                         help="passed to engine.LLM (value parsed as JSON if it can be), repeatable")
     parser.add_argument("--vllm-dtypes", default=["float32", "bfloat16"], type=lambda s: s.split(","))

@@ -14,10 +14,10 @@ BATCHING_POLICIES = ("continuous", "dynamic")
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    # auto: a .gguf model's Q4_0/Q4_1/Q8_0 tensors stay GGUF blocks on CPU in float32, held
-    # once, steps of many rows by integer dots on int8 activations (gguf: the blocks alone with
-    # float32 activations, anywhere it can; gguf_float32_copy: plus a float32 copy for steps of
-    # many rows, the default before; none: dequantize every weight to dtype)
+    # auto: a .gguf model's Q4_0/Q4_1/Q8_0 tensors stay GGUF blocks on CPU in float32 for steps
+    # of few rows, plus a float32 copy for many (gguf: the blocks alone, anywhere it can;
+    # gguf_int8: the blocks alone, steps of few rows by integer dots on int8 activations;
+    # none: dequantize every weight to dtype, the path before)
     quantization: str = "auto"
     device: str = "auto"
     # ranks the model is split over (attention heads and MLP, Megatron-style), one process

@@ -17,7 +17,7 @@ from engine.distributed.step_message import Tail, encode_step, sampled_tails
 from engine.grammar_masks import GrammarMasks, GrammarState
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
-from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_path
+from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_kernel_mode
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
@@ -79,7 +79,7 @@ class ModelRunner:
         if self.tp is None:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
             self.backend = prepare(self.model, self.device, decoder_layout,
-                                   gguf_batch=gguf_batch_path(config.quantization))
+                                   gguf_mode=gguf_kernel_mode(config.quantization))
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)

@@ -47,13 +47,14 @@ class Backend:
 
 def prepare(model: nn.Module, device: torch.device,
             layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None,
-            gguf_batch: str = "blocks") -> Backend:
+            gguf_mode: str = "blocks") -> Backend:
     """Ready ``model`` (weights loaded, on ``device`` in their final dtype) for ``device``, in
     place, and return its backend. ``layout_of(model)`` describes the model as a decoder the
     backend may run whole (None where it is not one), read once the KV cache is bound.
-    ``gguf_batch``: how quantized layers serve steps of many rows (CPU: "blocks", "int8"
-    integer dots, or "float32_copy", a dequantized oneDNN copy; kernels/cpu/linear.py)."""
+    ``gguf_mode``: how quantized layers run (CPU: "blocks" on float32 activations, "int8"
+    integer dots for few rows, "float32_copy" a dequantized oneDNN copy for many;
+    kernels/cpu/linear.py)."""
     if device.type == "cpu":
         from kernels.cpu import prepare as prepare_cpu
-        return prepare_cpu(model, layout_of, gguf_batch)
+        return prepare_cpu(model, layout_of, gguf_mode)
     return Backend()

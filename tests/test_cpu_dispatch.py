@@ -22,9 +22,9 @@ def expected_isa(flags):
 def test_every_isa_combination(flags):
     isa = dispatch.int8_dot_isa(flags)
     assert isa == expected_isa(flags)
-    for rows in (1, 2, 64, 512):
+    for rows in (1, 2, dispatch.INT8_MAX_ROWS, dispatch.INT8_MAX_ROWS + 1, 512):
         path = dispatch.gguf_linear_path(flags, rows)
-        assert path == (f"int8:{isa}" if isa and rows >= dispatch.INT8_MIN_ROWS else "float32")
+        assert path == (f"int8:{isa}" if isa and rows <= dispatch.INT8_MAX_ROWS else "float32")
         assert dispatch.gguf_linear_path(flags, rows, activations="float32") == "float32"
     dtype, why = dispatch.cpu_auto_dtype(flags)
     bf16_hardware = "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags

@@ -17,7 +17,7 @@ from engine.models.weights import iter_checkpoint
 from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
 
 log = logging.getLogger(__name__)
-QUANTIZATION_MODES = ("auto", "gguf", "gguf_float32_copy", "none")
+QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "none")
 
 ARCHITECTURES = {  # model_type -> (our class, the transformers architecture it mirrors)
     "llama": (LlamaForCausalLM, "LlamaForCausalLM"),
@@ -76,14 +76,14 @@ def load_spec(model: str) -> ModelSpec:
 
 
 def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the model keeps its GGUF blocks (``quantization``: see QUANTIZATION_MODES):
-    "gguf" does (a GGUF Llama-family model; the kernels unpack the blocks into float32
-    arithmetic) and holds nothing more; "auto" does on CPU in float32, and steps of many rows
-    run on the blocks by integer dots with int8 activations where the CPU has them (AVX2 up;
-    faster than a float32 copy and the weights held once, docs/performance.md "Integer-dot
-    GGUF"), else on a float32 copy (``gguf_batch_path``); "gguf_float32_copy" is that copy
-    everywhere (the default before the integer dots, kept for measuring); "none" dequantizes
-    everything to ``dtype``."""
+    """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf", "gguf_int8"
+    or "none"): "gguf" does (a GGUF Llama-family model; the kernels unpack the blocks into
+    float32 arithmetic) and holds nothing more; "gguf_int8" too, with steps of few rows run
+    by integer dots on int8 activations where the CPU has them (``gguf_kernel_mode``); "auto"
+    does on CPU in float32, and the backend adds a float32 copy for steps of many rows: on the
+    AVX2 CPU measured the blocks decode 1.1-1.4x faster at few rows but run steps of 16+ rows
+    7-16% slower than float32's prepacked oneDNN weights, and the default must never be
+    slower than float32 (docs/performance.md); "none" dequantizes everything to ``dtype``."""
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     if quantization == "none":
@@ -96,12 +96,12 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
     return possible
 
 
-def gguf_batch_path(quantization: str) -> str:
-    """How layers kept as GGUF blocks serve steps of many rows (kernels/cpu/linear.py)."""
-    if quantization == "gguf_float32_copy":
-        return "float32_copy"
+def gguf_kernel_mode(quantization: str) -> str:
+    """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``)."""
     if quantization == "auto":
-        return "int8" if int8_dot_isa(cpu_flags()) else "float32_copy"
+        return "float32_copy"
+    if quantization == "gguf_int8" and int8_dot_isa(cpu_flags()):
+        return "int8"
     return "blocks"
 
 

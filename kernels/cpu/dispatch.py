@@ -8,10 +8,12 @@ import torch
 
 # torch's own capability names -> the flags they imply, for where /proc/cpuinfo is missing
 _CAPABILITY_FLAGS = {"AVX2": {"avx2", "fma"}, "AVX512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
-# Steps of more rows than this run GGUF blocks by integer dots; fewer keep float32 activations
-# (the register-unpacking kernel, exact up to summation order). Measured on a 2-core AVX2
-# EPYC (benchmarks/quant_speed.py --layers): see docs/performance.md "Integer-dot GGUF".
-INT8_MIN_ROWS = 1
+# Steps of up to this many rows run GGUF blocks by integer dots; more run them on float32
+# activations (dequantized tiles into torch's mm), where the AVX2 integer dots lost (the
+# int8 products cost as many instructions as float32 FMAs there, and maddubs + madd + cvt
+# per block more). Measured on a 2-core AVX2 EPYC (benchmarks/gguf_layers.py):
+# docs/performance.md "Integer-dot GGUF kernels".
+INT8_MAX_ROWS = 12
 
 
 @functools.cache
@@ -44,12 +46,20 @@ def gguf_linear_path(flags: frozenset[str], rows: int, activations: str = "int8"
     """How a linear over GGUF blocks multiplies ``rows`` rows of float32 activations:
     ``"int8:<isa>"`` (activations quantized per 32-block, integer dots) or ``"float32"``
     (blocks unpacked to float32 in registers or tiles). ``activations``: "int8" (the default
-    path, where the ISA has integer dots and the step is big enough) or "float32" (exact up to
+    path: where the ISA has integer dots, for steps of up to INT8_MAX_ROWS rows) or "float32" (exact up to
     summation order: quantization="gguf")."""
     isa = int8_dot_isa(flags)
-    if activations == "int8" and isa is not None and rows >= INT8_MIN_ROWS:
+    if activations == "int8" and isa is not None and rows <= INT8_MAX_ROWS:
         return f"int8:{isa}"
     return "float32"
+
+
+def set_int8_max_rows(rows: int) -> None:
+    """Run integer dots for steps of up to ``rows`` rows from now on (the quality gate scores
+    whole prompts on them; benchmarks measure other crossovers)."""
+    global INT8_MAX_ROWS
+    INT8_MAX_ROWS = rows
+    gguf_linear_path.cache_clear()
 
 
 def has_bf16_hardware(flags: frozenset[str]) -> bool:
