@@ -20,7 +20,8 @@ LICENCE = Path("/usr/share/common-licenses/GPL-3")
 PROMPTS_FROM = Path("/usr/share/common-licenses/Apache-2.0")
 CHUNK, CHUNKS, TOKENS, NUM_PROMPTS = 512, 2, 32, 16
 
-pytestmark = pytest.mark.skipif(not LICENCE.exists() or not PROMPTS_FROM.exists(), reason="no Debian licence texts")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not LICENCE.exists() or not PROMPTS_FROM.exists(), reason="no Debian licence texts")]
 
 
 @pytest.fixture(scope="module")
