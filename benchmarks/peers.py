@@ -1,7 +1,8 @@
 """Ours against the engines a CPU user would pick instead: vLLM's CPU build and llama.cpp.
 
     python benchmarks/peers.py [--engines ours,vllm,llamacpp] [--rounds 3]
-        [--workloads single,mixed16,mixed32,saturated64] [--ours-dtype float32]
+        [--workloads single,mixed16,mixed32,saturated64] [--ours-dtype every]
+        [--ours-quantization auto,gguf_int8,gguf]
         [--ours-option key=value ...] [--vllm-dtypes float32,bfloat16] [--quick]
         [--json benchmarks/results/peers.json] [--png benchmarks/results/peers.png]
 
@@ -403,9 +404,12 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
     engines = []
     for kind in args.engines:
         if kind == "ours":
-            for dtype in args.ours_dtype:
-                engines.append({"name": f"ours-{dtype}", "kind": "ours", "model": args.model, "dtype": dtype,
-                                "options": dict(args.ours_option), "max_num_seqs": max_seqs})
+            for dtype in ours_dtypes(args.ours_dtype):
+                for quantization in args.ours_quantization if dtype == "float32" else [None]:
+                    options = dict(args.ours_option) | ({"quantization": quantization} if quantization else {})
+                    name = f"ours-{dtype}" + (f"-{quantization}" if len(args.ours_quantization) > 1 and quantization else "")
+                    engines.append({"name": name, "kind": "ours", "model": args.model, "dtype": dtype,
+                                    "options": options, "max_num_seqs": max_seqs})
         elif kind == "vllm":
             try:
                 python = ensure_vllm()
@@ -429,6 +433,16 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
         else:
             raise SystemExit(f"unknown engine {kind!r} (ours, vllm, llamacpp)")
     return engines, spec.hf_config.vocab_size
+
+
+def ours_dtypes(asked: list[str]) -> list[str]:
+    """``--ours-dtype``; "every" is each dtype this CPU allows: bfloat16 only with native bf16
+    (AMX-BF16 or AVX512-BF16; emulated elsewhere, kernels/cpu/dispatch.py). (dtype="auto" is
+    one of these: what cpu_auto_dtype picks, logged by the worker.)"""
+    if asked != ["every"]:
+        return asked
+    from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
+    return ["float32"] + (["bfloat16"] if has_bf16_hardware(cpu_flags()) else [])
 
 
 def measure(args) -> dict:
@@ -610,8 +624,11 @@ def main():
     parser.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: s.split(","))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="shorter outputs and prompts: for checking the script")
-    parser.add_argument("--ours-dtype", default=["float32"], type=lambda s: s.split(","),
-                        help="comma-separated: one variant of ours per dtype (float32, bfloat16, auto)")
+    parser.add_argument("--ours-dtype", default=["every"], type=lambda s: s.split(","),
+                        help="comma-separated: one variant of ours per dtype (float32, bfloat16, auto); "
+                             "every (default): each the CPU allows, bfloat16 only with native bf16")
+    parser.add_argument("--ours-quantization", default=["auto"], type=lambda s: s.split(","),
+                        help="float32 variants: one per quantization mode, e.g. auto,gguf_int8,gguf")
     parser.add_argument("--ours-option", action="append", default=[], type=parse_option, metavar="KEY=VALUE",
                         help="passed to engine.LLM (value parsed as JSON if it can be), repeatable")
     parser.add_argument("--vllm-dtypes", default=["float32", "bfloat16"], type=lambda s: s.split(","))
@@ -647,6 +664,7 @@ def main():
     print(f"ISA flags: {isa_line}", flush=True)
     results = {"settings": {"model": args.model, "engines": args.engines, "workloads": args.workloads,
                             "rounds": args.rounds, "quick": args.quick, "ours_dtype": args.ours_dtype,
+                            "ours_quantization": args.ours_quantization,
                             "ours_options": dict(args.ours_option), "vllm_dtypes": args.vllm_dtypes,
                             "vllm_options": dict(args.vllm_option), "vllm_kvcache_gb": args.vllm_kvcache_gb,
                             "usable_cpus": usable_cpus(), "command": " ".join(sys.argv),

@@ -2,10 +2,12 @@
 
     python benchmarks/quant_speed.py [--model smollm2] [--rounds 5] [--json quant_speed.json]
 
-Loads the model once per mode in this process (``--modes``, default all three):
-``quantization="auto"`` (the GGUF blocks for steps of few rows plus a float32 oneDNN copy for
-many), ``"gguf"`` (the Q4_0/Q4_1/Q8_0 blocks alone, kernels/csrc/quant_linear_cpu.cpp) and
-``"none"`` (float32), and alternates rounds A B C A B C ... of:
+Loads the model once per mode in this process (``--modes``, default all four):
+``quantization="auto"`` (the GGUF blocks on float32 activations for steps of few rows plus a
+float32 oneDNN copy for many), ``"gguf_int8"`` (the blocks alone, integer dots on int8
+activations for steps of few rows, kernels/csrc/int8_dot_cpu.cpp), ``"gguf"`` (the blocks
+alone on float32 activations, kernels/csrc/quant_linear_cpu.cpp) and
+``"none"`` (float32), and alternates rounds A B C D A B C D ... of:
 
 - single-stream decode: a 16-token prompt, 128 output tokens, ignore_eos; tokens/s from
   the first token to the last;
@@ -27,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_json_option, describe_cpu, format_table, random_prompt, vocab_size, write_json  # noqa: E402
 
-MODES = ("auto", "gguf", "none")
+MODES = ("auto", "gguf_int8", "gguf", "none")
 
 
 def rss_mib() -> dict:
@@ -70,7 +72,9 @@ def main():
     kernels = extension.load()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
     print(describe_cpu(), f"| quantized kernel: {kernels.quant_isa() if kernels else 'torch reference'}",
+          f"| int8 dot: {int8_dot_isa(cpu_flags())}",
           f"| torch threads: {torch.get_num_threads()}")
     vocab = vocab_size(args.model)
     rng = random.Random(1)

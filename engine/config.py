@@ -17,6 +17,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     # auto: a .gguf model's Q4_0/Q4_1/Q8_0 tensors stay GGUF blocks on CPU in float32 for steps
     # of few rows, plus a float32 copy for many (gguf: the blocks alone, anywhere it can;
+    # gguf_int8: the blocks alone, steps of few rows by integer dots on int8 activations;
     # none: dequantize every weight to dtype, the path before)
     quantization: str = "auto"
     device: str = "auto"

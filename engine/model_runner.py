@@ -19,12 +19,13 @@ from engine.grammar_masks import GrammarMasks, GrammarState
 from engine.lora.manager import LoRAManager
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
-from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_batch_copies
+from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_kernel_mode
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
 from engine.vllm_options import kv_budget_from_utilization
 from engine.spec_decode.verifier import verify
+from kernels.cpu.dispatch import cpu_auto_dtype, cpu_flags
 from kernels.prepare import prepare
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto" and device.type == "cpu":  # the fastest on the CPU found (kernels/cpu/dispatch.py)
+        dtype, why = cpu_auto_dtype(cpu_flags())
+        log.info("dtype auto on CPU: %s (%s)", str(dtype).removeprefix("torch."), why)
+        return dtype
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
@@ -94,8 +99,7 @@ class ModelRunner:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
             # the CPU's compiled whole-model decoder has its own attention: not with Triton's
             layout = decoder_layout if self.attention_backend == "torch" else None
-            self.backend = prepare(self.model, self.device, layout,
-                                   batch_copies=gguf_batch_copies(config.quantization))
+            self.backend = prepare(self.model, self.device, layout, gguf_mode=gguf_kernel_mode(config.quantization))
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)

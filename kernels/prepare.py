@@ -13,13 +13,14 @@ from kernels.backend import Backend, DecoderLayout
 
 def prepare(model: nn.Module, device: torch.device,
             layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None,
-            batch_copies: bool = False) -> Backend:
+            gguf_mode: str = "blocks") -> Backend:
     """Ready ``model`` (weights loaded, on ``device`` in their final dtype) for ``device``, in
     place, and return its backend. ``layout_of(model)`` describes the model as a decoder the
     backend may run whole (None where it is not one), read once the KV cache is bound.
-    ``batch_copies``: quantized layers may also keep a dequantized copy for steps of many
-    rows, where the device runs it faster than the blocks (CPU: oneDNN float32)."""
+    ``gguf_mode``: how quantized layers run (CPU: "blocks" on float32 activations, "int8"
+    integer dots for few rows, "float32_copy" a dequantized oneDNN copy for many;
+    kernels/cpu/linear.py)."""
     if device.type == "cpu":
         from kernels.cpu import prepare as prepare_cpu
-        return prepare_cpu(model, layout_of, batch_copies)
+        return prepare_cpu(model, layout_of, gguf_mode)
     return Backend()

@@ -242,7 +242,7 @@ def test_cpu_linear_batch_copy_serves_many_rows_from_float32(rows):
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     module = torch.nn.Sequential(QuantLinear(packed))
     swap_linears(module)
-    pack_linears(module, extension.load(), batch_copies=True)
+    pack_linears(module, extension.load(), gguf_mode="float32_copy")
     weight, _, copy = module[0].fast_path
     assert weight is module[0].weight and (copy is not None) == torch.backends.mkldnn.is_available()
     torch.testing.assert_close(module(x), F.linear(x, dense), atol=2e-5, rtol=1e-5)

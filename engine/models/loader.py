@@ -14,9 +14,10 @@ from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.gguf_weights import place, read_packed
 from engine.models.llama import LlamaForCausalLM, max_context, rotary_for
 from engine.models.weights import iter_checkpoint
+from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
 
 log = logging.getLogger(__name__)
-QUANTIZATION_MODES = ("auto", "gguf", "none")
+QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "none")
 
 ARCHITECTURES = {  # model_type -> (our class, the transformers architecture it mirrors)
     "llama": (LlamaForCausalLM, "LlamaForCausalLM"),
@@ -75,28 +76,33 @@ def load_spec(model: str) -> ModelSpec:
 
 
 def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf" or "none"):
-    "gguf" does (a GGUF Llama-family model; the kernels unpack the blocks into float32
-    arithmetic) and holds nothing more; "auto" does on CPU in float32, and the backend adds
-    a float32 copy for steps of many rows (``gguf_batch_copies``): on the AVX2 CPU measured
-    the blocks decode 1.1-1.4x faster at few rows but run steps of 16+ rows 7-16% slower
-    than float32's prepacked oneDNN weights, and the default must never be slower than
-    float32 (docs/performance.md); "none" dequantizes everything to ``dtype``."""
+    """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf", "gguf_int8"
+    or "none"): "gguf" does (a GGUF Llama-family model; the kernels unpack the blocks into
+    float32 arithmetic) and holds nothing more; "gguf_int8" too, with steps of few rows run
+    by integer dots on int8 activations where the CPU has them (``gguf_kernel_mode``); "auto"
+    does on CPU in float32, and the backend adds a float32 copy for steps of many rows: on the
+    AVX2 CPU measured the blocks decode 1.1-1.4x faster at few rows but run steps of 16+ rows
+    7-16% slower than float32's prepacked oneDNN weights, and the default must never be
+    slower than float32 (docs/performance.md); "none" dequantizes everything to ``dtype``."""
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     if quantization == "none":
         return False
     possible = spec.gguf_path is not None and ARCHITECTURES[spec.model_type][0] is LlamaForCausalLM
-    if quantization == "gguf" and not possible:
-        raise ModelLoadError("quantization='gguf' needs a .gguf model of the Llama family")
+    if quantization.startswith("gguf") and not possible:
+        raise ModelLoadError(f"quantization={quantization!r} needs a .gguf model of the Llama family")
     if quantization == "auto":
         return possible and device.type == "cpu" and dtype == torch.float32
     return possible
 
 
-def gguf_batch_copies(quantization: str) -> bool:
-    """Whether layers kept as GGUF blocks also get a float32 copy for steps of many rows."""
-    return quantization == "auto"
+def gguf_kernel_mode(quantization: str) -> str:
+    """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``)."""
+    if quantization == "auto":
+        return "float32_copy"
+    if quantization == "gguf_int8" and int8_dot_isa(cpu_flags()):
+        return "int8"
+    return "blocks"
 
 
 def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,

@@ -12,14 +12,14 @@ from kernels.cpu.memory import move_weights_to_huge_pages, release_freed_memory
 
 
 def prepare(model: nn.Module, layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None,
-            batch_copies: bool = False) -> "CpuBackend":
+            gguf_mode: str = "blocks") -> "CpuBackend":
     """Swap ``model``'s linears for CpuLinears, move its weights into huge pages and pack
     them, in place; the compiled kernels are built or loaded now, not inside the first step.
-    ``batch_copies``: GGUF-block layers also get a float32 oneDNN copy for steps of many rows."""
+    ``gguf_mode``: how GGUF-block layers run (``CpuLinear.pack``)."""
     kernels = extension.load()
     swap_linears(model)
     move_weights_to_huge_pages(model)
-    pack_linears(model, kernels, batch_copies)
+    pack_linears(model, kernels, gguf_mode)
     release_freed_memory()
     return CpuBackend(model, kernels, layout_of)
 

@@ -20,7 +20,9 @@ import torch
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent.parent / "csrc"
 SOURCES = [CSRC / "bindings.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp",
-           CSRC / "layer_ops_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "quant_linear_cpu.cpp"]
+           CSRC / "layer_ops_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "quant_linear_cpu.cpp",
+           CSRC / "int8_dot_cpu.cpp"]
+HEADERS = [CSRC / "cpu_kernels.h", CSRC / "int8_dot_kernel.inc"]
 # -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they
 # are compiled with OpenMP; at run time they share the libgomp torch has already loaded.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -53,7 +55,7 @@ def for_tensors(*tensors):
 
 def _build_location() -> tuple[str, Path]:
     from torch.utils.cpp_extension import _get_build_directory
-    code = b"".join(path.read_bytes() for path in [*SOURCES, CSRC / "cpu_kernels.h"])
+    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:10]
     name = f"conveyor_cpu_kernels_{digest}"
     return name, Path(_get_build_directory(name, verbose=False))

@@ -4,8 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu.dispatch import cpu_flags, gguf_linear_path
 from kernels.cpu.memory import huge_page_copies
 from kernels.quant import QuantLinear, dequantize, is_packed
+
+
+GGUF_MODES = ("blocks", "int8", "float32_copy")  # see CpuLinear.pack
 
 
 class CpuLinear(nn.Module):
@@ -22,11 +26,15 @@ class CpuLinear(nn.Module):
       (``row_bucket``): a bounded set of shapes instead of one per batch size seen.
 
     A GGUF-packed weight (kernels/quant.py: uint8 4-bit or int8 8-bit blocks) is held as it
-    is: the compiled ``quantized_linear`` unpacks it in registers for up to ``kQuantFewRows``
-    rows of x and dequantizes a tile at a time into torch's mm for more. With a batch copy
-    (``pack(batch_copy=True)``, what ``quantization="auto"`` asks) steps of more than
-    ``QUANT_MAX_ROWS`` rows run oneDNN on a float32 copy instead: there the blocks lose
-    7-16% to it (docs/performance.md), so each path serves the rows it is fastest for.
+    is; ``dispatch.gguf_linear_path`` picks the kernel for a step's rows. With int8
+    activations (``pack(gguf_mode="int8")``, what ``quantization="gguf_int8"`` asks) steps of
+    up to ``dispatch.INT8_MAX_ROWS`` rows run integer dots (kernels/csrc/int8_dot_cpu.cpp,
+    1.7-2x the float32 unpacking at one row, AVX2); otherwise, and for more rows, the
+    compiled ``quantized_linear`` unpacks the blocks to float32 in registers for up to
+    ``kQuantFewRows`` rows of x and dequantizes a tile at a time into torch's mm for more.
+    ``gguf_mode="float32_copy"`` (what ``quantization="auto"`` asks) adds a oneDNN float32
+    copy for steps of more than ``QUANT_MAX_ROWS`` rows: there the blocks lose 7-16% to it
+    (docs/performance.md), so each path serves the rows it is fastest for.
 
     Shares the weight it wraps (a tied head shares the embedding table)."""
 
@@ -43,17 +51,23 @@ class CpuLinear(nn.Module):
         self.kernels = None  # the compiled extension, from pack()
         # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
         self.fast_path: tuple | None = None
+        self.activations = "float32"  # GGUF blocks: "int8" where pack() was asked for integer dots
 
-    def pack(self, kernels, interleaved: torch.Tensor | None = None, batch_copy: bool = False) -> None:
+    def pack(self, kernels, interleaved: torch.Tensor | None = None, gguf_mode: str = "blocks") -> None:
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
         kernel's ``interleaved`` copy (see ``pack_linears``); call once the weight has its
-        final dtype and place. GGUF blocks get a oneDNN copy only with ``batch_copy``."""
+        final dtype and place. GGUF blocks (``gguf_mode``): "blocks" alone on float32
+        activations; "int8" alone, integer dots for steps of few rows; "float32_copy" with a
+        oneDNN float32 copy for steps of many rows."""
+        assert gguf_mode in GGUF_MODES, gguf_mode
         if is_packed(self.weight):
             if kernels is not None:
                 kernels.set_quant_tiling(self.QUANT_TILE_BYTES, self.QUANT_PER_THREAD_TILES)
                 self.kernels = kernels
-                packed = onednn_packed(dequantize(self.weight.detach()), self.PACK_BATCH_HINT) if batch_copy else None
+                copy = gguf_mode == "float32_copy"
+                packed = onednn_packed(dequantize(self.weight.detach()), self.PACK_BATCH_HINT) if copy else None
                 self.fast_path = (self.weight, self.bias, packed)
+                self.activations = "int8" if gguf_mode == "int8" else "float32"
             return
         if self.weight.dtype != torch.float32:
             return
@@ -70,6 +84,9 @@ class CpuLinear(nn.Module):
         weight, bias, packed = self.fast_path
         rows = x.shape[0]
         if weight.dtype is not torch.float32:  # GGUF blocks
+            path = gguf_linear_path(cpu_flags(), rows, self.activations)
+            if path != "float32":
+                return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:"):])
             if packed is None or rows <= self.QUANT_MAX_ROWS:
                 return self.kernels.quantized_linear(x, weight, bias)
             return onednn_linear(x, packed, bias)
@@ -119,8 +136,8 @@ def swap_linears(model: nn.Module) -> None:
             swap_linears(child)
 
 
-def pack_linears(model: nn.Module, kernels, batch_copies: bool = False) -> None:
-    """Every CpuLinear's oneDNN copy (of GGUF blocks only with ``batch_copies``), and its
+def pack_linears(model: nn.Module, kernels, gguf_mode: str = "blocks") -> None:
+    """Every CpuLinear's oneDNN copy (of GGUF blocks only with ``gguf_mode="float32_copy"``), and its
     row-interleaved copy for the few-row kernel (all in one huge-page arena) where the
     compiled ``kernels`` support it and the shape allows."""
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
@@ -130,4 +147,4 @@ def pack_linears(model: nn.Module, kernels, batch_copies: bool = False) -> None:
     copies = huge_page_copies([kernels.interleave_rows(m.weight.detach()) for m in interleavable])
     interleaved = {id(m): copy for m, copy in zip(interleavable, copies)}
     for module in linears:
-        module.pack(kernels, interleaved.get(id(module)), batch_copies)
+        module.pack(kernels, interleaved.get(id(module)), gguf_mode)

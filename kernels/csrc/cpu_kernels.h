@@ -29,6 +29,11 @@ void set_quant_tiling(int64_t tile_bytes, bool per_thread);
 bool is_quantized_weight(const torch::Tensor& weight);
 torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_weight(torch::Tensor weight, int64_t in_features);
+// The same weights by integer dot products with x quantized per 32-block to int8
+// (int8_dot_cpu.cpp); `isa` one of int8_dot_isas(): the variants compiled in and on this CPU.
+std::vector<std::string> int8_dot_isas();
+torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                              const std::string& isa);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

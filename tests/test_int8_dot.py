@@ -1,0 +1,68 @@
+"""The integer-dot GGUF kernels (kernels/csrc/int8_dot_cpu.cpp): every variant this CPU can
+run against a torch reference of the same integer arithmetic, and against the float32
+product within the error of int8 activations."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import extension
+from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
+from kernels.quant import BLOCK, dequantize
+from test_kernels import GGUF_TYPES, gguf_packed
+
+kernels = extension.load()
+pytestmark = pytest.mark.skipif(kernels is None or not kernels.int8_dot_isas(), reason="no AVX2 int8 kernels here")
+RUNNABLE = kernels.int8_dot_isas() if kernels is not None else []
+
+
+def quantize_activations(x: torch.Tensor):
+    """Q8_1 per 32-block, as the kernel: dx = max|x| / 127, qx = round(x * 127 / max|x|)."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse), amax / 127
+
+
+def integer_reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y from the int8 activations and the weight's integer blocks, in float64."""
+    qx, dx = quantize_activations(x)
+    w = dequantize(packed).double().reshape(packed.shape[0], -1, BLOCK)  # d q + m per block
+    y = torch.einsum("mbk,nbk,mb->mn", qx.double(), w, dx[..., 0].double())
+    return (y + (0 if bias is None else bias.double())).float()
+
+
+def test_dispatch_picks_a_variant_this_cpu_runs():
+    assert "avx2" in RUNNABLE
+    assert int8_dot_isa(cpu_flags()) in RUNNABLE
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 33])
+def test_int8_dot_matches_the_integer_reference(isa, type_name, rows):
+    """Same integers, same scales: only float32 rounding of the block sums differs."""
+    packed, _ = gguf_packed(type_name, 37, 160, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 160, generator=gen), torch.randn(37, generator=gen)
+    out = kernels.int8_dot_linear(x, packed, bias, isa)
+    torch.testing.assert_close(out, integer_reference(x, packed, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_int8_dot_is_close_to_float32_activations(type_name):
+    """int8 activations lose under 1% of the product's magnitude (7-bit mantissa per block)."""
+    packed, dense = gguf_packed(type_name, 64, 256, seed=3)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    exact = F.linear(x, dense)
+    error = (kernels.int8_dot_linear(x, packed, None, "avx2") - exact).abs().max()
+    assert error < 0.01 * exact.abs().max(), (error, exact.abs().max())
+
+
+def test_int8_dot_zero_rows_blocks_and_bad_calls():
+    packed, _ = gguf_packed("Q4_1", 8, 64, seed=0)
+    assert kernels.int8_dot_linear(torch.empty(0, 64), packed, None, "avx2").shape == (0, 8)
+    assert torch.equal(kernels.int8_dot_linear(torch.zeros(2, 64), packed, None, "avx2"), torch.zeros(2, 8))
+    with pytest.raises(RuntimeError, match="in_features 96"):
+        kernels.int8_dot_linear(torch.randn(1, 96), packed, None, "avx2")
+    with pytest.raises(RuntimeError, match="ISA"):
+        kernels.int8_dot_linear(torch.randn(1, 64), packed, None, "avx10")
