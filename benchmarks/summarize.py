@@ -181,9 +181,9 @@ def report(rows: dict[str, list[dict]], args, docs: int) -> dict:
                                            "max": max(figures)}  # fmt: skip
             print(f"  {mode:>9} {metric:>13}: {statistics.median(figures):8.1f} (min {min(figures):.1f}, "
                   f"max {max(figures):.1f})")
-    for name, ratio in (("ours / langchain (docs/h)", lambda o, l, d: o["docs_per_hour"] / l["docs_per_hour"]),
-                        ("ours overhead over direct (time)", lambda o, l, d: o["seconds"] / d["seconds"] - 1)):
-        per_round = [ratio(o, l, d) for o, l, d in zip(rows["ours"], rows["langchain"], rows["direct"])]
+    for name, ratio in (("ours / langchain (docs/h)", lambda o, lc, d: o["docs_per_hour"] / lc["docs_per_hour"]),
+                        ("ours overhead over direct (time)", lambda o, lc, d: o["seconds"] / d["seconds"] - 1)):
+        per_round = [ratio(o, lc, d) for o, lc, d in zip(rows["ours"], rows["langchain"], rows["direct"])]
         summary[name] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
         print(f"  {name}: {statistics.median(per_round):.2f} (per round {min(per_round):.2f} to {max(per_round):.2f})")
     return summary

@@ -5,7 +5,6 @@ headings; a hostile file of each kind fails alone, within its bounds. No model, 
 from __future__ import annotations
 
 import codecs
-import re
 import time
 from pathlib import Path
 
