@@ -139,8 +139,9 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
 
 # What `summarize --help` says about paths: which files are read, how outputs are named.
 SUMMARIZE_DESCRIPTION = (
-    "Summarize text files through the queue (map-reduce over token-budgeted chunks); a rerun "
-    "reuses finished jobs. Folders are read recursively; hidden files and folders (names "
+    "Summarize PDF, DOCX, HTML, Markdown, reST and text files through the queue (map-reduce over "
+    "token-budgeted chunks that follow pages and headings; each point of a summary cites its pages "
+    "or heading; OUT/index.html reports them all); a rerun reuses finished jobs. Folders are read recursively; hidden files and folders (names "
     "starting with '.') are skipped. Symbolic links inside a folder, to files or to folders, "
     "are never followed: each one is reported as an error line (as is anything that is not a "
     "regular file) and the other documents are still summarized. A PATH you name may itself "

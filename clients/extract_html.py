@@ -40,7 +40,6 @@ def _walk(top) -> list[Block]:
     pre = 0  # depth inside <pre>
 
     def flush() -> None:
-        nonlocal level
         text = "".join(words)
         text = text.strip("\n") if pre else " ".join(text.split())
         if text.strip():

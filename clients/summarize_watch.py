@@ -118,6 +118,9 @@ class _Watcher:
             self._finished(name, digest, result)
         except OSError as exc:
             self._line(f"error: cannot read {path}: {exc.strerror or exc}", force=True)
+        except Exception as exc:  # e.g. Redis unreachable: taken again at the next poll
+            self.handled.pop(name, None)
+            self._line(f"error: {name}: {type(exc).__name__}: {exc} (retried at the next poll)", force=True)
         finally:
             self.in_flight.pop(name, None)
 

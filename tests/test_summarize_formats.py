@@ -5,7 +5,6 @@ headings; a hostile file of each kind fails alone, within its bounds. No model, 
 from __future__ import annotations
 
 import codecs
-import re
 import time
 from pathlib import Path
 
@@ -198,3 +197,17 @@ def test_the_report_escapes_every_text_it_shows():
     page = render(records)
     assert "<script" not in page and page.count("&lt;script&gt;") == 8
     assert "href='#d0-c0'" in page and "id='d0-c0'" in page and "1 failed" in page
+
+
+def test_cli_refuses_bad_schema_files_and_needs_paths_or_watch(tmp_path, capsys):
+    from clients import cli
+
+    base = ["summarize", "--out", str(tmp_path / "out"), "--redis-url", "redis://127.0.0.1:1", "--quiet"]
+    assert cli.main(base) == cli.EXIT_USAGE
+    assert "give PATH arguments or --watch INBOX" in capsys.readouterr().err
+    assert cli.main([*base, "a.txt", "--schema", str(tmp_path / "missing.json")]) == cli.EXIT_USAGE
+    assert "--schema" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"type": 5}')
+    assert cli.main([*base, "a.txt", "--schema", str(tmp_path / "bad.json")]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "invalid option schema" in err and "not a valid JSON schema" in err

@@ -271,5 +271,5 @@ def test_the_cli_reports_skipped_links_and_unwritable_outputs_per_document(
     assert "blocked/empty.txt: document is empty" in blocked and "cannot be written" in blocked
     assert "fine.txt: document is empty" in fine and "link.txt" in link and "symbolic link" in link
     assert outputs_under(outside) == ["secret.txt"]
-    assert outputs_under(out) == ["fine.txt.summary.json", "link.txt.summary.json"]
+    assert outputs_under(out) == ["fine.txt.summary.json", "index.html", "link.txt.summary.json"]  # + the report
     assert "symbolic link" in json.loads((out / "link.txt.summary.json").read_text())["error"]

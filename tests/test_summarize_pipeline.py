@@ -22,7 +22,7 @@ from clients.model_info import ModelInfo, publish_model_info
 from clients.summarize import summarize_documents
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
-from summarize_docs import PAGES, pdf_document
+from summarize_docs import pdf_document
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JSON_C_README = Path("/usr/share/doc/libjson-c5/README.html")
