@@ -22,6 +22,8 @@ log = logging.getLogger("conveyor")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    client_cli.start_other_program(argv)  # `conveyor gateway`: the gateway's own program
     parser = argparse.ArgumentParser(prog="conveyor", description="LLM inference over Redis Streams")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="run one engine replica")

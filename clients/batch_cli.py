@@ -31,8 +31,8 @@ from tqdm import tqdm
 from clients.async_client import AsyncClient
 from clients.connection import command_settings
 from clients.errors import ConveyorError
-from clients.gateway.batch_runner import BatchRun, Lease, LeaseLost, RunnerSettings, new_owner
-from clients.gateway.batch_store import ANY_ENDPOINT, TERMINAL, BatchStore, FileTooLarge, check_jsonl
+from clients.openai_api.batch_runner import BatchRun, Lease, LeaseLost, RunnerSettings, new_owner
+from clients.openai_api.batch_store import ANY_ENDPOINT, TERMINAL, BatchStore, FileTooLarge, check_jsonl
 from clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

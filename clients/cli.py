@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,6 @@ from clients.cli_dead import register_dead
 from clients.client import Client, Job
 from clients.connection import add_connection_arguments, command_settings, refused_message, settings_from_args
 from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
-from clients.gateway.cli import register_gateway
 from clients.keys import PRIORITY_CLASSES
 from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelNotPublished, only_model
 from clients.summarize import summarize_documents_async
@@ -75,17 +75,27 @@ SUMMARIZE_OPTIONS = [
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `submit`, `status`, `summarize` and `dead` (each with --redis-url/--namespace)."""
-    connection = _connection_options()
+    connection = connection_options()
     _add_submit(subparsers.add_parser("submit", parents=[connection], help="submit jobs and print results"))
     _add_status(subparsers.add_parser("status", parents=[connection], help="show queues and consumers"))
     _add_summarize(subparsers.add_parser("summarize", parents=[connection],
                                          help="summarize documents (map-reduce through the queue, resumable)"))
     register_dead(subparsers, connection)
-    register_gateway(subparsers, connection)
+    subparsers.add_parser("gateway", help="OpenAI-compatible HTTP gateway: a program of its own (python -m gateway; "
+                                          "`conveyor gateway --help`)")
     register_batch(subparsers, connection)
 
 
+def start_other_program(argv: list[str]) -> None:
+    """`conveyor gateway ...` becomes the gateway's own program (gateway/, the HTTP room, which
+    the light client never imports): this process is replaced by ``python -m gateway ...``."""
+    if argv[:1] == ["gateway"]:
+        os.execv(sys.executable, [sys.executable, "-m", "gateway", *argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    start_other_program(argv)
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor client commands")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), EXIT_JOB_FAILED)
 
 
-def _connection_options() -> argparse.ArgumentParser:
+def connection_options() -> argparse.ArgumentParser:
     """--redis-url, --namespace, and the credential/TLS flags of clients/connection.py."""
     parent = argparse.ArgumentParser(add_help=False)
     parent.add_argument("--redis-url", default=None,

@@ -32,7 +32,7 @@ CONVEYOR = REPO_ROOT / ".venv" / "bin" / "conveyor"
 # `conveyor gateway` (the installed command) and the same subcommand through the light client
 # CLI, which loads no engine code at all (the `conveyor` entry point builds `serve`'s options)
 CONVEYOR_GATEWAY = (str(CONVEYOR), "gateway")
-LIGHT_GATEWAY = (sys.executable, "-m", "clients.cli", "gateway")
+LIGHT_GATEWAY = (sys.executable, "-m", "gateway")
 READY_TIMEOUT_S = 60.0
 
 
@@ -78,8 +78,8 @@ class GatewayThread(_Gateway):
     def __init__(self, redis_url: str, namespace: str | None = None, *, keys: dict[str, str] | None = None,
                  extra_routers: Iterable[Any] = (), connection: Any = None, **settings: Any) -> None:
         from clients.connection import resolve_settings
-        from clients.gateway.server import make_server
-        from clients.gateway.settings import GatewaySettings
+        from gateway.server import make_server
+        from gateway.settings import GatewaySettings
 
         self._socket = socket.socket()
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

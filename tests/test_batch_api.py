@@ -19,9 +19,9 @@ import pytest
 import redis
 
 from clients.batch_cli import _ids as cli_batch_ids
-from clients.gateway import batch_routes
-from clients.gateway.batch_runner import BatchRun, Lease, RunnerSettings, default_endpoints
-from clients.gateway.batch_store import BatchKeys, BatchStore
+from gateway import batch_routes
+from clients.openai_api.batch_runner import BatchRun, Lease, RunnerSettings, default_endpoints
+from clients.openai_api.batch_store import BatchKeys, BatchStore
 from clients.keys import Keys
 from fault_harness import JobLedger, wait_until
 from gateway_harness import GatewayProcess, GatewayThread, openai_client
@@ -35,7 +35,7 @@ FAST_ENV = {"CONVEYOR_BATCH_LEASE_S": "2", "CONVEYOR_BATCH_POLL_S": "0.05", "CON
             "CONVEYOR_BATCH_MAX_IN_FLIGHT": "1"}  # fmt: skip
 DONE = ("completed", "failed", "cancelled", "expired")
 # `conveyor gateway` with the batch router mounted (as the lead mounts it in the command)
-GATEWAY_WITH_BATCH = ("import sys\nfrom clients.gateway import server, batch_routes\nserve = server.serve\n"
+GATEWAY_WITH_BATCH = ("import sys\nfrom gateway import server, batch_routes\nserve = server.serve\n"
                       "server.serve = lambda settings, extra_routers=(): serve(settings, (batch_routes.router,))\n"
                       "from clients.cli import main\nsys.exit(main(['gateway', *sys.argv[1:]]))")  # fmt: skip
 
@@ -247,7 +247,7 @@ def test_cancel_keeps_the_finished_lines(redis_url, ns, replica, reference):
 
 
 def _job_ids(redis_url: str, ns: str, batch) -> list[str]:
-    from clients.gateway.batch_runner import parse_input
+    from clients.openai_api.batch_runner import parse_input
 
     content = raw(redis_url).get(BatchKeys(ns).file_content(batch.input_file_id))
     return [line.job_id for line in parse_input(content, batch.id, batch.endpoint, default_endpoints())[0]]

@@ -13,8 +13,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from clients.gateway import batch_routes
-from clients.gateway.batch_store import BatchStore
+from gateway import batch_routes
+from clients.openai_api.batch_store import BatchStore
 from gateway_harness import GatewayThread, openai_client
 from scratch import scratch_namespace
 

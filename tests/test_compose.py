@@ -549,7 +549,7 @@ def test_gateway_needs_api_keys_from_a_secret(compose):
     """Any container of the compose network reaches the gateway's 0.0.0.0: every request needs
     a key, read from a secret file kept out of git; the example's key is refused, and the
     command refuses to listen beyond loopback without keys at all."""
-    from clients.gateway.tenants import load_grants
+    from gateway.tenants import load_grants
 
     gateway = compose["services"]["gateway"]
     assert gateway["environment"]["CONVEYOR_GATEWAY_KEYS_FILE"] == "/run/conveyor/secrets/gateway_keys"  # entrypoint's copy

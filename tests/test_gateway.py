@@ -21,8 +21,8 @@ import redis
 
 from clients import Client
 from clients.events import TokenEvent
-from clients.gateway.streaming import BadLogprobs, Relay, StreamDiverged, checked_logprobs
-from clients.gateway.tenants import KeyRing, load_grants, parse_key_list, read_keys_file
+from gateway.streaming import BadLogprobs, Relay, StreamDiverged, checked_logprobs
+from gateway.tenants import KeyRing, load_grants, parse_key_list, read_keys_file
 from clients.keys import GROUP, Keys
 from fault_harness import JobLedger, ServeProcess, check_attempt_sequences, wait_until
 from gateway_harness import (LIGHT_GATEWAY, REPO_ROOT, GatewayProcess, GatewayThread, async_openai_client,
@@ -472,7 +472,7 @@ def test_a_keys_file_without_keys_is_refused(tmp_path, redis_url):
 
 
 def test_the_gateway_imports_no_engine_code():
-    code = ("import sys, clients.gateway.server, clients.gateway.cli\n"
+    code = ("import sys, gateway.server, gateway.cli\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine', 'actors'))\n"
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from actors.embedded_valkey import EmbeddedValkey
-from clients.gateway.batch_runner import FairShare
+from clients.openai_api.batch_runner import FairShare
 from clients.keys import Keys
 from fault_harness import wait_until
 from gateway_harness import GatewayProcess

@@ -40,7 +40,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_url):
-    from clients.gateway import batch_routes, responses
+    from gateway import batch_routes, responses
     log_dir = tmp_path_factory.mktemp("tools_logs")
     model_dir = build_tool_model(tmp_path_factory.mktemp("tool_model"))
     adapter_dir = make_adapter(model_dir, tmp_path_factory.mktemp("tool_adapter"), 3, ["q_proj", "v_proj", "down_proj"], 4)

@@ -8,7 +8,7 @@ import json
 from collections import Counter
 from typing import Any, Callable
 
-from clients.gateway.errors import OpenAIError
+from clients.openai_api.errors import OpenAIError
 
 UNMETERED = ("/health", "/metrics")
 UNKNOWN = "\0unknown"  # the bucket of requests whose key maps to no tenant (they get a 401)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clients.events import DoneEvent, OutputChoice
-from clients.gateway.streaming import ChunkWriter, Relay
-from clients.gateway.translate import chat_chunk, finish_reason, usage_chunk
+from gateway.streaming import ChunkWriter, Relay
+from clients.openai_api.translate import chat_chunk, finish_reason, usage_chunk
 from clients.tool_parsers import call_id
 
 ARGUMENT_PIECE_CHARS = 32

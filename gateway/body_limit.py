@@ -11,9 +11,9 @@ from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from clients.gateway.errors import OpenAIError, invalid
+from clients.openai_api.errors import OpenAIError, invalid
+from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over, parse_object, too_deep  # noqa: F401
 
-MAX_JSON_DEPTH = 64  # objects and arrays nested in one body; OpenAI's own schemas stay far below
 
 
 class BodyTooLarge(OpenAIError):
@@ -108,36 +108,3 @@ async def read_json(request: Request, limit: int) -> dict:
     except ClientDisconnect:
         raise invalid("the client went away before sending the whole body", code="body_incomplete") from None
     return parse_object(b"".join(chunks))
-
-
-def parse_object(raw: bytes, what: str = "the request body") -> dict:
-    """A JSON object from `raw`; OpenAIError(400) naming `what` when it is not one or nests too deep."""
-    try:
-        body = json.loads(raw)
-    except RecursionError:  # deeper than the parser goes: surely deeper than MAX_JSON_DEPTH
-        raise too_deep(what) from None
-    except ValueError:
-        raise invalid(f"{what} is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid(f"{what} must be a JSON object", code="invalid_json")
-    if depth_over(body, MAX_JSON_DEPTH):
-        raise too_deep(what)
-    return body
-
-
-def too_deep(what: str) -> OpenAIError:
-    return invalid(f"{what} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep", code="json_too_deep")
-
-
-def depth_over(value: Any, limit: int) -> bool:
-    """Whether `value` nests containers more than `limit` deep (iterative: no recursion to exhaust)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return False

@@ -3,7 +3,7 @@ or an adapter's own name (as vLLM lists them); the job then names the base model
 streams) and the adapter in `lora`. /v1/models lists each adapter with its `parent`."""
 from __future__ import annotations
 
-from clients.gateway.tenants import ServedModel, Tenant
+from gateway.tenants import ServedModel, Tenant
 
 
 async def resolve_model(tenant: Tenant, fields: dict) -> ServedModel:

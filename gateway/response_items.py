@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from clients.event_reader import JobResult
-from clients.gateway.errors import invalid
-from clients.gateway.tools import openai_calls
+from clients.openai_api.errors import invalid
+from gateway.tools import openai_calls
 
 PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "metadata", "user", "service_tier", "stream",
              "ignore_eos", "seed", "top_k", "min_p", "repetition_penalty", "stop", "presence_penalty",

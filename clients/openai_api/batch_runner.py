@@ -34,12 +34,12 @@ from typing import Any, Callable
 from clients.async_client import AsyncClient
 from clients.errors import ConveyorError, InvalidJob, JobCancelled, JobConflict, JobFailed, QueueFull
 from clients.event_reader import outcome, terminal_from_hash
-from clients.gateway.batch_store import (
+from clients.openai_api.batch_store import (
     ANY_ENDPOINT, BATCH_TTL_S, MAX_ERRORS, OK, TERMINAL, BatchStore, derived_file_id,
 )  # fmt: skip
-from clients.gateway.body_limit import MAX_JSON_DEPTH, depth_over
-from clients.gateway.errors import OpenAIError, from_conveyor
-from clients.gateway.work_caps import WorkCaps
+from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over
+from clients.openai_api.errors import OpenAIError, from_conveyor
+from clients.openai_api.work_caps import WorkCaps
 from clients.job_record import FINAL_STATUSES
 from clients.model_info import fetch_model_info_async
 from clients.submission import build_job
@@ -81,7 +81,7 @@ class Endpoint:
 
 
 def default_endpoints() -> dict[str, Endpoint]:
-    from clients.gateway import translate  # the gateway's own mapping: one source of truth
+    from clients.openai_api import translate  # the gateway's own mapping: one source of truth
 
     return {"/v1/chat/completions": Endpoint(translate.job_from_chat, translate.chat_body, "chatcmpl-", True),
             "/v1/completions": Endpoint(translate.job_from_completion, translate.completion_body, "cmpl-")}  # fmt: skip

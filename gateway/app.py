@@ -32,19 +32,19 @@ from clients.async_client import AsyncJob
 from clients.errors import ConveyorError
 from clients.event_reader import outcome
 from clients.events import Event, TokenEvent
-from clients.gateway.adapters import adapter_objects, resolve_model
-from clients.gateway.batch_store import MAX_UPLOAD_BYTES
-from clients.gateway.body_limit import BodyLimit, read_json
-from clients.gateway.errors import OpenAIError, from_conveyor, invalid
-from clients.gateway.settings import GatewaySettings
-from clients.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
-from clients.gateway.tenant_share import TenantShare
-from clients.gateway.tool_requests import counted_messages, reads_tools
-from clients.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
-from clients.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
-from clients.gateway.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
+from gateway.adapters import adapter_objects, resolve_model
+from clients.openai_api.batch_store import MAX_UPLOAD_BYTES
+from gateway.body_limit import BodyLimit, read_json
+from clients.openai_api.errors import OpenAIError, from_conveyor, invalid
+from gateway.settings import GatewaySettings
+from gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
+from gateway.tenant_share import TenantShare
+from clients.openai_api.tool_requests import counted_messages, reads_tools
+from gateway.tools import ToolChunkWriter, named_function, with_tool_calls
+from gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
+from clients.openai_api.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
                                        job_from_completion, stream_flags)  # fmt: skip
-from clients.gateway.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
+from clients.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
 
 log = logging.getLogger("conveyor.gateway")
 DEADLINE_GRACE_S = 2.0  # past a job's deadline, wait this long for the replica to report it

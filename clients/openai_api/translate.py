@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable, Protocol
 from clients.errors import InvalidJob
 from clients.event_reader import JobResult
 from clients.events import Usage
-from clients.gateway.errors import from_conveyor, invalid
-from clients.gateway.tool_requests import TOOL_FIELDS, message_tool_fields, tool_fields
+from clients.openai_api.errors import from_conveyor, invalid
+from clients.openai_api.tool_requests import TOOL_FIELDS, message_tool_fields, tool_fields
 from clients.submission import build_job
 
 BATCH_TIERS = ("flex",)

@@ -28,7 +28,7 @@ from fastapi import Request
 
 from clients.async_client import AsyncClient
 from clients.errors import ConveyorError
-from clients.gateway.errors import OpenAIError
+from clients.openai_api.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
 from clients.model_info import adapter_names, fetch_model_info_async
 

@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 from clients.errors import ConveyorError, JobFailed
 from clients.event_reader import outcome
 from clients.events import DoneEvent, Event, TokenEvent
-from clients.gateway.errors import OpenAIError, from_conveyor
-from clients.gateway.translate import (Vocabulary, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs,
+from clients.openai_api.errors import OpenAIError, from_conveyor
+from clients.openai_api.translate import (Vocabulary, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs,
                                        finish_reason, usage_chunk)  # fmt: skip
 
 DONE_LINE = "data: [DONE]\n\n"

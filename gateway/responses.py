@@ -29,16 +29,16 @@ from clients.async_client import AsyncJob
 from clients.errors import ConveyorError, JobCancelled, JobFailed
 from clients.event_reader import JobResult, outcome
 from clients.events import TokenEvent
-from clients.gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
-from clients.gateway.adapters import resolve_model
-from clients.gateway.errors import OpenAIError, from_conveyor, invalid
-from clients.gateway.response_items import (chat_body, check_fields, history_of, input_messages, message_item,
+from gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
+from gateway.adapters import resolve_model
+from clients.openai_api.errors import OpenAIError, from_conveyor, invalid
+from gateway.response_items import (chat_body, check_fields, history_of, input_messages, message_item,
                                             output_items, usage)  # fmt: skip
-from clients.gateway.response_store import ResponseStore
-from clients.gateway.streaming import Relay, StreamDiverged
-from clients.gateway.tenants import Tenant, tenant_of
-from clients.gateway.tool_requests import counted_messages, reads_tools
-from clients.gateway.translate import job_from_chat
+from gateway.response_store import ResponseStore
+from gateway.streaming import Relay, StreamDiverged
+from gateway.tenants import Tenant, tenant_of
+from clients.openai_api.tool_requests import counted_messages, reads_tools
+from clients.openai_api.translate import job_from_chat
 from clients.job_record import FINAL_STATUSES
 
 router = APIRouter()

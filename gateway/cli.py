@@ -1,15 +1,17 @@
-"""`conveyor gateway`: the OpenAI-compatible HTTP gateway. Registering the subcommand
-imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
+"""`conveyor gateway` (``python -m gateway``): the OpenAI-compatible HTTP gateway's program.
+Parsing its flags imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import sys
 
+from clients.cli import connection_options
 from clients.connection import check_credentials, settings_from_args
 from clients.errors import ConveyorError
-from clients.gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings
 
 # (flag, GatewaySettings field, type, help)
 OPTIONS = [
@@ -49,15 +51,19 @@ OPTIONS = [
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def register_gateway(subparsers: argparse._SubParsersAction, connection_parent: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser("gateway", parents=[connection_parent],
-                                   help="OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions)")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor gateway", parents=[connection_options()],
+                                     description="OpenAI-compatible HTTP gateway (/v1/completions, "
+                                                 "/v1/chat/completions, /v1/responses, Batch API) over the queue")
     for flag, name, kind, help_text in OPTIONS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     parser.add_argument("--allow-no-keys", action="store_true", default=bool(os.environ.get(
         "CONVEYOR_GATEWAY_ALLOW_NO_KEYS")), help="listen beyond loopback without API keys (env "
         "CONVEYOR_GATEWAY_ALLOW_NO_KEYS=1): anyone who reaches the port uses --namespace")
-    parser.set_defaults(func=run_gateway)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_gateway(args)
 
 
 def settings_from(args: argparse.Namespace) -> GatewaySettings:
@@ -79,8 +85,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     problem = check_credentials(settings.redis)
     if problem:
         return _fail(problem, EXIT_FAILED)
-    from clients.gateway import batch_routes, responses  # fastapi + uvicorn: only now
-    from clients.gateway.server import serve
+    from gateway import batch_routes, responses  # fastapi + uvicorn: only now
+    from gateway.server import serve
 
     try:
         return serve(settings, extra_routers=(batch_routes.router, responses.router))

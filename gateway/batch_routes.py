@@ -30,15 +30,15 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
-from clients.gateway.batch_runner import BatchRunners, RunnerSettings
-from clients.gateway.batch_store import (
+from clients.openai_api.batch_runner import BatchRunners, RunnerSettings
+from clients.openai_api.batch_store import (
     COMPLETION_WINDOWS, ENDPOINTS, MAX_FILE_BYTES, MAX_UPLOAD_BYTES, BatchStore, FileInUse, FileTooLarge,
     check_jsonl, check_metadata,
 )  # fmt: skip
-from clients.gateway.body_limit import read_json
-from clients.gateway.errors import OpenAIError, invalid
-from clients.gateway.work_caps import WorkCaps
-from clients.gateway.tenants import load_grants, tenant_of
+from gateway.body_limit import read_json
+from clients.openai_api.errors import OpenAIError, invalid
+from clients.openai_api.work_caps import WorkCaps
+from gateway.tenants import load_grants, tenant_of
 
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
 MAX_FILES_LIMIT = 10_000  # OpenAI's bound and default for files.list

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clients.gateway.errors import invalid
+from clients.openai_api.errors import invalid
 from clients.protocol import JobRequest
 
 DEFAULT_MAX_TOKENS = JobRequest.model_fields["max_tokens"].default
