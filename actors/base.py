@@ -3,6 +3,7 @@
 A crash in any actor is reported to the replica's supervisor, which stops everything and
 exits non-zero: a replica never limps on with a dead actor or hangs silently.
 """
+
 import asyncio
 import logging
 from typing import Any, Callable

@@ -10,6 +10,7 @@ Both are producer input: a message that is not a well-formed job id is logged
 ledger decides, one request at a time), so a flood of cancels costs O(1) each and no
 memory. (A cancel cannot be missed for a job on its way in: the cancel flag is set before
 the message is published, and starting an attempt reads the flag.)"""
+
 import asyncio
 import logging
 import re
@@ -56,8 +57,9 @@ class CancelWatcher(Actor):
             return
         job_id = job_id_of(message.get("data"))
         if job_id is None:
-            self.warnings.warning("bad-cancel", "dropped a cancel message that is not a job id: %s",
-                                  shown(message.get("data")))
+            self.warnings.warning(
+                "bad-cancel", "dropped a cancel message that is not a job id: %s", shown(message.get("data"))
+            )
         else:
             await self.ledger.ask(CancelRequest(job_id))
 

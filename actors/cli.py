@@ -1,5 +1,6 @@
 """The ``conveyor`` command: ``serve`` and ``demo`` (here, they need the engine) plus the
 light client commands ``submit`` and ``status`` (from clients.cli)."""
+
 import argparse
 import asyncio
 import dataclasses
@@ -34,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=run_demo)
     client_cli.register(commands)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except ConveyorError as exc:  # e.g. no server to connect to: one line naming the ways out
@@ -48,17 +50,24 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     import typing
 
     from engine.config import EngineConfig
+
     hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(hints[field.name])
-        parser.add_argument(flag, dest=field.name, type=kind, default=None,
-                            help=f"default: {field.default} (env CONVEYOR_{field.name.upper()})")
+        parser.add_argument(
+            flag,
+            dest=field.name,
+            type=kind,
+            default=None,
+            help=f"default: {field.default} (env CONVEYOR_{field.name.upper()})",
+        )
 
 
 def _flag_type(hint):
     """int for ``int`` and ``int | None``; float likewise; bool flags take true/false; else str."""
     import typing
+
     options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
     if len(options) != 1:
         return str  # e.g. kv_cache_memory: int | str, parsed by the engine
@@ -69,39 +78,83 @@ def _flag_type(hint):
 
 def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     _add_engine_options(parser)
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                        help="default: $REDIS_URL; without one, an embedded Valkey is started")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="default: $REDIS_URL; without one, an embedded Valkey is started",
+    )
     parser.add_argument("--namespace", default=None, help="key prefix (default: conveyor)")
-    parser.add_argument("--data-dir", default=None,
-                        help="embedded Valkey's directory: AOF, password (0600), url; local commands find it "
-                             f"there (env CONVEYOR_DATA_DIR, default {connection.DEFAULT_DATA_DIR})")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="embedded Valkey's directory: AOF, password (0600), url; local commands find it "
+        f"there (env CONVEYOR_DATA_DIR, default {connection.DEFAULT_DATA_DIR})",
+    )
     connection.add_connection_arguments(parser, data_dir=False)
     parser.add_argument("--lease-s", type=float, default=None)
     parser.add_argument("--grace-s", type=float, default=None)
     parser.add_argument("--max-deliveries", type=int, default=None)
-    parser.add_argument("--served-model-name", default=None,
-                        help="the model name jobs use to reach this replica (default: the model's basename)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics on this port (env CONVEYOR_METRICS_PORT)")
-    parser.add_argument("--metrics-host", default=None,
-                        help="address the metrics endpoint binds (default 127.0.0.1; env CONVEYOR_METRICS_HOST)")
-    parser.add_argument("--max-tokens-cap", type=int, default=None,
-                        help="refuse jobs asking for more output tokens (env CONVEYOR_MAX_TOKENS_CAP)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None,
-                        help="refuse prompts longer than this, below max_model_len (env CONVEYOR_MAX_PROMPT_TOKENS)")
-    parser.add_argument("--max-queue-len", type=int, default=None,
-                        help="server-side bound of each request stream: submits past it are refused "
-                             "(env CONVEYOR_MAX_QUEUE_LEN)")
-    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=DIR",
-                        help="PEFT LoRA adapters jobs may name in `lora` (Llama family; turns on --enable-lora)")
-    parser.add_argument("--tool-call-parser", choices=PARSERS, default=None,
-                        help="how jobs with tools have the model's calls read (default: by the chat template, "
-                             "hermes or llama3_json; env CONVEYOR_TOOL_CALL_PARSER)")
-    parser.add_argument("--max-bytes-in-flight", type=int, default=None,
-                        help="bytes of request entries held at once (default 64 MiB; env CONVEYOR_MAX_BYTES_IN_FLIGHT)")
-    parser.add_argument("--engine-process", type=_flag_type(bool), default=_env_flag("CONVEYOR_ENGINE_PROCESS", True),
-                        help="run the engine core in a process of its own (default true; false: on a thread "
-                             "of the replica's process; env CONVEYOR_ENGINE_PROCESS)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name jobs use to reach this replica (default: the model's basename)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (env CONVEYOR_METRICS_PORT)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address the metrics endpoint binds (default 127.0.0.1; env CONVEYOR_METRICS_HOST)",
+    )
+    parser.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        help="refuse jobs asking for more output tokens (env CONVEYOR_MAX_TOKENS_CAP)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="refuse prompts longer than this, below max_model_len (env CONVEYOR_MAX_PROMPT_TOKENS)",
+    )
+    parser.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=None,
+        help="server-side bound of each request stream: submits past it are refused (env CONVEYOR_MAX_QUEUE_LEN)",
+    )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=DIR",
+        help="PEFT LoRA adapters jobs may name in `lora` (Llama family; turns on --enable-lora)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how jobs with tools have the model's calls read (default: by the chat template, "
+        "hermes or llama3_json; env CONVEYOR_TOOL_CALL_PARSER)",
+    )
+    parser.add_argument(
+        "--max-bytes-in-flight",
+        type=int,
+        default=None,
+        help="bytes of request entries held at once (default 64 MiB; env CONVEYOR_MAX_BYTES_IN_FLIGHT)",
+    )
+    parser.add_argument(
+        "--engine-process",
+        type=_flag_type(bool),
+        default=_env_flag("CONVEYOR_ENGINE_PROCESS", True),
+        help="run the engine core in a process of its own (default true; false: on a thread "
+        "of the replica's process; env CONVEYOR_ENGINE_PROCESS)",
+    )
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -115,6 +168,7 @@ def lora_modules(given: list[str] | dict | None) -> dict[str, str]:
         return dict(given or {})
     from engine.lora.adapter import ADAPTER_NAME, check_adapter
     from engine.lora.request import LoRARequest
+
     modules = {}
     for item in given:
         name, _, path = item.partition("=")
@@ -133,20 +187,37 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
     or on a thread of this one (actors/engine_client.py)."""
     from actors.engine_client import EngineCoreClient  # light: a child core starts before torch is imported here
     from engine.config import EngineConfig
+
     if getattr(args, "lora_modules", None):
         args.enable_lora = True
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-               if getattr(args, f.name, None) is not None}
+    options = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if getattr(args, f.name, None) is not None
+    }
     config = EngineConfig(**options)
     return EngineCoreClient.in_child_process(config) if own_process else EngineCoreClient.on_thread(config)
 
 
 def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSettings):
     from actors.config import ReplicaConfig
+
     config = ReplicaConfig(redis=redis_settings)
-    for name in ("namespace", "lease_s", "grace_s", "max_deliveries", "metrics_port", "metrics_host",
-                 "served_model_name", "max_tokens_cap", "max_prompt_tokens", "max_queue_len",
-                 "max_bytes_in_flight", "tool_call_parser", "lora_modules"):
+    for name in (
+        "namespace",
+        "lease_s",
+        "grace_s",
+        "max_deliveries",
+        "metrics_port",
+        "metrics_host",
+        "served_model_name",
+        "max_tokens_cap",
+        "max_prompt_tokens",
+        "max_queue_len",
+        "max_bytes_in_flight",
+        "tool_call_parser",
+        "lora_modules",
+    ):
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     return config
@@ -174,10 +245,15 @@ def _serve_embedded(args: argparse.Namespace) -> int:
     """No --redis-url: an embedded Valkey in --data-dir, with its own password (or
     --redis-password-file / $REDIS_PASSWORD when given)."""
     from actors.embedded_valkey import GENERATE, EmbeddedValkey
+
     try:
-        explicit = connection.resolve_settings("redis://127.0.0.1", password_file=args.redis_password_file,
-                                               ca_cert=args.redis_ca_cert,
-                                               cert=args.redis_cert, key=args.redis_key)  # TLS flags: an error
+        explicit = connection.resolve_settings(
+            "redis://127.0.0.1",
+            password_file=args.redis_password_file,
+            ca_cert=args.redis_ca_cert,
+            cert=args.redis_cert,
+            key=args.redis_key,
+        )  # TLS flags: an error
     except (OSError, ValueError) as exc:
         return _usage_error(str(exc))
     data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
@@ -189,8 +265,10 @@ def _serve_embedded(args: argparse.Namespace) -> int:
     except RuntimeError as exc:  # EmbeddedValkeyError: its data dir is already served, the binary failed
         return _usage_error(str(exc))
     try:
-        print(f"embedded Valkey (AOF in {server.data_dir}) at {server.url}, password in {server.password_path}",
-              flush=True)
+        print(
+            f"embedded Valkey (AOF in {server.data_dir}) at {server.url}, password in {server.password_path}",
+            flush=True,
+        )
         print(f"REDIS_URL={server.url}", flush=True)
         print(next_steps(server.data_dir, args.namespace), flush=True)
         return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, server.settings)))
@@ -210,13 +288,15 @@ def next_steps(data_dir: Path, namespace: str | None) -> str:
     message = '[{"role": "user", "content": "Hi!"}]'
     code = f"from clients import Client; print({client}.submit(messages={message}, max_tokens=32).result().text)"
     python = f"{python_env}{shlex.quote(sys.executable)} -c '{code}'"
-    return "\n".join([
-        "next, from any folder (they find this server and its password by themselves):",
-        f"  {conveyor} submit \"Tell me a joke\" --stream{flags}",
-        f"  {conveyor} status{flags}",
-        f"  {conveyor} gateway --port 8000{flags}      # OpenAI-compatible: http://127.0.0.1:8000/v1",
-        f"  {python}",
-    ])
+    return "\n".join(
+        [
+            "next, from any folder (they find this server and its password by themselves):",
+            f'  {conveyor} submit "Tell me a joke" --stream{flags}',
+            f"  {conveyor} status{flags}",
+            f"  {conveyor} gateway --port 8000{flags}      # OpenAI-compatible: http://127.0.0.1:8000/v1",
+            f"  {python}",
+        ]
+    )
 
 
 def _conveyor_command() -> str:
@@ -239,6 +319,7 @@ def _usage_error(message: str) -> int:
 
 async def _serve(engine, config) -> int:
     from actors.replica import Replica
+
     try:
         return await Replica(engine, config).run()
     finally:
@@ -248,6 +329,7 @@ async def _serve(engine, config) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from actors.demo import run as run_demo_async
     from actors.embedded_valkey import EmbeddedValkey
+
     engine = build_engine(args)
     with tempfile.TemporaryDirectory(prefix="conveyor-demo-") as data_dir:
         with EmbeddedValkey(data_dir) as server:  # a random password, given to the demo's client
@@ -258,6 +340,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _run_loop(coroutine) -> int:
     try:
         import uvloop
+
         return uvloop.run(coroutine)
     except ImportError:
         return asyncio.run(coroutine)

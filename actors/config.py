@@ -1,4 +1,5 @@
 """Options of one replica (the engine's own options live in engine.EngineConfig)."""
+
 import os
 import socket
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ class ReplicaConfig:
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL"))
     redis: RedisSettings | None = None
     namespace: str = field(default_factory=default_namespace)
-    consumer: str = field(default_factory=lambda: os.environ.get(
-        "CONVEYOR_CONSUMER", f"{socket.gethostname()}-{os.getpid()}"))
+    consumer: str = field(
+        default_factory=lambda: os.environ.get("CONVEYOR_CONSUMER", f"{socket.gethostname()}-{os.getpid()}")
+    )
     lease_s: float = field(default_factory=lambda: _env_float("CONVEYOR_LEASE_S", 30.0))
     max_deliveries: int = field(default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_DELIVERIES", 3)))
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
@@ -47,8 +49,9 @@ class ReplicaConfig:
     # how outputs of jobs with tools are read (clients/tool_parsers.py); None: by the chat template
     tool_call_parser: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_TOOL_CALL_PARSER") or None)
     # bytes of request entries read but not finished (credits bound their number)
-    max_bytes_in_flight: int = field(default_factory=lambda: int(os.environ.get(
-        "CONVEYOR_MAX_BYTES_IN_FLIGHT", 64 * 1024 * 1024)))
+    max_bytes_in_flight: int = field(
+        default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_BYTES_IN_FLIGHT", 64 * 1024 * 1024))
+    )
 
     def __post_init__(self) -> None:
         if self.redis is None and self.redis_url:

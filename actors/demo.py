@@ -1,5 +1,6 @@
 """``conveyor demo``: one replica in this process, a handful of plain and chat prompts
 submitted through the async client, answers streamed to the terminal, clean shutdown."""
+
 import asyncio
 import sys
 
@@ -11,8 +12,11 @@ PROMPTS = [
     {"prompt": "The three primary colors are", "max_tokens": 32},
     {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 48},
     {"messages": [{"role": "user", "content": "Write a haiku about message queues."}], "max_tokens": 48},
-    {"messages": [{"role": "user", "content": "Give me one tip for writing clear code."}],
-     "max_tokens": 64, "priority_class": "batch"},
+    {
+        "messages": [{"role": "user", "content": "Give me one tip for writing clear code."}],
+        "max_tokens": 64,
+        "priority_class": "batch",
+    },
     {"prompt": "def fibonacci(n):", "max_tokens": 48, "stop": ["\n\n"]},
 ]
 
@@ -42,5 +46,7 @@ async def _show(job, spec) -> None:
         sys.stdout.flush()
     result = await job.result(timeout=60)
     timings = result.timings
-    print(f"\n\033[2m[{result.finish_reason}, {result.usage.completion_tokens} tokens, "
-          f"TTFT {timings.ttft:.2f}s, e2e {timings.e2e:.2f}s]\033[0m")
+    print(
+        f"\n\033[2m[{result.finish_reason}, {result.usage.completion_tokens} tokens, "
+        f"TTFT {timings.ttft:.2f}s, e2e {timings.e2e:.2f}s]\033[0m"
+    )

@@ -171,9 +171,11 @@ class EmbeddedValkey:
         server = find_local_server(self.data_dir)
         port = _port_of(server.url) if server else None
         if port and _ping(port, self.password):
-            raise EmbeddedValkeyError(f"a server of {self.data_dir} already runs at {server.url} (another "
-                                      "`conveyor serve`?): add replicas to it with --redis-url, or give this one "
-                                      "its own --data-dir")  # fmt: skip
+            raise EmbeddedValkeyError(
+                f"a server of {self.data_dir} already runs at {server.url} (another "
+                "`conveyor serve`?): add replicas to it with --redis-url, or give this one "
+                "its own --data-dir"
+            )
         return port
 
     def _record_url(self) -> None:
@@ -184,22 +186,32 @@ class EmbeddedValkey:
         return [
             str(get_binary_path()),
             str(self.data_dir / CONFIG_FILE),  # first: the password, not on the command line
-            "--port", str(port),
-            "--bind", HOST,
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--save", "",
-            "--daemonize", "no",
-            "--protected-mode", "yes",
+            "--port",
+            str(port),
+            "--bind",
+            HOST,
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
             *self.extra_args,
-        ]  # fmt: skip
+        ]
 
     def _spawn(self, port: int) -> None:
         # Log to a file, not a pipe: nobody drains a pipe, and a full one blocks the server.
         with open(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             self._log_offset = log.tell()
             self._process = subprocess.Popen(
-                self._command(port), stdout=log, stderr=subprocess.STDOUT, cwd=self.data_dir,
+                self._command(port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.data_dir,
                 umask=PRIVATE_UMASK,
             )
         self._pending_port = port

@@ -7,6 +7,7 @@ frames cross the same kind of socket and the same ``EngineCore`` loop steps the 
 This module imports nothing heavy at module level, so a child core starts before the front
 door imports torch and transformers (seconds on a small CPU), which it does while the core
 loads the model."""
+
 import asyncio
 import contextlib
 import logging
@@ -14,9 +15,13 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from engine.child_env import child_env
-from engine.engine_core import CoreFailed, CoreFacts, Shutdown, encode_frame, receive_frame
+from engine.engine_core import CoreFacts, CoreFailed, Shutdown, encode_frame, receive_frame
+
+if TYPE_CHECKING:  # the front door imports the engine's heavy modules only once the core is started
+    from engine.input_processor import InputProcessor
 
 log = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 10.0
@@ -30,8 +35,11 @@ class ChildProcessStart:
     """The core in ``python -m engine.engine_core <fd>``."""
 
     def __init__(self, core_end: socket.socket):
-        self.process = subprocess.Popen([sys.executable, "-m", "engine.engine_core", str(core_end.fileno())],
-                                        pass_fds=(core_end.fileno(),), env=child_env())
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine.engine_core", str(core_end.fileno())],
+            pass_fds=(core_end.fileno(),),
+            env=child_env(),
+        )
         core_end.close()
         self.pid = self.process.pid
 
@@ -59,13 +67,16 @@ class ThreadStart:
         # imported here, before the thread starts: transformers' lazy modules are not safe to
         # import from two threads at once (seen: "cannot import name AutoTokenizer")
         from transformers import AutoTokenizer  # noqa: F401
+
         import engine.input_processor  # noqa: F401
         import engine.llm_engine  # noqa: F401
         from engine.engine_core import serve
+
         self.pid = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, args=(serve, core_end, engine),
-                                       name="conveyor-engine-core", daemon=True)
+        self.thread = threading.Thread(
+            target=self._serve, args=(serve, core_end, engine), name="conveyor-engine-core", daemon=True
+        )
         self.thread.start()
 
     def _serve(self, serve, core_end: socket.socket, engine) -> None:
@@ -106,14 +117,19 @@ class EngineCoreClient:
             if config is not None:
                 self.sock.sendall(encode_frame(config))
             from transformers import AutoTokenizer  # meanwhile: the front door's own heavy imports
+
             import engine.input_processor  # noqa: F401
+
             self.facts: CoreFacts = self._wait_until_ready()
             self.tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_dir)
         except BaseException:
             self.close()  # no core left running for a front door that will not serve
             raise
-        log.info("engine core: %s, model %s", f"pid {self.start.pid}" if self.start.pid else "on a thread",
-                 self.facts.model_name)
+        log.info(
+            "engine core: %s, model %s",
+            f"pid {self.start.pid}" if self.start.pid else "on a thread",
+            self.facts.model_name,
+        )
 
     @classmethod
     def in_child_process(cls, config) -> "EngineCoreClient":
@@ -122,6 +138,7 @@ class EngineCoreClient:
     @classmethod
     def on_thread(cls, engine_or_config) -> "EngineCoreClient":
         from engine.config import EngineConfig
+
         if isinstance(engine_or_config, EngineConfig):
             return cls(ThreadStart, engine_or_config)
         return cls(lambda core_end: ThreadStart(core_end, engine_or_config))
@@ -129,11 +146,18 @@ class EngineCoreClient:
     def own_input_processor(self) -> "InputProcessor":
         """Ingest's: its grammars serialized where they are compiled (its worker thread), not on the loop."""
         from transformers import AutoTokenizer
+
         from engine.input_processor import InputProcessor
+
         facts = self.facts
-        return InputProcessor(AutoTokenizer.from_pretrained(facts.tokenizer_dir), facts.vocab_size,
-                              facts.max_model_len, facts.max_pool_tokens, facts.eos_token_ids,
-                              serialize_grammars=True)
+        return InputProcessor(
+            AutoTokenizer.from_pretrained(facts.tokenizer_dir),
+            facts.vocab_size,
+            facts.max_model_len,
+            facts.max_pool_tokens,
+            facts.eos_token_ids,
+            serialize_grammars=True,
+        )
 
     async def open_reader(self) -> asyncio.StreamReader:
         """From now on the event loop owns the socket: frames go out through ``send``."""

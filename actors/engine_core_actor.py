@@ -5,6 +5,7 @@ and deadlines. New jobs and aborts go to the core as frames; a reader task publi
 StepDone the core sends, with the deliveries, to the publisher. The core dying ends the
 actor, so the replica stops (exit 1) and another replica reclaims its jobs once their
 leases lapse."""
+
 import asyncio
 import pickle
 import time
@@ -100,8 +101,10 @@ class EngineCoreActor(Actor):
         now = time.time()
         self.early_cancels.pop(job_id, None)
         self.early_cancels[job_id] = now
-        while self.early_cancels and (len(self.early_cancels) > EARLY_CANCEL_MAX
-                                      or now - next(iter(self.early_cancels.values())) >= EARLY_CANCEL_MEMORY_S):
+        while self.early_cancels and (
+            len(self.early_cancels) > EARLY_CANCEL_MAX
+            or now - next(iter(self.early_cancels.values())) >= EARLY_CANCEL_MEMORY_S
+        ):
             self.early_cancels.popitem(last=False)
 
     def _expire_deadlines(self) -> None:

@@ -2,6 +2,7 @@
 
 A job whose metadata has ``"conveyor_fault": "crash"`` kills the replica that starts running
 it (as a crashing kernel would), so tests can watch poison jobs get retried and parked."""
+
 import logging
 import os
 

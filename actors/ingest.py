@@ -5,6 +5,7 @@ taken in the same way, also while it waits for a grant.
 
 Entries are untrusted: an entry that cannot be read owns no job and is refused without
 touching any job's record; only an entry whose attempt was started speaks for its job."""
+
 import asyncio
 import dataclasses
 import logging
@@ -14,13 +15,23 @@ from redis.exceptions import ResponseError
 
 from actors.base import Actor
 from actors.config import ReplicaConfig
+from actors.engine_client import EngineCoreClient
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import (Delivery, EntriesRead, EntryDone, EntryRefused, JobEnded, MayStart, NewJob, ReadEntry,
-                             Track, WantCredits)
+from actors.messages import (
+    Delivery,
+    EntriesRead,
+    EntryDone,
+    EntryRefused,
+    JobEnded,
+    MayStart,
+    NewJob,
+    ReadEntry,
+    Track,
+    WantCredits,
+)
 from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
 from clients.protocol import JobRequest, decode_job, payload_digest
-from actors.engine_client import EngineCoreClient
 from clients.tool_grammar import forced_call_schema
 from clients.tool_parsers import ToolReading
 from clients.tool_schema import choice_mode
@@ -35,8 +46,15 @@ class IngestActor(Actor):
     name = "ingest"
     mailbox_size = 0  # only the ledger sends here, entries it reserved credits for: bounded by them
 
-    def __init__(self, streams: Streams, engine: EngineCoreClient, ledger: Actor, scheduler: Actor,
-                 publisher: Actor, config: ReplicaConfig):
+    def __init__(
+        self,
+        streams: Streams,
+        engine: EngineCoreClient,
+        ledger: Actor,
+        scheduler: Actor,
+        publisher: Actor,
+        config: ReplicaConfig,
+    ):
         super().__init__()
         self.streams = streams
         # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
@@ -47,8 +65,10 @@ class IngestActor(Actor):
         self.config = config
         self.warnings = RateLimitedLog(log)
         # the adapters a job may name in `lora`: ids in --lora-modules order (the engine's slots and cache keys)
-        self.adapters = {name: LoRARequest(name, number, path)
-                         for number, (name, path) in enumerate(config.lora_modules.items(), start=1)}
+        self.adapters = {
+            name: LoRARequest(name, number, path)
+            for number, (name, path) in enumerate(config.lora_modules.items(), start=1)
+        }
 
     async def run(self) -> None:
         idle_s = FIRST_IDLE_POLL_S
@@ -129,16 +149,27 @@ class IngestActor(Actor):
     async def _start(self, entry: ReadEntry, job: JobRequest) -> bool:
         """Count the attempt on the job's record, then hand the job on (as ``accept``)."""
         try:
-            attempt, cancelled = await self.streams.start_attempt(job.job_id, entry.entry_id, job.result_ttl,
-                                                                  payload_digest(job))
+            attempt, cancelled = await self.streams.start_attempt(
+                job.job_id, entry.entry_id, job.result_ttl, payload_digest(job)
+            )
         except ResponseError as exc:  # the job's own keys are unusable (e.g. its hash is a string)
-            await self._refuse(entry, job.job_id, "bad_job_record", f"the job's record cannot be used: {exc}",
-                               notify=False)
+            await self._refuse(
+                entry, job.job_id, "bad_job_record", f"the job's record cannot be used: {exc}", notify=False
+            )
             return True
         if attempt in (DUPLICATE, CONFLICT):
             return await self._drop_second_submission(entry, job, attempt == CONFLICT)
-        delivery = Delivery(entry.stream, entry.entry_id, job.job_id, attempt, job.result_ttl, job.metadata,
-                            job.deadline, entry.size, self._tool_reading(job))
+        delivery = Delivery(
+            entry.stream,
+            entry.entry_id,
+            job.job_id,
+            attempt,
+            job.result_ttl,
+            job.metadata,
+            job.deadline,
+            entry.size,
+            self._tool_reading(job),
+        )
         await self.ledger.send(Track(delivery))
         await self._hand_on(entry, job, delivery, cancelled)
         return False
@@ -147,8 +178,14 @@ class IngestActor(Actor):
         """A started job to the scheduler, or its end (cancelled, too late, invalid) to the publisher."""
         ended = self._reject_reason(job, delivery.attempt, cancelled)
         if ended is not None:
-            await self.publisher.send(JobEnded(delivery, *ended[:3], dead_letter_reason=ended[3],
-                                               raw_fields=entry.fields if ended[1] == "max_deliveries" else None))
+            await self.publisher.send(
+                JobEnded(
+                    delivery,
+                    *ended[:3],
+                    dead_letter_reason=ended[3],
+                    raw_fields=entry.fields if ended[1] == "max_deliveries" else None,
+                )
+            )
             return
         try:
             request = await asyncio.to_thread(self._make_request, job, entry.entry_id)
@@ -170,24 +207,39 @@ class IngestActor(Actor):
         own, here = keys.partition_of(job_id), keys.partition_of_stream(entry.stream)
         if own == here:
             return None
-        return (f"job_id {job_id!r} belongs to partition {own} of {keys.partitions} (crc32(job_id) % partitions), "
-                f"but the entry is on partition {here}'s stream; add it to {keys.job_request_stream(job_id, 'batch')} "
-                f"or its interactive / model sibling")
+        return (
+            f"job_id {job_id!r} belongs to partition {own} of {keys.partitions} (crc32(job_id) % partitions), "
+            f"but the entry is on partition {here}'s stream; add it to {keys.job_request_stream(job_id, 'batch')} "
+            f"or its interactive / model sibling"
+        )
 
-    async def _refuse(self, entry: ReadEntry, job_id: str | None, code: str, message: str,
-                      notify: bool = True) -> None:
-        self.warnings.warning("refused", "refused entry %s of %s: %s: %s", entry.entry_id, entry.stream, code,
-                              shown(message, 200))
-        await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job_id, code, message, entry.fields,
-                                               entry.size, entry.truncated, notify))
+    async def _refuse(self, entry: ReadEntry, job_id: str | None, code: str, message: str, notify: bool = True) -> None:
+        self.warnings.warning(
+            "refused", "refused entry %s of %s: %s: %s", entry.entry_id, entry.stream, code, shown(message, 200)
+        )
+        await self.publisher.send(
+            EntryRefused(
+                entry.stream, entry.entry_id, job_id, code, message, entry.fields, entry.size, entry.truncated, notify
+            )
+        )
 
     async def _drop_second_submission(self, entry: ReadEntry, job: JobRequest, conflict: bool) -> bool:
         """Another entry for a job that already has one: the job's own record is left alone.
         True when it went to the publisher (as ``accept``)."""
         if conflict:
             message = f"job_id {job.job_id!r} reused with a different payload"
-            await self.publisher.send(EntryRefused(entry.stream, entry.entry_id, job.job_id, "conflict", message,
-                                                   entry.fields, entry.size, notify=False))
+            await self.publisher.send(
+                EntryRefused(
+                    entry.stream,
+                    entry.entry_id,
+                    job.job_id,
+                    "conflict",
+                    message,
+                    entry.fields,
+                    entry.size,
+                    notify=False,
+                )
+            )
             return True
         await self.streams.drop_entry(entry.stream, entry.entry_id)
         return False
@@ -203,8 +255,12 @@ class IngestActor(Actor):
             return ("error", "deadline_exceeded", "the job's deadline passed before it started", None)
         cap = self.config.max_tokens_cap
         if cap is not None and job.max_tokens > cap:
-            return ("error", "invalid_request", f"max_tokens: {job.max_tokens} is over this replica's limit "
-                                                f"of {cap} (max_tokens_cap)", None)
+            return (
+                "error",
+                "invalid_request",
+                f"max_tokens: {job.max_tokens} is over this replica's limit of {cap} (max_tokens_cap)",
+                None,
+            )
         return None
 
     def _tool_reading(self, job: JobRequest) -> ToolReading | None:
@@ -220,14 +276,22 @@ class IngestActor(Actor):
         forced = tools and forced_call_schema(job.tools, job.tool_choice, job.parallel_tool_calls)
         if forced:  # the grammar that makes the call valid (the job cannot also give one)
             params["structured_outputs"] = forced
-        request = self.inputs.request_for(job.job_id, job.prompt or job.prompt_token_ids, SamplingParams(**params),
-                                          job.priority_class, job.priority, _enqueue_time(entry_id),
-                                          job.chat_messages(), tools and tools["tools"])
+        request = self.inputs.request_for(
+            job.job_id,
+            job.prompt or job.prompt_token_ids,
+            SamplingParams(**params),
+            job.priority_class,
+            job.priority,
+            _enqueue_time(entry_id),
+            job.chat_messages(),
+            tools and tools["tools"],
+        )
         request = dataclasses.replace(request, lora_request=self._adapter(job.lora))
         cap, num_prompt_tokens = self.config.max_prompt_tokens, len(request.prompt_token_ids)
         if cap is not None and num_prompt_tokens > cap:
-            raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens is over this replica's limit of "
-                                           f"{cap} (max_prompt_tokens)")
+            raise InvalidRequest(
+                "prompt", f"{num_prompt_tokens} tokens is over this replica's limit of {cap} (max_prompt_tokens)"
+            )
         return request
 
     def _adapter(self, name: str | None) -> LoRARequest | None:

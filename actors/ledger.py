@@ -10,6 +10,7 @@ third of the lease, however long the job takes.
 Its mailbox is unbounded so that no sender ever waits on it (it sends to ingest and the
 scheduler, whose work flows back here). What queues stays bounded: bookkeeping notices by
 the entries in flight, the cancel watcher's requests by its waiting for each answer."""
+
 import asyncio
 import logging
 
@@ -18,8 +19,22 @@ from redis.exceptions import ResponseError
 from actors.base import Actor
 from actors.config import ReplicaConfig
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import (AbortJob, CancelRequest, Delivery, Drain, EntriesRead, EntryDone, HandBack,
-                             HeldJobs, MayStart, ReadEntry, Reclaimed, Release, Track, WantCredits)
+from actors.messages import (
+    AbortJob,
+    CancelRequest,
+    Delivery,
+    Drain,
+    EntriesRead,
+    EntryDone,
+    HandBack,
+    HeldJobs,
+    MayStart,
+    ReadEntry,
+    Reclaimed,
+    Release,
+    Track,
+    WantCredits,
+)
 from actors.streams import Streams
 
 log = logging.getLogger(__name__)
@@ -49,10 +64,18 @@ class JobLedger(Actor):
         self.drains: list[asyncio.Future] = []  # answered once nothing is held
         self.reclaiming = True
         self.warnings = RateLimitedLog(log)
-        self.handlers = {WantCredits: self._want_credits, EntriesRead: self._entries_read, MayStart: self._may_start,
-                         Track: self._track, EntryDone: self._entry_done, Release: self._release,
-                         CancelRequest: self._cancel, HeldJobs: self._held_jobs, Drain: self._drain,
-                         HandBack: self._hand_back}
+        self.handlers = {
+            WantCredits: self._want_credits,
+            EntriesRead: self._entries_read,
+            MayStart: self._may_start,
+            Track: self._track,
+            EntryDone: self._entry_done,
+            Release: self._release,
+            CancelRequest: self._cancel,
+            HeldJobs: self._held_jobs,
+            Drain: self._drain,
+            HandBack: self._hand_back,
+        }
 
     def connect(self, ingest: Actor, scheduler: Actor) -> None:
         """The actors it sends to (they are built after it: both send to the ledger)."""

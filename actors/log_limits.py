@@ -1,4 +1,5 @@
 """Rate-limited warnings: input from Redis can arrive in floods, log lines must not."""
+
 import logging
 import time
 

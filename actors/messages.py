@@ -1,12 +1,13 @@
 """Plain data carried between actors' mailboxes. A message that asks for an answer carries
 a ``reply`` future (``Actor.ask`` sends it and awaits the answer)."""
+
 import asyncio
 from dataclasses import dataclass, field
 
 from clients.protocol import JobRequest
 from clients.tool_parsers import ToolReading
-from engine.outputs import RequestOutput
 from engine.core_request import EngineCoreRequest
+from engine.outputs import RequestOutput
 
 
 def _future() -> asyncio.Future:
@@ -16,6 +17,7 @@ def _future() -> asyncio.Future:
 @dataclass(frozen=True)
 class Delivery:
     """One request-stream entry this replica holds the lease of (a value: nobody changes it)."""
+
     stream: str
     entry_id: str
     job_id: str
@@ -30,6 +32,7 @@ class Delivery:
 @dataclass(frozen=True)
 class ReadEntry:
     """One request-stream entry as read: ``fields`` is a stub when ``truncated``."""
+
     stream: str
     entry_id: str
     size: int
@@ -62,6 +65,7 @@ class AbortJob:
 @dataclass
 class StepOutputs:
     """A step's outputs: each with its delivery and, for a job the scheduler aborted, why."""
+
     items: list[tuple[Delivery, RequestOutput, str | None]]
 
 
@@ -69,6 +73,7 @@ class StepOutputs:
 class JobEnded:
     """A job that ended outside a step (cancelled, deadline, max deliveries...): publish + ack.
     The entry owns the job (its attempt was started), so its outcome is this job's."""
+
     delivery: Delivery
     event_type: str  # 'error' | 'cancelled'
     code: str = ""
@@ -82,6 +87,7 @@ class EntryRefused:
     """An entry that owns no job (unreadable, invalid, or a conflicting second submission):
     dead-lettered (payload capped) and acked; its producer is told why only where no record
     of ``job_id`` exists, so no other job's outcome can change."""
+
     stream: str
     entry_id: str
     job_id: str | None
@@ -97,6 +103,7 @@ class EntryRefused:
 @dataclass
 class Reclaimed:
     """An entry taken over from a replica that stopped renewing; its credit is reserved."""
+
     entry: ReadEntry
 
 
@@ -105,12 +112,14 @@ class Reclaimed:
 class WantCredits:
     """Ingest: answered with (entries, bytes) it may read, once both are above zero. They
     stay reserved until ``EntriesRead``."""
+
     reply: asyncio.Future = field(default_factory=_future)
 
 
 @dataclass
 class EntriesRead:
     """Ingest read these entries with its grant: leased, and their bytes counted, from now on."""
+
     entries: list[ReadEntry]
 
 
@@ -119,6 +128,7 @@ class MayStart:
     """Ingest, before starting the job of ``entry``: answered False when this replica runs
     that job already; the ledger then keeps the entry (leased, holding its credit) and sends
     it back to ingest as ``Reclaimed`` once the job is released."""
+
     job_id: str
     entry: ReadEntry
     reply: asyncio.Future = field(default_factory=_future)
@@ -127,6 +137,7 @@ class MayStart:
 @dataclass
 class Track:
     """Ingest started this delivery's attempt: held until released."""
+
     delivery: Delivery
 
 
@@ -134,6 +145,7 @@ class Track:
 class EntryDone:
     """Ingest is done taking this entry in (tracked or dropped), or the publisher has
     dead-lettered a refused one: its bytes no longer count here."""
+
     stream: str
     entry_id: str
 
@@ -141,12 +153,14 @@ class EntryDone:
 @dataclass
 class Release:
     """The publisher stored this delivery's final outcome and acked its entry."""
+
     delivery: Delivery
 
 
 @dataclass
 class CancelRequest:
     """The cancel watcher: answered True when the job is held and its abort went to the scheduler."""
+
     job_id: str
     reply: asyncio.Future = field(default_factory=_future)
 
@@ -154,16 +168,19 @@ class CancelRequest:
 @dataclass
 class HeldJobs:
     """Answered with the ids of the jobs held now (whose cancel flags to poll)."""
+
     reply: asyncio.Future = field(default_factory=_future)
 
 
 @dataclass
 class Drain:
     """Shutdown: reclaim nothing more; answered once no job is held."""
+
     reply: asyncio.Future = field(default_factory=_future)
 
 
 @dataclass
 class HandBack:
     """Shutdown: make every entry still pending here claimable by other replicas at once."""
+
     reply: asyncio.Future = field(default_factory=_future)

@@ -1,6 +1,7 @@
 """Prometheus metrics of one replica, with the field's usual names (vLLM's, prefixed
 ``conveyor_``). The scheduler actor records them after every step; an HTTP endpoint
 serves them when ``--metrics-port`` is set."""
+
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -15,13 +16,13 @@ class ReplicaMetrics:
         self.registry = CollectorRegistry()
         gauge = lambda name, doc: Gauge(f"conveyor_{name}", doc, registry=self.registry)  # noqa: E731
         counter = lambda name, doc: Counter(f"conveyor_{name}", doc, registry=self.registry)  # noqa: E731
-        histogram = lambda name, doc: Histogram(f"conveyor_{name}", doc, buckets=LATENCY_BUCKETS,  # noqa: E731
-                                                registry=self.registry)
+        histogram = lambda name, doc: Histogram(  # noqa: E731
+            f"conveyor_{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry
+        )
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the scheduler")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
-        self.kv_fragmentation = gauge("kv_cache_fragmentation_perc",
-                                      "Allocated-but-unused KV slots / allocated slots")
+        self.kv_fragmentation = gauge("kv_cache_fragmentation_perc", "Allocated-but-unused KV slots / allocated slots")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
         self.preemptions = gauge("num_preemptions", "Preemptions since start")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
@@ -32,10 +33,14 @@ class ReplicaMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
         self.queue = histogram("request_queue_time_seconds", "Enqueue to first scheduled")
         # speculative decoding (zeros without it): counters follow the engine's cumulative counts
-        self.spec_counters = {key: counter(key, doc) for key, doc in (
-            ("spec_decode_num_drafts", "Sequence-steps that verified draft tokens"),
-            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
-            ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted"))}
+        self.spec_counters = {
+            key: counter(key, doc)
+            for key, doc in (
+                ("spec_decode_num_drafts", "Sequence-steps that verified draft tokens"),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified"),
+                ("spec_decode_num_accepted_tokens", "Draft tokens the target model accepted"),
+            )
+        }
         self.spec_acceptance = gauge("spec_decode_acceptance_rate", "Accepted / drafted tokens since start")
         self._spec_counts = dict.fromkeys(self.spec_counters, 0)
         self._last_token_time: dict[str, float] = {}

@@ -1,5 +1,6 @@
 """PublisherActor: writes every job's events of a step in one pipelined round trip; a
 finished job's terminal event and status are stored before its request entry is acked."""
+
 import logging
 
 from redis.exceptions import ResponseError
@@ -8,8 +9,7 @@ from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.messages import Delivery, EntryDone, EntryRefused, JobEnded, Release, StepOutputs
 from actors.streams import Streams
-from clients.events import (CancelledEvent, DoneEvent, ErrorEvent, OutputChoice, Timings, TokenEvent, Usage,
-                            encode_event)
+from clients.events import CancelledEvent, DoneEvent, ErrorEvent, OutputChoice, Timings, TokenEvent, Usage, encode_event
 from engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,19 @@ class PublisherActor(Actor):
             for delivery, status, event in finishes:
                 finish_at.append(len(pipe))  # commands queued so far
                 await self.streams.queue_finish(pipe, delivery, status, event)
+
         replies = await self.streams.write(queue, "publish step")
-        unstored = [(delivery, replies[index]) for (delivery, _, _), index in zip(finishes, finish_at)
-                    if isinstance(replies[index], ResponseError)]
+        unstored = [
+            (delivery, replies[index])
+            for (delivery, _, _), index in zip(finishes, finish_at)
+            if isinstance(replies[index], ResponseError)
+        ]
         if len(unstored) < sum(isinstance(reply, ResponseError) for reply in replies):
-            self.warnings.warning("token-events", "some token events could not be written: %s",
-                                  shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
+            self.warnings.warning(
+                "token-events",
+                "some token events could not be written: %s",
+                shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200),
+            )
         await self._park_unstored(unstored)
         await self._release([delivery for delivery, _, _ in finishes])
 
@@ -72,14 +79,26 @@ class PublisherActor(Actor):
         the entry is dead-lettered with the reason instead of running again and again."""
         if not unstored:
             return
-        self.warnings.warning("result", "could not store the result of %d job(s), e.g. %s: %s", len(unstored),
-                              unstored[0][0].job_id, shown(str(unstored[0][1]), 200))
+        self.warnings.warning(
+            "result",
+            "could not store the result of %d job(s), e.g. %s: %s",
+            len(unstored),
+            unstored[0][0].job_id,
+            shown(str(unstored[0][1]), 200),
+        )
 
         async def queue(pipe):
             for delivery, error in unstored:
-                self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id,
-                                               f"result could not be stored: {error}"[:4096], None,
-                                               job_id=delivery.job_id, size=delivery.size)
+                self.streams.queue_dead_letter(
+                    pipe,
+                    delivery.stream,
+                    delivery.entry_id,
+                    f"result could not be stored: {error}"[:4096],
+                    None,
+                    job_id=delivery.job_id,
+                    size=delivery.size,
+                )
+
         await self.streams.write(queue, "park unstored results")
 
     async def _publish_ended(self, message: JobEnded) -> None:
@@ -89,11 +108,19 @@ class PublisherActor(Actor):
 
         async def queue(pipe):
             if message.dead_letter_reason is not None:
-                self.streams.queue_dead_letter(pipe, delivery.stream, delivery.entry_id, message.dead_letter_reason,
-                                               message.raw_fields, keep_payload=message.raw_fields is not None,
-                                               job_id=delivery.job_id, size=delivery.size)
+                self.streams.queue_dead_letter(
+                    pipe,
+                    delivery.stream,
+                    delivery.entry_id,
+                    message.dead_letter_reason,
+                    message.raw_fields,
+                    keep_payload=message.raw_fields is not None,
+                    job_id=delivery.job_id,
+                    size=delivery.size,
+                )
             finish_at[:] = [len(pipe)]
             await self.streams.queue_finish(pipe, delivery, message.event_type, event)
+
         replies = await self.streams.write(queue, "publish ended job")
         if isinstance(replies[finish_at[0]], ResponseError):
             await self._park_unstored([(delivery, replies[finish_at[0]])])
@@ -104,15 +131,27 @@ class PublisherActor(Actor):
         event = ErrorEvent(attempt=1, code=message.code, message=message.message, rejected_entry=message.entry_id)
 
         async def queue(pipe):
-            self.streams.queue_dead_letter(pipe, message.stream, message.entry_id, f"{message.code}: {message.message}",
-                                           message.fields, job_id=message.job_id, size=message.size,
-                                           stub=message.stub)
+            self.streams.queue_dead_letter(
+                pipe,
+                message.stream,
+                message.entry_id,
+                f"{message.code}: {message.message}",
+                message.fields,
+                job_id=message.job_id,
+                size=message.size,
+                stub=message.stub,
+            )
             if message.job_id and message.notify:
                 await self.streams.queue_reject(pipe, message.job_id, message.entry_id, encode_event(event)["data"])
+
         replies = await self.streams.write(queue, "refuse entry")
         if any(isinstance(reply, ResponseError) for reply in replies):
-            self.warnings.warning("refusal", "refusing entry %s: %s", message.entry_id,
-                                  shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200))
+            self.warnings.warning(
+                "refusal",
+                "refusing entry %s: %s",
+                message.entry_id,
+                shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200),
+            )
         await self.ledger.send(EntryDone(message.stream, message.entry_id))  # its bytes are ours no more
 
     def _token(self, delivery: Delivery, output: CompletionOutput) -> TokenEvent:
@@ -121,10 +160,18 @@ class PublisherActor(Actor):
         logprobs = None
         if output.new_logprobs is not None and output.new_token_ids:
             # the step's own copy: by the time this runs, later steps may have grown `logprobs`
-            logprobs = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top, "rank": lp.rank}
-                        for lp in output.new_logprobs]
-        return TokenEvent(attempt=delivery.attempt, seq=seq, text=output.new_text,
-                          token_ids=output.new_token_ids, logprobs=logprobs, index=output.index)
+            logprobs = [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top, "rank": lp.rank}
+                for lp in output.new_logprobs
+            ]
+        return TokenEvent(
+            attempt=delivery.attempt,
+            seq=seq,
+            text=output.new_text,
+            token_ids=output.new_token_ids,
+            logprobs=logprobs,
+            index=output.index,
+        )
 
     def _terminal(self, delivery: Delivery, output: RequestOutput, abort_reason: str | None):
         num_events = self.next_seq.pop(delivery.job_id, 0)
@@ -133,31 +180,58 @@ class PublisherActor(Actor):
                 return "cancelled", CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
             reason = abort_reason or "aborted"
             message = ABORT_MESSAGES.get(reason, f"job stopped: {reason}")
-            return "error", ErrorEvent(attempt=delivery.attempt, code=reason, message=message,
-                                       metadata=delivery.metadata)
+            return "error", ErrorEvent(
+                attempt=delivery.attempt, code=reason, message=message, metadata=delivery.metadata
+            )
         if any(completion.finish_reason == "error" for completion in output.outputs):  # e.g. a grammar's dead end
-            return "error", ErrorEvent(attempt=delivery.attempt, code="invalid_request",
-                                       message=output.error or "the job failed", metadata=delivery.metadata)
+            return "error", ErrorEvent(
+                attempt=delivery.attempt,
+                code="invalid_request",
+                message=output.error or "the job failed",
+                metadata=delivery.metadata,
+            )
         metrics = output.metrics
-        usage = Usage(prompt_tokens=len(output.prompt_token_ids), completion_tokens=output.num_output_tokens,
-                      total_tokens=len(output.prompt_token_ids) + output.num_output_tokens)
-        timings = Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e) \
-            if metrics else Timings()
+        usage = Usage(
+            prompt_tokens=len(output.prompt_token_ids),
+            completion_tokens=output.num_output_tokens,
+            total_tokens=len(output.prompt_token_ids) + output.num_output_tokens,
+        )
+        timings = (
+            Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e)
+            if metrics
+            else Timings()
+        )
         first = output.outputs[0]
         read = [_tool_output(delivery, c.text, c.index) for c in output.outputs]
-        choices = [OutputChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
-                                **tools) for c, tools in zip(output.outputs, read)] if len(output.outputs) > 1 else None
-        return "done", DoneEvent(attempt=delivery.attempt, seq=num_events, finish_reason=first.finish_reason,
-                                 text=first.text, token_ids=first.token_ids, usage=usage, timings=timings,
-                                 metadata=delivery.metadata, outputs=choices, **read[0])
+        choices = (
+            [
+                OutputChoice(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason, **tools)
+                for c, tools in zip(output.outputs, read)
+            ]
+            if len(output.outputs) > 1
+            else None
+        )
+        return "done", DoneEvent(
+            attempt=delivery.attempt,
+            seq=num_events,
+            finish_reason=first.finish_reason,
+            text=first.text,
+            token_ids=first.token_ids,
+            usage=usage,
+            timings=timings,
+            metadata=delivery.metadata,
+            outputs=choices,
+            **read[0],
+        )
 
     @staticmethod
     def _ended_event(message: JobEnded):
         delivery = message.delivery
         if message.event_type == "cancelled":
             return CancelledEvent(attempt=delivery.attempt, metadata=delivery.metadata)
-        return ErrorEvent(attempt=delivery.attempt, code=message.code, message=message.message,
-                          metadata=delivery.metadata)
+        return ErrorEvent(
+            attempt=delivery.attempt, code=message.code, message=message.message, metadata=delivery.metadata
+        )
 
     async def _release(self, deliveries: list[Delivery]) -> None:
         for delivery in deliveries:

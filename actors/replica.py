@@ -1,11 +1,13 @@
 """One engine replica: wires the actors, watches for crashes and signals, shuts down
 gracefully (finish in-flight jobs within the grace period, hand back the rest)."""
+
 import asyncio
 import logging
 import signal
 from pathlib import Path
 
 from actors import faults
+from actors.cancel_watcher import CancelWatcher
 from actors.config import ReplicaConfig
 from actors.engine_client import EngineCoreClient
 from actors.engine_core_actor import EngineCoreActor
@@ -14,7 +16,6 @@ from actors.ledger import JobLedger
 from actors.messages import Drain, HandBack
 from actors.metrics import ReplicaMetrics
 from actors.model_announcer import ModelAnnouncer
-from actors.cancel_watcher import CancelWatcher
 from actors.publisher import PublisherActor
 from actors.streams import Streams
 from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
@@ -34,8 +35,13 @@ class Replica:
         facts = engine.facts
         self.model_name = config.served_model_name or Path(facts.model_name).name
         # credentials and TLS: clients/connection.py
-        self.streams = Streams(config.redis.async_client(), config.redis.keys(config.namespace), config.consumer,
-                               self.model_name, max_entry_bytes=MAX_ENTRY_BYTES)
+        self.streams = Streams(
+            config.redis.async_client(),
+            config.redis.keys(config.namespace),
+            config.consumer,
+            self.model_name,
+            max_entry_bytes=MAX_ENTRY_BYTES,
+        )
         capacity = config.max_in_flight or 2 * facts.max_num_seqs
         self.metrics = ReplicaMetrics()
         self.ledger = JobLedger(self.streams, config, capacity)
@@ -44,9 +50,15 @@ class Replica:
         self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
         self.ledger.connect(self.ingest, self.scheduler)
         self.cancels = CancelWatcher(self.streams, self.ledger)
-        self.announcer = ModelAnnouncer(self.streams, facts, engine.tokenizer, self.model_name,
-                                        config.max_queue_len, config.max_tokens_cap,
-                                        tuple(config.lora_modules))
+        self.announcer = ModelAnnouncer(
+            self.streams,
+            facts,
+            engine.tokenizer,
+            self.model_name,
+            config.max_queue_len,
+            config.max_tokens_cap,
+            tuple(config.lora_modules),
+        )
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
 
@@ -58,8 +70,13 @@ class Replica:
         self._install_signal_handlers()
         for actor in self._actors():
             actor.start(self._on_crash)
-        log.info("replica %s serving model %r in namespace %r on %s", self.config.consumer, self.model_name,
-                 self.config.namespace, self.config.redis.describe())
+        log.info(
+            "replica %s serving model %r in namespace %r on %s",
+            self.config.consumer,
+            self.model_name,
+            self.config.namespace,
+            self.config.redis.describe(),
+        )
         await self.stop_requested.wait()
         if self.crash is None:
             await self._drain()

@@ -1,6 +1,7 @@
 """Surviving Redis going away: every replica operation retries with capped exponential
 backoff until the server is back, and a consumer group lost with the server's data
 (NOGROUP) is recreated. Generation keeps going meanwhile; nothing is dropped."""
+
 import asyncio
 import logging
 from typing import Awaitable, Callable, TypeVar
@@ -28,8 +29,9 @@ def closed_transport(exc: BaseException) -> bool:
     return isinstance(exc, AttributeError) and str(exc).startswith("'NoneType' object has no attribute 'write")
 
 
-async def retrying(operation: Callable[[], Awaitable[T]], what: str,
-                   recreate_groups: Callable[[], Awaitable[None]] | None = None) -> T:
+async def retrying(
+    operation: Callable[[], Awaitable[T]], what: str, recreate_groups: Callable[[], Awaitable[None]] | None = None
+) -> T:
     """Run ``operation`` until it succeeds. Connection loss: wait and retry. NOGROUP: recreate
     the groups (the server restarted without its data) and retry. Other errors propagate."""
     backoff = FIRST_BACKOFF_S

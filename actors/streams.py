@@ -4,6 +4,7 @@ dead letters, cancel requests, model info). The job-hash scripts are clients/job
 Every key it creates except the request streams gets a TTL. Everything read back from
 Redis is producer-writable input: scripts coerce what they read, and a command that fails
 for one job fails that job alone."""
+
 import hashlib
 import time
 from contextlib import asynccontextmanager
@@ -25,7 +26,6 @@ DEAD_LETTER_TTL_S = 7 * 86_400  # refreshed on every dead letter
 DEAD_LETTER_PREFIX_BYTES = 256  # what a dead letter keeps of a payload it does not keep whole
 REJECT_TTL_S = 3600
 HAND_BACK_IDLE_MS = 10 * 365 * 86_400_000  # "idle forever": the next XAUTOCLAIM takes it
-
 
 
 # An entry as a replica may hold it: whole, or, when over `max_bytes`, a stub (its size,
@@ -50,7 +50,9 @@ end
 # Read new entries without letting their size in: one entry at a time, streams in priority
 # order, until `count` entries or `budget` bytes.
 # KEYS: request streams. ARGV: group, consumer, count, budget, max_bytes, prefix bytes.
-READ_LUA = SHAPE_LUA + """
+READ_LUA = (
+    SHAPE_LUA
+    + """
 local count, budget, max_bytes, prefix = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local out, used = {}, 0
 for index, stream in ipairs(KEYS) do
@@ -64,10 +66,13 @@ for index, stream in ipairs(KEYS) do
 end
 return out
 """
+)
 
 # The same shaping for entries claimed by id (reclaimed from a dead replica).
 # KEYS: request stream. ARGV: max_bytes, prefix bytes, entry ids...
-READ_IDS_LUA = SHAPE_LUA + """
+READ_IDS_LUA = (
+    SHAPE_LUA
+    + """
 local out = {}
 for i = 3, #ARGV do
   local rows = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])
@@ -75,11 +80,11 @@ for i = 3, #ARGV do
 end
 return out
 """
+)
 
 
 class Streams:
-    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, model_name: str,
-                 max_entry_bytes: int):
+    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, model_name: str, max_entry_bytes: int):
         self.redis = client
         self.keys = keys
         self.consumer = consumer
@@ -103,6 +108,7 @@ class Streams:
         """One pipelined round trip, rebuilt and resent until it goes through. Returns each
         command's reply; a command that failed (e.g. WRONGTYPE on a key a producer
         clobbered) leaves its ResponseError in the list instead of failing the others."""
+
         async def attempt():
             async with self.redis.pipeline(transaction=False) as pipe:
                 await queue_commands(pipe)
@@ -111,6 +117,7 @@ class Streams:
             if lost_group is not None:
                 raise lost_group  # retrying recreates the groups and sends it all again
             return replies
+
         return await self.resilient(attempt, what)
 
     async def ensure_groups(self) -> None:
@@ -130,8 +137,14 @@ class Streams:
         for group in self._groups_in_turn():
             if len(entries) >= count or budget <= 0:
                 break
-            args = [GROUP, self.consumer, count - len(entries), max(1, budget), self.max_entry_bytes,
-                    DEAD_LETTER_PREFIX_BYTES]
+            args = [
+                GROUP,
+                self.consumer,
+                count - len(entries),
+                max(1, budget),
+                self.max_entry_bytes,
+                DEAD_LETTER_PREFIX_BYTES,
+            ]
             rows = await self.resilient(lambda: self.read_script(keys=list(group), args=args), "read jobs")
             read = _entries(rows, group)
             budget -= sum(entry.bytes_read for entry in read)
@@ -144,7 +157,7 @@ class Streams:
             return list(self.read_groups)
         first, self.first_partition = self.first_partition, (self.first_partition + 1) % partitions
         turn = [(first + i) % partitions for i in range(partitions)]
-        by_class = [self.read_groups[c * partitions:(c + 1) * partitions] for c in range(len(PRIORITY_CLASSES))]
+        by_class = [self.read_groups[c * partitions : (c + 1) * partitions] for c in range(len(PRIORITY_CLASSES))]
         return [groups[p] for groups in by_class for p in turn]
 
     async def read_ids(self, stream: str, entry_ids: list[str]) -> list[ReadEntry]:
@@ -162,20 +175,38 @@ class Streams:
     async def start_attempt(self, job_id: str, entry_id: str, ttl: int, digest: str) -> tuple[int, bool]:
         """Count this delivery on the job hash; returns (attempt or DUPLICATE/CONFLICT, cancel requested).
         Raises ResponseError when the job's keys are unusable (e.g. not a hash)."""
-        attempt, cancel = await self.resilient(lambda: self.start_script(
-            keys=[self.keys.job(job_id), self.keys.out(job_id)], args=[entry_id, ttl, repr(time.time()), digest]),
-            "start job")
+        attempt, cancel = await self.resilient(
+            lambda: self.start_script(
+                keys=[self.keys.job(job_id), self.keys.out(job_id)], args=[entry_id, ttl, repr(time.time()), digest]
+            ),
+            "start job",
+        )
         return int(attempt), cancel == b"1"
 
     async def queue_finish(self, pipe, delivery: Delivery, status: str, event: dict[str, bytes]) -> None:
         await queue_script(
-            self.finish_script, [self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream],
-            [delivery.attempt, status, event["type"], event["data"], delivery.result_ttl, GROUP,
-             delivery.entry_id, repr(time.time())], pipe)
+            self.finish_script,
+            [self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream],
+            [
+                delivery.attempt,
+                status,
+                event["type"],
+                event["data"],
+                delivery.result_ttl,
+                GROUP,
+                delivery.entry_id,
+                repr(time.time()),
+            ],
+            pipe,
+        )
 
     async def queue_reject(self, pipe, job_id: str, entry_id: str, event_data: bytes) -> None:
-        await queue_script(self.reject_script, [self.keys.job(job_id), self.keys.out(job_id)],
-                           [entry_id, event_data, REJECT_TTL_S, repr(time.time())], pipe)
+        await queue_script(
+            self.reject_script,
+            [self.keys.job(job_id), self.keys.out(job_id)],
+            [entry_id, event_data, REJECT_TTL_S, repr(time.time())],
+            pipe,
+        )
 
     def queue_token_event(self, pipe, delivery: Delivery, event: dict[str, bytes]) -> None:
         pipe.xadd(self.keys.out(delivery.job_id), event)
@@ -183,14 +214,26 @@ class Streams:
 
     async def drop_entry(self, stream: str, entry_id: str) -> None:
         """Ack and delete an entry that needs no answer (a duplicate of a known job)."""
+
         async def queue(pipe):
             pipe.xack(stream, GROUP, entry_id)
             pipe.xdel(stream, entry_id)
+
         await self.write(queue, "drop duplicate")
 
-    def queue_dead_letter(self, pipe, stream: str, entry_id: str, reason: str, fields: dict | None, *,
-                          keep_payload: bool = False, job_id: str | None = None, size: int | None = None,
-                          stub: bool = False) -> None:
+    def queue_dead_letter(
+        self,
+        pipe,
+        stream: str,
+        entry_id: str,
+        reason: str,
+        fields: dict | None,
+        *,
+        keep_payload: bool = False,
+        job_id: str | None = None,
+        size: int | None = None,
+        stub: bool = False,
+    ) -> None:
         """Park an entry in ``<ns>:dead`` and ack it. Only a valid job that may succeed when
         requeued keeps its payload whole; others keep its size, digest and a prefix
         (``stub``: ``fields`` already is READ_LUA's stub of an oversized entry)."""
@@ -203,35 +246,49 @@ class Streams:
         pipe.xack(stream, GROUP, entry_id)
         pipe.xdel(stream, entry_id)
 
-
     # ---- leases (the ledger) ----------------------------------------------------------
     async def renew(self, ids_by_stream: dict[str, list[str]]) -> None:
         """Reset the idle time of entries we hold (XCLAIM of our own ids, JUSTID)."""
         for stream, ids in ids_by_stream.items():
-            await self.resilient(lambda: self.redis.xclaim(stream, GROUP, self.consumer, 0, ids, justid=True),
-                                 "renew leases")
+            await self.resilient(
+                lambda: self.redis.xclaim(stream, GROUP, self.consumer, 0, ids, justid=True), "renew leases"
+            )
 
     async def claim_idle(self, stream: str, min_idle_ms: int, count: int) -> list[str]:
         """Ids of entries idle longer than ``min_idle_ms`` (their owner died), now ours.
         (Entries deleted while pending leave the pending list with this call: Redis >= 7.)"""
-        claimed = await self.resilient(lambda: self.redis.xautoclaim(
-            stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count, justid=True), "reclaim")
+        claimed = await self.resilient(
+            lambda: self.redis.xautoclaim(
+                stream, GROUP, self.consumer, min_idle_ms, start_id="0-0", count=count, justid=True
+            ),
+            "reclaim",
+        )
         return [_text(entry_id) for entry_id in claimed]
 
     async def pending_ids(self, stream: str) -> list[str]:
         """The server's pending list of this consumer on ``stream``."""
-        rows = await self.resilient(lambda: self.redis.xpending_range(
-            stream, GROUP, min="-", max="+", count=100_000, consumername=self.consumer), "list pending")
+        rows = await self.resilient(
+            lambda: self.redis.xpending_range(
+                stream, GROUP, min="-", max="+", count=100_000, consumername=self.consumer
+            ),
+            "list pending",
+        )
         return [_text(row["message_id"]) for row in rows]
 
     async def hand_back(self, ids_by_stream: dict[str, list[str]], running: list[Delivery]) -> None:
         """Make these entries claimable by any replica now; their running jobs queued again."""
+
         async def queue(pipe):
             for stream, ids in ids_by_stream.items():
                 pipe.xclaim(stream, GROUP, self.consumer, 0, ids, idle=HAND_BACK_IDLE_MS, justid=True)
             for delivery in running:
-                await queue_script(self.hand_back_script, [self.keys.job(delivery.job_id)],
-                                   [delivery.attempt, delivery.entry_id, repr(time.time())], pipe)
+                await queue_script(
+                    self.hand_back_script,
+                    [self.keys.job(delivery.job_id)],
+                    [delivery.attempt, delivery.entry_id, repr(time.time())],
+                    pipe,
+                )
+
         await self.write(queue, "hand back")
 
     # ---- cancels (the cancel watcher) ---------------------------------------------------
@@ -244,22 +301,27 @@ class Streams:
 
     async def cancel_flags(self, job_ids: list[str]) -> list[bool]:
         """Whether each job's hash has its cancel flag set (a clobbered hash: not set)."""
+
         async def queue(pipe):
             for job_id in job_ids:
                 pipe.hget(self.keys.job(job_id), "cancel")
+
         return [flag == b"1" for flag in await self.write(queue, "poll cancel flags")]
 
     # ---- model info (the announcer) -----------------------------------------------------
     async def publish_model_info(self, info: ModelInfo, ttl_s: int) -> None:
-        await self.resilient(lambda: publish_model_info_async(self.redis, self.keys, info, ttl_s=ttl_s),
-                             "publish model info")
+        await self.resilient(
+            lambda: publish_model_info_async(self.redis, self.keys, info, ttl_s=ttl_s), "publish model info"
+        )
 
     async def publish_limits(self, limits: dict, ttl_s: int) -> None:
         """One copy per partition: the submit script reads the one in its job's slot."""
+
         async def queue(pipe):
             for key in self.keys.all_limits:
                 pipe.hset(key, mapping=limits)
                 pipe.expire(key, ttl_s)
+
         await self.write(queue, "publish limits")
 
     async def close(self) -> None:
@@ -271,10 +333,19 @@ def _read_groups(keys: Keys, model_name: str) -> tuple[tuple[str, ...], ...]:
     on a single server one group (the default streams and this model's own, interactive
     first); partitioned, one group per class and partition (each one slot), class-major."""
     if not keys.partitioned:
-        return ((keys.interactive, keys.model_requests(model_name, "interactive"),
-                 keys.batch, keys.model_requests(model_name, "batch")),)
-    return tuple((keys.requests(c, p), keys.model_requests(model_name, c, p))
-                 for c in PRIORITY_CLASSES for p in range(keys.partitions))
+        return (
+            (
+                keys.interactive,
+                keys.model_requests(model_name, "interactive"),
+                keys.batch,
+                keys.model_requests(model_name, "batch"),
+            ),
+        )
+    return tuple(
+        (keys.requests(c, p), keys.model_requests(model_name, c, p))
+        for c in PRIORITY_CLASSES
+        for p in range(keys.partitions)
+    )
 
 
 def _kept_fields(fields: dict, keep_payload: bool, size: int | None, stub: bool) -> dict:
@@ -294,8 +365,10 @@ def _kept_fields(fields: dict, keep_payload: bool, size: int | None, stub: bool)
 
 
 def _entries(rows: list, streams: tuple[str, ...]) -> list[ReadEntry]:
-    return [ReadEntry(streams[int(index) - 1], _text(entry_id), int(size), bool(truncated), _pairs(fields))
-            for index, entry_id, size, truncated, fields in rows]
+    return [
+        ReadEntry(streams[int(index) - 1], _text(entry_id), int(size), bool(truncated), _pairs(fields))
+        for index, entry_id, size, truncated, fields in rows
+    ]
 
 
 def _pairs(flat: list) -> dict:

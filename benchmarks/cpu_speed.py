@@ -19,6 +19,7 @@ the limits come from benchmarks/limits.py.
     static batches and vs transformers' own continuous batching (the manager behind
     ``generate_batch``), same prompts, same output lengths, only requested tokens count.
 """
+
 import argparse
 import cProfile
 import gc
@@ -38,14 +39,33 @@ from offline import make_workload, run_ours, run_transformers  # noqa: E402
 
 SECTIONS = ("single", "saturated", "overhead", "mixed")
 SINGLE_PROMPT_TOKENS, BATCH_PROMPT_TOKENS = 16, 32
-FULL = dict(single_tokens=128, single_rounds=5, saturated_seqs=64, saturated_output=128, overhead_seqs=64,
-            overhead_steps=32, profile_steps=8, num_requests=32, hf_batch_sizes=[8, 32])
-QUICK = dict(single_tokens=32, single_rounds=2, saturated_seqs=32, saturated_output=8, overhead_seqs=32,
-             overhead_steps=6, profile_steps=2, num_requests=4, hf_batch_sizes=[4])
+FULL = dict(
+    single_tokens=128,
+    single_rounds=5,
+    saturated_seqs=64,
+    saturated_output=128,
+    overhead_seqs=64,
+    overhead_steps=32,
+    profile_steps=8,
+    num_requests=32,
+    hf_batch_sizes=[8, 32],
+)
+QUICK = dict(
+    single_tokens=32,
+    single_rounds=2,
+    saturated_seqs=32,
+    saturated_output=8,
+    overhead_seqs=32,
+    overhead_steps=6,
+    profile_steps=2,
+    num_requests=4,
+    hf_batch_sizes=[4],
+)
 
 
 def greedy(max_tokens: int):
     from engine import SamplingParams
+
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -67,8 +87,13 @@ def _single_round(llm, prompt: list[int], output_tokens: int, weight_bytes: int)
     decode_s = output.metrics.e2e - output.metrics.ttft  # first token -> last token
     tokens_per_s = (len(output.token_ids) - 1) / decode_s
     bound = read_gbps * 1e9 / weight_bytes
-    return {"read_gbps": read_gbps, "tokens_per_s": tokens_per_s, "ms_per_token": 1000 / tokens_per_s,
-            "bound_tokens_per_s": bound, "fraction_of_bound": tokens_per_s / bound}
+    return {
+        "read_gbps": read_gbps,
+        "tokens_per_s": tokens_per_s,
+        "ms_per_token": 1000 / tokens_per_s,
+        "bound_tokens_per_s": bound,
+        "fraction_of_bound": tokens_per_s / bound,
+    }
 
 
 # ---- (b) saturated throughput ----------------------------------------------------------------
@@ -82,12 +107,18 @@ def saturated_throughput(llm, vocab: int, num_seqs: int, output_tokens: int, bou
     output_count = sum(len(o.token_ids) for o in outputs)
     processed = output_count + sum(len(p) for p in prompts)
     tokens_per_s = processed / seconds
-    return {"num_seqs": num_seqs, "prompt_tokens_each": BATCH_PROMPT_TOKENS, "output_tokens_each": output_tokens,
-            "seconds": seconds, "output_tokens_per_s": output_count / seconds, "processed_tokens_per_s": tokens_per_s,
-            "bound_tokens_per_s": bounds["throughput_tokens_per_s_bound"],
-            "fraction_of_bound": tokens_per_s / bounds["throughput_tokens_per_s_bound"],
-            "achieved_gflops": tokens_per_s * 2 * bounds["matmul_params"] / 1e9,
-            "preemptions": llm.engine.scheduler.num_preemptions - preempted_before}
+    return {
+        "num_seqs": num_seqs,
+        "prompt_tokens_each": BATCH_PROMPT_TOKENS,
+        "output_tokens_each": output_tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": output_count / seconds,
+        "processed_tokens_per_s": tokens_per_s,
+        "bound_tokens_per_s": bounds["throughput_tokens_per_s_bound"],
+        "fraction_of_bound": tokens_per_s / bounds["throughput_tokens_per_s_bound"],
+        "achieved_gflops": tokens_per_s * 2 * bounds["matmul_params"] / 1e9,
+        "preemptions": llm.engine.scheduler.num_preemptions - preempted_before,
+    }
 
 
 # ---- (c) engine overhead per decode step -----------------------------------------------------
@@ -146,8 +177,7 @@ def step_overhead(llm, vocab: int, num_seqs: int, steps: int, profile_steps: int
         phases = [_decode_phases(engine, clock, num_seqs) for _ in range(steps)]
     finally:
         clock.restore()
-    profiles = {"cprofile": cprofile_steps(engine, profile_steps),
-                "torch": torch_profile_steps(engine, profile_steps)}
+    profiles = {"cprofile": cprofile_steps(engine, profile_steps), "torch": torch_profile_steps(engine, profile_steps)}
     for request_id in ids:
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
@@ -160,8 +190,13 @@ def _decode_phases(engine, clock: PrepareClock, num_seqs: int) -> dict:
     assert len(plan.scheduled) == num_seqs and all(s.num_new == 1 for s in plan.scheduled), "not a pure decode step"
     prepare = clock.take()
     assert prepare > 0, "runner.execute no longer calls runner._prepare: update PrepareClock"
-    return {"schedule": timing["schedule"], "prepare": prepare, "forward_sample": timing["execute"] - prepare,
-            "postprocess": timing["postprocess"], "step": timing["step"]}
+    return {
+        "schedule": timing["schedule"],
+        "prepare": prepare,
+        "forward_sample": timing["execute"] - prepare,
+        "postprocess": timing["postprocess"],
+        "step": timing["step"],
+    }
 
 
 def summarize_phases(phases: list[dict]) -> dict:
@@ -176,8 +211,11 @@ def cprofile_steps(engine, steps: int, top: int = 15) -> dict:
     by_self, by_cumulative = io.StringIO(), io.StringIO()
     pstats.Stats(profiler, stream=by_self).sort_stats("tottime").print_stats(top)
     pstats.Stats(profiler, stream=by_cumulative).sort_stats("cumulative").print_stats(r"engine|kernels", top)
-    return {"steps": steps, "by_self_time": _pstats_body(by_self.getvalue()),
-            "engine_by_cumulative_time": _pstats_body(by_cumulative.getvalue())}
+    return {
+        "steps": steps,
+        "by_self_time": _pstats_body(by_self.getvalue()),
+        "engine_by_cumulative_time": _pstats_body(by_cumulative.getvalue()),
+    }
 
 
 def _pstats_body(text: str) -> str:
@@ -189,6 +227,7 @@ def _pstats_body(text: str) -> str:
 
 def torch_profile_steps(engine, steps: int, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         for _ in range(steps):
             run_step(engine)
@@ -197,24 +236,38 @@ def torch_profile_steps(engine, steps: int, top: int = 12) -> dict:
 
 
 # ---- (d) mixed workload vs transformers ------------------------------------------------------
-def run_transformers_continuous(model_dir, prompts, output_lens, max_num_seqs: int,
-                                max_num_batched_tokens: int) -> dict:
+def run_transformers_continuous(
+    model_dir, prompts, output_lens, max_num_seqs: int, max_num_batched_tokens: int
+) -> dict:
     """transformers' continuous batching (the manager ``generate_batch`` wraps) with the
     same limits as ours: paged KV cache of the same size and block size, the same token
     budget and number of running sequences. ``generate_batch`` itself takes one
     ``max_new_tokens`` for all prompts, so requests go to its manager one by one."""
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
+
     from engine import EngineConfig
     from engine.model_runner import CPU_KV_CACHE_BYTES
+
     block_size = EngineConfig.block_size
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    generation = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(output_lens),  # -1: ignore EOS
-                                  pad_token_id=hf.generation_config.pad_token_id or 0)
-    config = ContinuousBatchingConfig(page_size=block_size, max_batch_tokens=max_num_batched_tokens,
-                                      max_requests_per_batch=max_num_seqs,
-                                      num_blocks=CPU_KV_CACHE_BYTES // (block_size * _kv_bytes_per_token(hf.config)))
-    with torch.inference_mode(), hf.continuous_batching_context_manager(
-            generation_config=generation, continuous_batching_config=config) as manager:
+    generation = GenerationConfig(
+        do_sample=False,
+        eos_token_id=-1,
+        max_new_tokens=max(output_lens),  # -1: ignore EOS
+        pad_token_id=hf.generation_config.pad_token_id or 0,
+    )
+    config = ContinuousBatchingConfig(
+        page_size=block_size,
+        max_batch_tokens=max_num_batched_tokens,
+        max_requests_per_batch=max_num_seqs,
+        num_blocks=CPU_KV_CACHE_BYTES // (block_size * _kv_bytes_per_token(hf.config)),
+    )
+    with (
+        torch.inference_mode(),
+        hf.continuous_batching_context_manager(
+            generation_config=generation, continuous_batching_config=config
+        ) as manager,
+    ):
         _collect(manager, [manager.add_request(prompts[0][:8], max_new_tokens=4)])  # warm-up
         start = time.perf_counter()
         request_ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)]
@@ -233,6 +286,7 @@ def _kv_bytes_per_token(config) -> int:
 def _collect(manager, request_ids: list[str], progress: str | None = None) -> list:
     """Finished results of ``request_ids``, in that order; ``progress``: a bar's title."""
     from tqdm import tqdm
+
     finished = {}
     with tqdm(total=len(request_ids), desc=progress, disable=progress is None) as bar:
         while len(finished) < len(request_ids):
@@ -252,24 +306,35 @@ def _collect_one(manager, finished: dict, bar) -> None:
         bar.update(1)
 
 
-def mixed_workload(model: str, num_requests: int, hf_batch_sizes: list[int], max_num_seqs: int,
-                   max_num_batched_tokens: int) -> dict:
+def mixed_workload(
+    model: str, num_requests: int, hf_batch_sizes: list[int], max_num_seqs: int, max_num_batched_tokens: int
+) -> dict:
     from engine.models.loader import load_spec
+
     spec = load_spec(model)
     prompts, output_lens = make_workload(num_requests, spec.hf_config.vocab_size)
-    results = {"ours": run_ours(model, prompts, output_lens, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens)}
+    results = {
+        "ours": run_ours(
+            model, prompts, output_lens, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+    }
     gc.collect()
     for batch_size in hf_batch_sizes:
-        results[f"transformers_static_bs{batch_size}"] = run_transformers(spec.model_dir, prompts, output_lens,
-                                                                         batch_size)
-    results["transformers_continuous"] = run_transformers_continuous(spec.model_dir, prompts, output_lens,
-                                                                     max_num_seqs, max_num_batched_tokens)
+        results[f"transformers_static_bs{batch_size}"] = run_transformers(
+            spec.model_dir, prompts, output_lens, batch_size
+        )
+    results["transformers_continuous"] = run_transformers_continuous(
+        spec.model_dir, prompts, output_lens, max_num_seqs, max_num_batched_tokens
+    )
     ours = results["ours"]["tokens_per_s"]
     for result in results.values():
         result["ours_over_this"] = ours / result["tokens_per_s"]
-    return {"num_requests": num_requests, "output_tokens": sum(output_lens),
-            "prompt_tokens": sum(len(p) for p in prompts), "runs": results}
+    return {
+        "num_requests": num_requests,
+        "output_tokens": sum(output_lens),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "runs": results,
+    }
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -277,19 +342,32 @@ def report(results: dict) -> str:
     parts = [describe(results["limits"])]
     if "single" in results:
         s = results["single"]
-        rows = [{"round": i + 1, "read GB/s": r["read_gbps"], "bound tok/s": r["bound_tokens_per_s"],
-                 "tok/s": r["tokens_per_s"], "ms/token": r["ms_per_token"], "of bound": r["fraction_of_bound"]}
-                for i, r in enumerate(s["rounds"])]
-        parts.append(f"\n(a) single-stream decode, {s['output_tokens']} tokens per round, each against the"
-                     f" bandwidth measured just before it:\n" + format_table(rows, list(rows[0])) +
-                     f"\nmedian: {s['tokens_per_s']:.1f} tokens/s = {s['fraction_of_bound']:.0%} of the bandwidth"
-                     f" bound {s['bound_tokens_per_s']:.1f} ({s['read_gbps']:.1f} GB/s)")
+        rows = [
+            {
+                "round": i + 1,
+                "read GB/s": r["read_gbps"],
+                "bound tok/s": r["bound_tokens_per_s"],
+                "tok/s": r["tokens_per_s"],
+                "ms/token": r["ms_per_token"],
+                "of bound": r["fraction_of_bound"],
+            }
+            for i, r in enumerate(s["rounds"])
+        ]
+        parts.append(
+            f"\n(a) single-stream decode, {s['output_tokens']} tokens per round, each against the"
+            f" bandwidth measured just before it:\n"
+            + format_table(rows, list(rows[0]))
+            + f"\nmedian: {s['tokens_per_s']:.1f} tokens/s = {s['fraction_of_bound']:.0%} of the bandwidth"
+            f" bound {s['bound_tokens_per_s']:.1f} ({s['read_gbps']:.1f} GB/s)"
+        )
     if "saturated" in results:
         s = results["saturated"]
-        parts.append(f"\n(b) saturated, {s['num_seqs']} sequences: {s['processed_tokens_per_s']:.1f} processed tokens/s"
-                     f" ({s['output_tokens_per_s']:.1f} output), {s['achieved_gflops']:.1f} GFLOP/s"
-                     f" = {s['fraction_of_bound']:.0%} of the matmul bound {s['bound_tokens_per_s']:.1f};"
-                     f" {s['preemptions']} preemptions")
+        parts.append(
+            f"\n(b) saturated, {s['num_seqs']} sequences: {s['processed_tokens_per_s']:.1f} processed tokens/s"
+            f" ({s['output_tokens_per_s']:.1f} output), {s['achieved_gflops']:.1f} GFLOP/s"
+            f" = {s['fraction_of_bound']:.0%} of the matmul bound {s['bound_tokens_per_s']:.1f};"
+            f" {s['preemptions']} preemptions"
+        )
     if "overhead" in results:
         parts.append(_overhead_report(results["overhead"]))
     if "mixed" in results:
@@ -301,25 +379,39 @@ def _overhead_report(overhead: dict) -> str:
     profiles = overhead["profiles"]
     ms = overhead["mean_ms"]
     rows = [{"phase": name, "ms/step": ms[name], "share": ms[name] / ms["step"]} for name in ms]
-    return "\n".join([
-        f"\n(c) one decode step with {overhead['num_seqs']} running sequences (mean of {overhead['steps']} steps):",
-        format_table(rows, ["phase", "ms/step", "share"]),
-        f"overhead (schedule + prepare + postprocess) = {overhead['overhead_ms']:.2f} ms"
-        f" = {overhead['overhead_fraction']:.1%} of a step",
-        f"\ncProfile of {profiles['cprofile']['steps']} steps, by self time:",
-        profiles["cprofile"]["by_self_time"],
-        "\nengine/kernels functions by cumulative time:",
-        profiles["cprofile"]["engine_by_cumulative_time"],
-        f"\ntorch profiler of {profiles['torch']['steps']} steps, by self CPU time:",
-        profiles["torch"]["by_self_cpu_time"]])
+    return "\n".join(
+        [
+            f"\n(c) one decode step with {overhead['num_seqs']} running sequences (mean of {overhead['steps']} steps):",
+            format_table(rows, ["phase", "ms/step", "share"]),
+            f"overhead (schedule + prepare + postprocess) = {overhead['overhead_ms']:.2f} ms"
+            f" = {overhead['overhead_fraction']:.1%} of a step",
+            f"\ncProfile of {profiles['cprofile']['steps']} steps, by self time:",
+            profiles["cprofile"]["by_self_time"],
+            "\nengine/kernels functions by cumulative time:",
+            profiles["cprofile"]["engine_by_cumulative_time"],
+            f"\ntorch profiler of {profiles['torch']['steps']} steps, by self CPU time:",
+            profiles["torch"]["by_self_cpu_time"],
+        ]
+    )
 
 
 def _mixed_report(mixed: dict) -> str:
-    rows = [{"run": name, "output tok/s": run["tokens_per_s"], "seconds": run["seconds"],
-             "ours / this": run["ours_over_this"]} for name, run in mixed["runs"].items()]
-    return "\n".join([f"\n(d) mixed workload: {mixed['num_requests']} requests, prompts 32-256, outputs 16-128 "
-                      f"({mixed['output_tokens']} output tokens)",
-                      format_table(rows, ["run", "output tok/s", "seconds", "ours / this"])])
+    rows = [
+        {
+            "run": name,
+            "output tok/s": run["tokens_per_s"],
+            "seconds": run["seconds"],
+            "ours / this": run["ours_over_this"],
+        }
+        for name, run in mixed["runs"].items()
+    ]
+    return "\n".join(
+        [
+            f"\n(d) mixed workload: {mixed['num_requests']} requests, prompts 32-256, outputs 16-128 "
+            f"({mixed['output_tokens']} output tokens)",
+            format_table(rows, ["run", "output tok/s", "seconds", "ours / this"]),
+        ]
+    )
 
 
 def main():
@@ -328,8 +420,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="short runs: noisy figures, for checking the script")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--quantization", default="auto", choices=["auto", "gguf", "none"],
-                        help="GGUF blocks (auto/gguf) or float32 weights (none)")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "gguf", "none"],
+        help="GGUF blocks (auto/gguf) or float32 weights (none)",
+    )
     add_json_option(parser)
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
@@ -341,10 +437,15 @@ def main():
 
 def measure(args, sizes: dict) -> dict:
     from engine import LLM
+
     gflops, read_gbps = matmul_gflops(), memory_read_gbps()  # before the model takes memory
-    llm = LLM(args.model, dtype="float32", quantization=args.quantization,
-              max_num_seqs=max(sizes["saturated_seqs"], sizes["overhead_seqs"]),
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        quantization=args.quantization,
+        max_num_seqs=max(sizes["saturated_seqs"], sizes["overhead_seqs"]),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     bounds = bounds_for(args.model, llm.engine.runner.model, gflops=gflops, read_gbps=read_gbps)
     vocab = vocab_size(args.model)
     llm.generate([random_prompt(random.Random(0), 8, vocab)], greedy(4), use_tqdm=False)  # warm-up
@@ -352,16 +453,23 @@ def measure(args, sizes: dict) -> dict:
     if "single" in args.only:
         results["single"] = single_stream_decode(llm, vocab, sizes["single_tokens"], sizes["single_rounds"], bounds)
     if "saturated" in args.only:
-        results["saturated"] = saturated_throughput(llm, vocab, sizes["saturated_seqs"], sizes["saturated_output"],
-                                                    bounds)
+        results["saturated"] = saturated_throughput(
+            llm, vocab, sizes["saturated_seqs"], sizes["saturated_output"], bounds
+        )
     if "overhead" in args.only:
-        results["overhead"] = step_overhead(llm, vocab, sizes["overhead_seqs"], sizes["overhead_steps"],
-                                            sizes["profile_steps"])
+        results["overhead"] = step_overhead(
+            llm, vocab, sizes["overhead_seqs"], sizes["overhead_steps"], sizes["profile_steps"]
+        )
     del llm
     gc.collect()
     if "mixed" in args.only:
-        results["mixed"] = mixed_workload(args.model, sizes["num_requests"], sizes["hf_batch_sizes"],
-                                          max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens)
+        results["mixed"] = mixed_workload(
+            args.model,
+            sizes["num_requests"],
+            sizes["hf_batch_sizes"],
+            max_num_seqs=64,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     return results
 
 

@@ -10,6 +10,7 @@ Q8_0 (gguf-py quantizes random weights). Each round times every path on the same
 (min-max over rounds) and each path's ratio to the float32 copy per round (median, min-max).
 The machine may be shared: the ratios within a round are what to read.
 """
+
 import argparse
 import statistics
 import sys
@@ -28,7 +29,9 @@ SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 def packed_weight(type_name: str, n: int, k: int):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
     from kernels.quant import pack_gguf_blocks
+
     qtype = GGMLQuantizationType[type_name]
     weight = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
     return pack_gguf_blocks(quantize(weight, qtype), int(qtype))
@@ -50,20 +53,27 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: this process's CPU seconds (with --threads 1, the time descheduled on a "
-                             "shared box is left out)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU seconds (with --threads 1, the time descheduled on a shared box is left out)",
+    )
     args = parser.parse_args()
     from kernels.cpu import extension
     from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
     from kernels.cpu.linear import onednn_linear, onednn_packed
     from kernels.quant import dequantize
+
     kernels = extension.load()
     if args.threads:
         torch.set_num_threads(args.threads)
     isa = int8_dot_isa(cpu_flags())
-    print(describe_cpu(), f"| int8 dot: {isa} (runnable: {', '.join(kernels.int8_dot_isas())})",
-          f"| torch threads: {torch.get_num_threads()}")
+    print(
+        describe_cpu(),
+        f"| int8 dot: {isa} (runnable: {', '.join(kernels.int8_dot_isas())})",
+        f"| torch threads: {torch.get_num_threads()}",
+    )
     rows_list = [int(r) for r in args.rows.split(",")]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"clock: {args.clock}")
@@ -74,9 +84,11 @@ def main():
             copy = onednn_packed(dequantize(weight), 64)
             for rows in rows_list:
                 x = torch.randn(rows, k)
-                paths = {"int8 dot": lambda: kernels.int8_dot_linear(x, weight, None, isa),
-                         "f32 blocks": lambda: kernels.quantized_linear(x, weight, None),
-                         "f32 copy": lambda: onednn_linear(x, copy, None)}
+                paths = {
+                    "int8 dot": lambda: kernels.int8_dot_linear(x, weight, None, isa),
+                    "f32 blocks": lambda: kernels.quantized_linear(x, weight, None),
+                    "f32 copy": lambda: onednn_linear(x, copy, None),
+                }
                 times = {name: [] for name in paths}
                 for _ in range(args.rounds):
                     for name, fn in paths.items():
@@ -84,10 +96,20 @@ def main():
                 for name in paths:
                     ratios = [c / t for c, t in zip(times["f32 copy"], times[name])]
                     us = [t * 1e6 for t in times[name]]
-                    table.append({"type": type_name, "layer": f"{shape_name} {n}x{k}", "rows": rows, "path": name,
-                                  "median us": statistics.median(us), "min": min(us), "max": max(us),
-                                  "speed vs f32 copy": statistics.median(ratios),
-                                  "ratio min": min(ratios), "ratio max": max(ratios)})
+                    table.append(
+                        {
+                            "type": type_name,
+                            "layer": f"{shape_name} {n}x{k}",
+                            "rows": rows,
+                            "path": name,
+                            "median us": statistics.median(us),
+                            "min": min(us),
+                            "max": max(us),
+                            "speed vs f32 copy": statistics.median(ratios),
+                            "ratio min": min(ratios),
+                            "ratio max": max(ratios),
+                        }
+                    )
                 print(format_table(table[-3:], list(table[0])), flush=True)
     print(f"\n{args.rounds} alternating rounds, best of {args.calls} calls each")
     print(format_table(table, list(table[0])))

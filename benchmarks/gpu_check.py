@@ -15,6 +15,7 @@
    the mixed workload of benchmarks/offline.py; ratios as median (min-max); single-stream
    as a fraction of the HBM bound (bytes read per token / measured copy bandwidth).
 """
+
 import argparse
 import os
 import random
@@ -27,22 +28,60 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=4096,
-                tie_word_embeddings=True, rms_norm_eps=1e-5, initializer_range=0.02,
-                rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                                     high_freq_factor=4.0, original_max_position_embeddings=8192))
-FULL = dict(kernel_shapes=4, graphs=True, kernel_tokens=512, exact_prompts=6, exact_tokens=24,
-            speed_model=LLAMA_1B, single_tokens=128, concurrent=64, concurrent_tokens=128, mixed_requests=32,
-            prompt_tokens=128)
-DRY = dict(kernel_shapes=1, graphs=False, kernel_tokens=20, exact_prompts=1, exact_tokens=3,
-           speed_model=None, single_tokens=3, concurrent=2, concurrent_tokens=2, mixed_requests=2, prompt_tokens=8)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
+FULL = dict(
+    kernel_shapes=4,
+    graphs=True,
+    kernel_tokens=512,
+    exact_prompts=6,
+    exact_tokens=24,
+    speed_model=LLAMA_1B,
+    single_tokens=128,
+    concurrent=64,
+    concurrent_tokens=128,
+    mixed_requests=32,
+    prompt_tokens=128,
+)
+DRY = dict(
+    kernel_shapes=1,
+    graphs=False,
+    kernel_tokens=20,
+    exact_prompts=1,
+    exact_tokens=3,
+    speed_model=None,
+    single_tokens=3,
+    concurrent=2,
+    concurrent_tokens=2,
+    mixed_requests=2,
+    prompt_tokens=8,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="tiny shapes on CPU under TRITON_INTERPRET=1 (what CI runs)")
+    parser.add_argument(
+        "--cpu-dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1 (what CI runs)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating speed rounds")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--plot", default=None, help="a PNG of the speed ratios (e.g. gpu_check.png)")
@@ -51,6 +90,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
     import torch
     from harness import describe_cpu, write_json
+
     device = torch.device("cpu" if args.cpu_dry_run else "cuda")
     sizes = DRY if args.cpu_dry_run else FULL
     print(environment(torch, device), describe_cpu(), sep="\n", flush=True)
@@ -62,8 +102,9 @@ def main() -> None:
     results["speed"] = check_speed(device, sizes, 1 if args.cpu_dry_run else args.rounds, args.plot)
     print(f"[{time.perf_counter() - started:.0f} s] speed measured", flush=True)
     write_json(args.json, results)
-    failed = [row["name"] for row in results["kernels"] if not row["ok"]] + \
-             [row["case"] for row in results["exactness"] if not row["ok"]]
+    failed = [row["name"] for row in results["kernels"] if not row["ok"]] + [
+        row["case"] for row in results["exactness"] if not row["ok"]
+    ]
     print("FAILED: " + ", ".join(failed) if failed else "all checks passed", flush=True)
     sys.exit(1 if failed else 0)
 
@@ -71,6 +112,7 @@ def main() -> None:
 def environment(torch, device) -> str:
     import transformers
     import triton
+
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     return f"device: {where}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}"
 
@@ -82,54 +124,82 @@ TOLERANCE = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 3e-2}
 
 def check_kernels(device, sizes: dict) -> list[dict]:
     import torch
+
     rows = []
     shapes = [(4, 64, torch.bfloat16), (8, 128, torch.float16), (4, 128, torch.float32), (8, 64, torch.bfloat16)]
-    for group, head_dim, dtype in shapes[:sizes["kernel_shapes"]]:
+    for group, head_dim, dtype in shapes[: sizes["kernel_shapes"]]:
         for name, error in kernel_errors(device, sizes["kernel_tokens"], group, head_dim, dtype).items():
             tol = TOLERANCE[str(dtype).removeprefix("torch.")]
-            rows.append({"name": f"{name} g{group} d{head_dim} {str(dtype)[6:]}", "max_error": error,
-                         "tolerance": tol, "ok": error <= tol})
+            rows.append(
+                {
+                    "name": f"{name} g{group} d{head_dim} {str(dtype)[6:]}",
+                    "max_error": error,
+                    "tolerance": tol,
+                    "ok": error <= tol,
+                }
+            )
     rows.append(sampling_check(device))
     for row in rows:
-        print(f"kernel {row['name']:<34} max error {row['max_error']:.2e} (tolerance {row['tolerance']:.0e})"
-              f" {'ok' if row['ok'] else 'FAILED'}", flush=True)
+        print(
+            f"kernel {row['name']:<34} max error {row['max_error']:.2e} (tolerance {row['tolerance']:.0e})"
+            f" {'ok' if row['ok'] else 'FAILED'}",
+            flush=True,
+        )
     return rows
 
 
 def kernel_errors(device, tokens: int, group: int, head_dim: int, dtype) -> dict:
     import torch
-    from kernels import attention as ref, layer_ops
-    from kernels.triton import cache_write, decode_attention, layer_ops as fused, prefill_attention
+
+    from kernels import attention as ref
+    from kernels import layer_ops
+    from kernels.triton import cache_write, decode_attention, prefill_attention
+    from kernels.triton import layer_ops as fused
+
     gen = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
     kv_heads, block_size = 2, 16
     lengths = [1, 17, tokens // 2 + 3, tokens]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 1
-    k_cache, v_cache = rand(kv_heads, num_blocks, block_size, head_dim), rand(kv_heads, num_blocks, block_size, head_dim)
+    k_cache, v_cache = (
+        rand(kv_heads, num_blocks, block_size, head_dim),
+        rand(kv_heads, num_blocks, block_size, head_dim),
+    )
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for n in lengths:
-        tables.append(order[used:used + -(-n // block_size)])
+        tables.append(order[used : used + -(-n // block_size)])
         used += len(tables[-1])
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
     context = torch.tensor(lengths, device=device)
-    query, scale = rand(len(lengths), kv_heads * group, head_dim), head_dim ** -0.5
+    query, scale = rand(len(lengths), kv_heads * group, head_dim), head_dim**-0.5
     f32 = lambda t: t.float()  # noqa: E731
     rel = lambda got, want: ((got.float() - want) / (1 + want.abs())).abs().max().item()  # noqa: E731
     errors = {}
     want = ref.paged_decode_attention_reference(f32(query), f32(k_cache), f32(v_cache), block_tables, context, scale)
     for splits in (1, 4):
-        got = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context, scale,
-                                                      num_splits=splits)
+        got = decode_attention.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context, scale, num_splits=splits
+        )
         errors[f"decode splits={splits}"] = rel(got, want)
     prefix, new = lengths[2] - 7, 7
     q = rand(new, kv_heads * group, head_dim)
     out = torch.zeros_like(q)
     table = block_tables[2:3]
-    prefill_attention.prefill_attention_varlen(q, k_cache, v_cache, out, torch.tensor([0], device=device),
-                                               torch.tensor([new], device=device), torch.tensor([prefix], device=device),
-                                               table, new, scale, exact=dtype == torch.float32)
+    prefill_attention.prefill_attention_varlen(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        torch.tensor([0], device=device),
+        torch.tensor([new], device=device),
+        torch.tensor([prefix], device=device),
+        table,
+        new,
+        scale,
+        exact=dtype == torch.float32,
+    )
     positions = range(prefix, prefix + new)
     slots = torch.tensor([tables[2][p // block_size] * block_size + p % block_size for p in positions], device=device)
     k_new = k_cache.view(kv_heads, -1, head_dim)[:, slots].transpose(0, 1)
@@ -157,8 +227,10 @@ def kernel_errors(device, tokens: int, group: int, head_dim: int, dtype) -> dict
 
 def sampling_check(device) -> dict:
     import torch
+
     from kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
     from kernels.triton import sampling
+
     gen = torch.Generator(device="cpu").manual_seed(1)
     vocab = 512 if device.type == "cpu" else 128256
     logits = (3 * torch.randn(8, vocab, generator=gen)).to(device)
@@ -177,11 +249,15 @@ def sampling_check(device) -> dict:
 
 # ---- 2. exactness ----------------------------------------------------------------------
 def check_exactness(device, sizes: dict) -> list[dict]:
-    from engine import LLM, SamplingParams
     from model_factory import build_tiny_model, hf_greedy, mixed_prompts
-    variants = {"triton+graphs": dict(attention_backend="triton"),
-                "triton eager": dict(attention_backend="triton", enforce_eager=True),
-                "torch": dict(attention_backend="torch")}
+
+    from engine import LLM, SamplingParams
+
+    variants = {
+        "triton+graphs": dict(attention_backend="triton"),
+        "triton eager": dict(attention_backend="triton", enforce_eager=True),
+        "torch": dict(attention_backend="torch"),
+    }
     if not sizes["graphs"]:  # CPU: no graphs to capture, the first variant would be the second
         del variants["triton+graphs"]
     rows = []
@@ -195,10 +271,12 @@ def check_exactness(device, sizes: dict) -> list[dict]:
                 params = SamplingParams(temperature=0, max_tokens=sizes["exact_tokens"])
                 got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
                 same = sum(g == w for g, w in zip(got, want))
-                rows.append({"case": f"{arch} {name}", "identical": same, "of": len(prompts),
-                             "ok": same == len(prompts)})
-                print(f"exactness {arch:<6} {name:<14} {same}/{len(prompts)} token-identical to transformers",
-                      flush=True)
+                rows.append(
+                    {"case": f"{arch} {name}", "identical": same, "of": len(prompts), "ok": same == len(prompts)}
+                )
+                print(
+                    f"exactness {arch:<6} {name:<14} {same}/{len(prompts)} token-identical to transformers", flush=True
+                )
                 del llm
     return rows
 
@@ -207,6 +285,7 @@ def check_exactness(device, sizes: dict) -> list[dict]:
 def check_speed(device, sizes: dict, rounds: int, plot: str | None) -> dict:
     """Ratios are transformers' time over ours for the same requests (> 1: ours is faster)."""
     from model_factory import build_tiny_model
+
     with tempfile.TemporaryDirectory() as scratch:
         if sizes["speed_model"] is None:
             model, dtype = build_tiny_model("llama", Path(scratch) / "speed"), "float32"
@@ -214,16 +293,23 @@ def check_speed(device, sizes: dict, rounds: int, plot: str | None) -> dict:
             print("writing a random Llama-3.2-1B-shaped model ...", flush=True)
             model, dtype = build_tiny_model("llama3", Path(scratch) / "speed", **sizes["speed_model"]), "bfloat16"
         workloads = make_workloads(sizes)
-        runners = {"graphs": ours(model, device, dtype, {}), "eager": ours(model, device, dtype, {"enforce_eager": True}),
-                   "transformers": transformers_runner(model, device, dtype)}
+        runners = {
+            "graphs": ours(model, device, dtype, {}),
+            "eager": ours(model, device, dtype, {"enforce_eager": True}),
+            "transformers": transformers_runner(model, device, dtype),
+        }
         times = timed_rounds(workloads, runners, rounds)
-        ratios = {(w, name): [hf / t for hf, t in zip(times[w, "transformers"], times[w, name])]
-                  for w in workloads for name in ("graphs", "eager")}
+        ratios = {
+            (w, name): [hf / t for hf, t in zip(times[w, "transformers"], times[w, name])]
+            for w in workloads
+            for name in ("graphs", "eager")
+        }
         summary = {f"{w} {name} vs transformers": spread(r) for (w, name), r in ratios.items()}
         for w, (_, lens) in workloads.items():
             summary[f"{w} tokens/s graphs"] = sum(lens) / statistics.median(times[w, "graphs"])
-        summary["graphs vs eager (single)"] = spread([e / g for e, g in zip(times["single", "eager"],
-                                                                            times["single", "graphs"])])
+        summary["graphs vs eager (single)"] = spread(
+            [e / g for e, g in zip(times["single", "eager"], times["single", "graphs"])]
+        )
         if device.type == "cuda":
             summary["single HBM-bound fraction"] = hbm_fraction(model, summary["single tokens/s graphs"], device)
     for key, value in summary.items():
@@ -246,8 +332,10 @@ def timed_rounds(workloads: dict, runners: dict, rounds: int) -> dict:
 
 def plot_ratios(ratios: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     workloads = sorted({w for w, _ in ratios}, key=["single", "concurrent", "mixed"].index)
     figure, axes = plt.subplots(figsize=(7, 4))
     for offset, name in ((-0.2, "graphs"), (0.2, "eager")):
@@ -271,19 +359,25 @@ def spread(ratios: list[float]) -> str:
 
 def make_workloads(sizes: dict) -> dict:
     from offline import make_workload
+
     rng = random.Random(0)
     prompt = lambda n: [rng.randrange(100, 768) for _ in range(n)]  # noqa: E731 (the tiny tokenizer's ids)
     mixed_prompts, mixed_lens = make_workload(sizes["mixed_requests"], 768)
     if sizes["speed_model"] is None:  # dry run: short
         mixed_prompts, mixed_lens = [p[:8] for p in mixed_prompts], [2] * len(mixed_lens)
-    return {"single": ([prompt(sizes["prompt_tokens"])], [sizes["single_tokens"]]),
-            "concurrent": ([prompt(sizes["prompt_tokens"]) for _ in range(sizes["concurrent"])],
-                           [sizes["concurrent_tokens"]] * sizes["concurrent"]),
-            "mixed": (mixed_prompts, mixed_lens)}
+    return {
+        "single": ([prompt(sizes["prompt_tokens"])], [sizes["single_tokens"]]),
+        "concurrent": (
+            [prompt(sizes["prompt_tokens"]) for _ in range(sizes["concurrent"])],
+            [sizes["concurrent_tokens"]] * sizes["concurrent"],
+        ),
+        "mixed": (mixed_prompts, mixed_lens),
+    }
 
 
 def ours(model: str, device, dtype: str, options: dict):
     from engine import LLM, SamplingParams
+
     llm = LLM(model, device=device.type, dtype=dtype, attention_backend="triton", max_model_len=1024, **options)
 
     def run(prompts, lens) -> float:
@@ -294,6 +388,7 @@ def ours(model: str, device, dtype: str, options: dict):
         synchronize(device)
         assert [len(o.token_ids) for o in outputs] == lens
         return time.perf_counter() - start
+
     run(*make_warmup())
     return run
 
@@ -301,6 +396,7 @@ def ours(model: str, device, dtype: str, options: dict):
 def transformers_runner(model: str, device, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
 
     def run(prompts, lens) -> float:
@@ -308,15 +404,22 @@ def transformers_runner(model: str, device, dtype: str):
         synchronize(device)
         start = time.perf_counter()
         for first in range(0, len(prompts), 64):
-            batch, new = prompts[first:first + 64], max(lens[first:first + 64])
+            batch, new = prompts[first : first + 64], max(lens[first : first + 64])
             width = max(map(len, batch))
             ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
             with torch.inference_mode():
-                hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                            do_sample=False, pad_token_id=0)
+                hf.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
         synchronize(device)
         return time.perf_counter() - start
+
     run(*make_warmup())
     return run
 
@@ -327,6 +430,7 @@ def make_warmup():
 
 def synchronize(device) -> None:
     import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -336,6 +440,7 @@ def hbm_fraction(model: str, tokens_per_s: float, device) -> str:
     them at 128 + 128 tokens): achieved bytes/s over a measured device copy's bandwidth."""
     import torch
     from safetensors import safe_open
+
     weight_bytes = 0
     for path in Path(model).glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:

@@ -6,6 +6,7 @@ spawned next to it, and the CPU seconds a process tree has used.
 The scripts import it as a sibling module (``from harness import ...``), the way
 queue_vs_offline.py imports offline.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     """Token ids drawn like offline.make_workload's (skipping the first 100 special ids)."""
     return [rng.randrange(100, vocab) for _ in range(length)]
@@ -35,6 +37,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 def vocab_size(model: str) -> int:
     from engine.models.loader import load_spec
+
     return load_spec(model).hf_config.vocab_size
 
 
@@ -119,19 +122,28 @@ def cpu_info() -> dict:
     torch_isa = None
     with contextlib.suppress(Exception):
         import torch
+
         torch_isa = torch.backends.cpu.get_cpu_capability()
-    return {"model": model, "logical_cpus": os.cpu_count(), "usable_cpus": usable,
-            "isa": "avx512" if isa == "avx512f" else isa, "torch_isa": torch_isa,
-            "avx512_vnni": "avx512_vnni" in flags, "amx": "amx_tile" in flags}
+    return {
+        "model": model,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "isa": "avx512" if isa == "avx512f" else isa,
+        "torch_isa": torch_isa,
+        "avx512_vnni": "avx512_vnni" in flags,
+        "amx": "amx_tile" in flags,
+    }
 
 
 def describe_cpu(info: dict | None = None) -> str:
     """One line, e.g. ``CPU: AMD EPYC, 2 CPUs (2 usable), ISA avx2 (torch kernels: AVX2)``."""
     info = info or cpu_info()
     extras = [name for name in ("avx512_vnni", "amx") if info.get(name)]
-    return (f"CPU: {info['model']}, {info['logical_cpus']} CPUs ({info['usable_cpus']} usable), "
-            f"ISA {info['isa'] or 'unknown'}{''.join(' + ' + e for e in extras)}"
-            f" (torch kernels: {info['torch_isa'] or '-'})")
+    return (
+        f"CPU: {info['model']}, {info['logical_cpus']} CPUs ({info['usable_cpus']} usable), "
+        f"ISA {info['isa'] or 'unknown'}{''.join(' + ' + e for e in extras)}"
+        f" (torch kernels: {info['torch_isa'] or '-'})"
+    )
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -160,14 +172,16 @@ def cpu_seconds(pid: int) -> float | None:
 def embedded_valkey() -> Iterator[str]:
     """A throwaway Valkey server (no AOF); yields its URL."""
     from actors.embedded_valkey import EmbeddedValkey
+
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as data_dir:
         with EmbeddedValkey(data_dir, appendonly=False, password=None) as server:
             yield server.url
 
 
 @contextlib.contextmanager
-def spawned_replica(model: str, redis_url: str, engine_args: str | Sequence[str] = (),
-                    log_path: str | None = None) -> Iterator[subprocess.Popen]:
+def spawned_replica(
+    model: str, redis_url: str, engine_args: str | Sequence[str] = (), log_path: str | None = None
+) -> Iterator[subprocess.Popen]:
     """``conveyor serve`` on ``redis_url`` with extra engine flags; SIGTERM (then SIGKILL) on exit.
 
     Its output (warnings only) goes to ``log_path``, else to ours. Does not wait for the
@@ -176,8 +190,12 @@ def spawned_replica(model: str, redis_url: str, engine_args: str | Sequence[str]
     conveyor = Path(sys.executable).with_name("conveyor")
     command = [str(conveyor), "serve", "--model", model, "--redis-url", redis_url, *flags]
     with open(log_path, "ab") if log_path else contextlib.nullcontext() as log:
-        replica = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                   env={**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING"})
+        replica = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            env={**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING"},
+        )
         try:
             yield replica
         finally:
@@ -191,18 +209,40 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def spawned_gateway(redis_url: str, namespace: str | None = None, log_path: str | None = None,
-                    args: Sequence[str] = (), ready_timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen]]:
+def spawned_gateway(
+    redis_url: str,
+    namespace: str | None = None,
+    log_path: str | None = None,
+    args: Sequence[str] = (),
+    ready_timeout: float = 60.0,
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """``conveyor gateway`` on a free loopback port against ``redis_url``, without API keys
     (one namespace: ``namespace`` or the default); yields (its URL, the process) once
     ``/health`` answers. SIGTERM (then SIGKILL) on exit."""
     port = free_port()
     conveyor = Path(sys.executable).with_name("conveyor")
-    command = [str(conveyor), "gateway", "--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning", *(["--namespace", namespace] if namespace else []), *args]
+    command = [
+        str(conveyor),
+        "gateway",
+        "--redis-url",
+        redis_url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *(["--namespace", namespace] if namespace else []),
+        *args,
+    ]
     env = {**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
-    for name in ("REDIS_URL", "CONVEYOR_GATEWAY_API_KEYS", "CONVEYOR_GATEWAY_KEYS_FILE", "CONVEYOR_GATEWAY_PORT",
-                 "CONVEYOR_GATEWAY_HOST"):
+    for name in (
+        "REDIS_URL",
+        "CONVEYOR_GATEWAY_API_KEYS",
+        "CONVEYOR_GATEWAY_KEYS_FILE",
+        "CONVEYOR_GATEWAY_PORT",
+        "CONVEYOR_GATEWAY_HOST",
+    ):
         env.pop(name, None)
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "ab") if log_path else contextlib.nullcontext() as log:
@@ -241,4 +281,3 @@ def _stop(process: subprocess.Popen, timeout: float = 60.0) -> None:
 def check_alive(process: subprocess.Popen | None, what: str = "replica") -> None:
     if process is not None and process.poll() is not None:
         raise RuntimeError(f"the {what} exited with code {process.returncode} (see its log)")
-

@@ -12,6 +12,7 @@ few). For a model then prints two ceilings:
   2 x params FLOPs (attention scores and softmax not counted), so
   tokens/s <= GFLOP/s / (2 x params).
 """
+
 import argparse
 import sys
 import time
@@ -58,14 +59,17 @@ def weight_counts(model: torch.nn.Module) -> dict:
     params = list(model.parameters())  # tied weights come once
     lookup_only = {id(m.weight) for m in _untied_embeddings(model)}
     matmul = [p for p in params if id(p) not in lookup_only]
-    return {"params": sum(_weights(p) for p in params),
-            "matmul_params": sum(_weights(p) for p in matmul),
-            "weight_bytes_per_step": sum(p.numel() * p.element_size() for p in matmul)}
+    return {
+        "params": sum(_weights(p) for p in params),
+        "matmul_params": sum(_weights(p) for p in matmul),
+        "weight_bytes_per_step": sum(p.numel() * p.element_size() for p in matmul),
+    }
 
 
 def _weights(param: torch.Tensor) -> int:
     """Weights a parameter holds: GGUF blocks (kernels/quant.py) pack several per byte."""
     from kernels.quant import in_features_of, is_packed
+
     return param.shape[0] * in_features_of(param) if is_packed(param) else param.numel()
 
 
@@ -73,8 +77,9 @@ def _untied_embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:
     """Embedding tables only looked up: not shared with another module (our CPU head holds
     the tied table itself) nor behind a head without parameters of its own (TiedHead)."""
     embeddings = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Embedding)
-              for p in m.parameters(recurse=False)}
+    shared = {
+        id(p) for m in model.modules() if not isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
+    }
     embeddings = [m for m in embeddings if id(m.weight) not in shared]
     head = getattr(model, "lm_head", None)
     if embeddings and head is not None and next(head.parameters(), None) is None:  # tied: the largest table
@@ -85,31 +90,43 @@ def _untied_embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:
 def load_model(model: str) -> torch.nn.Module:
     """Our float32 CPU implementation of ``model`` (weights only, no KV cache)."""
     from engine.models.loader import build_model, load_spec
+
     spec = load_spec(model)
     return build_model(spec, min(spec.max_context, 4096), torch.float32, torch.device("cpu"))
 
 
-def bounds_for(model: str = "smollm2", module: torch.nn.Module | None = None,
-               gflops: float | None = None, read_gbps: float | None = None) -> dict:
+def bounds_for(
+    model: str = "smollm2",
+    module: torch.nn.Module | None = None,
+    gflops: float | None = None,
+    read_gbps: float | None = None,
+) -> dict:
     """Ceilings for ``model`` on this machine; pass ``module`` (e.g.
     ``llm.engine.runner.model``) and measured limits to skip loading and measuring again."""
     counts = weight_counts(module if module is not None else load_model(model))
     gflops = gflops or matmul_gflops()
     read_gbps = read_gbps or memory_read_gbps()
-    return {"model": model, **counts, "matmul_gflops": gflops, "read_gbps": read_gbps,
-            "decode_tokens_per_s_bound": read_gbps * 1e9 / counts["weight_bytes_per_step"],
-            "throughput_tokens_per_s_bound": gflops * 1e9 / (2 * counts["matmul_params"])}
+    return {
+        "model": model,
+        **counts,
+        "matmul_gflops": gflops,
+        "read_gbps": read_gbps,
+        "decode_tokens_per_s_bound": read_gbps * 1e9 / counts["weight_bytes_per_step"],
+        "throughput_tokens_per_s_bound": gflops * 1e9 / (2 * counts["matmul_params"]),
+    }
 
 
 def describe(bounds: dict) -> str:
-    return "\n".join([
-        f"machine: {bounds['matmul_gflops']:.1f} GFLOP/s float32 matmul, {bounds['read_gbps']:.1f} GB/s "
-        f"memory read, {torch.get_num_threads()} torch threads",
-        f"{bounds['model']}: {bounds['params'] / 1e6:.1f} M params ({bounds['matmul_params'] / 1e6:.1f} M in "
-        f"matmuls), {bounds['weight_bytes_per_step'] / 1e6:.0f} MB read per decode step",
-        f"  bandwidth-bound single-stream decode: {bounds['decode_tokens_per_s_bound']:8.1f} tokens/s",
-        f"  matmul-bound throughput:              {bounds['throughput_tokens_per_s_bound']:8.1f} tokens/s",
-    ])
+    return "\n".join(
+        [
+            f"machine: {bounds['matmul_gflops']:.1f} GFLOP/s float32 matmul, {bounds['read_gbps']:.1f} GB/s "
+            f"memory read, {torch.get_num_threads()} torch threads",
+            f"{bounds['model']}: {bounds['params'] / 1e6:.1f} M params ({bounds['matmul_params'] / 1e6:.1f} M in "
+            f"matmuls), {bounds['weight_bytes_per_step'] / 1e6:.0f} MB read per decode step",
+            f"  bandwidth-bound single-stream decode: {bounds['decode_tokens_per_s_bound']:8.1f} tokens/s",
+            f"  matmul-bound throughput:              {bounds['throughput_tokens_per_s_bound']:8.1f} tokens/s",
+        ]
+    )
 
 
 def main():

@@ -10,6 +10,7 @@ same tokens. Rounds alternate the arms' order, after a warm-up round; prints sec
 round (min / median / max), the ratio serial / mixed with its spread, the CPU's ISA, and
 writes a PNG of the rounds next to the JSON.
 """
+
 import argparse
 import json
 import statistics
@@ -31,10 +32,15 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> str:
     """A PEFT-format adapter of random weights for a Llama-family config."""
     heads, kv, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv * head_dim),
-              "v_proj": (hidden, kv * head_dim), "o_proj": (heads * head_dim, hidden),
-              "gate_proj": (hidden, config.intermediate_size), "up_proj": (hidden, config.intermediate_size),
-              "down_proj": (config.intermediate_size, hidden)}  # fmt: skip
+    shapes = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, config.intermediate_size),
+        "up_proj": (hidden, config.intermediate_size),
+        "down_proj": (config.intermediate_size, hidden),
+    }
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_hidden_layers):
@@ -45,8 +51,11 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> str:
             tensors[f"{stem}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}
+        )
+    )
     return str(folder)
 
 
@@ -78,34 +87,46 @@ def main() -> None:
     args = parser.parse_args()
     from engine import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
-              quantization=args.quantization)
+    llm = LLM(
+        args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, quantization=args.quantization
+    )
     config = llm.engine.spec.hf_config
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [LoRARequest(f"a{k}", k + 1, write_adapter(Path(tmp) / f"a{k}", config, args.rank, k))
-                    for k in range(args.adapters)]
+        adapters = [
+            LoRARequest(f"a{k}", k + 1, write_adapter(Path(tmp) / f"a{k}", config, args.rank, k))
+            for k in range(args.adapters)
+        ]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
         times = {"mixed": [], "serial": []}
         import random
+
         rng = random.Random(0)
         for round_index in range(args.rounds + 1):  # round 0 warms up (and loads every adapter)
             count = args.adapters * args.per_adapter
-            prompts = [{"prompt_token_ids": random_prompt(rng, args.prompt_len, config.vocab_size)}
-                       for _ in range(count)]
+            prompts = [
+                {"prompt_token_ids": random_prompt(rng, args.prompt_len, config.vocab_size)} for _ in range(count)
+            ]
             loras = [adapters[i % args.adapters] for i in range(count)]  # interleaved, as a queue brings them
             tokens = {}
-            for arm in (("mixed", "serial") if round_index % 2 else ("serial", "mixed")):
+            for arm in ("mixed", "serial") if round_index % 2 else ("serial", "mixed"):
                 seconds, tokens[arm] = run_round(llm, prompts, loras, params, arm == "mixed")
                 if round_index:
                     times[arm].append(seconds)
                 print(f"round {round_index} {arm}: {seconds:.2f} s", flush=True)
             assert tokens["mixed"] == tokens["serial"], "both arms must generate the same tokens"
     ratios = [s / m for s, m in zip(times["serial"], times["mixed"])]
-    summary = {arm: {"seconds_min": min(t), "seconds_median": statistics.median(t), "seconds_max": max(t)}
-               for arm, t in times.items()}
+    summary = {
+        arm: {"seconds_min": min(t), "seconds_median": statistics.median(t), "seconds_max": max(t)}
+        for arm, t in times.items()
+    }
     summary["serial_over_mixed"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-    summary["config"] = {**vars(args), "cpu": describe_cpu(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                         "torch_threads": torch.get_num_threads(), "lora_loads": llm.engine.runner.lora.loads}
+    summary["config"] = {
+        **vars(args),
+        "cpu": describe_cpu(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "lora_loads": llm.engine.runner.lora.loads,
+    }
     print(json.dumps(summary, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(summary, indent=2))
@@ -114,14 +135,19 @@ def main() -> None:
 
 def plot(times: dict, ratios: list, path: Path, args) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rounds = range(1, len(ratios) + 1)
     figure, axis = plt.subplots(figsize=(6, 3.5))
     for arm, marker in (("mixed", "o"), ("serial", "s")):
         axis.plot(rounds, times[arm], marker=marker, label=arm)
-    axis.set(xlabel="round", ylabel="seconds", title=f"{args.adapters} adapters x {args.per_adapter} prompts: "
-                                                      f"serial/mixed {statistics.median(ratios):.2f}x")
+    axis.set(
+        xlabel="round",
+        ylabel="seconds",
+        title=f"{args.adapters} adapters x {args.per_adapter} prompts: serial/mixed {statistics.median(ratios):.2f}x",
+    )
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -7,6 +7,7 @@ the i-th separate request is given. Rounds alternate arms, each round with a fre
 prompt (so no arm finds another round's prompt cached); each arm has its own engine.
 Prints seconds per round (min / median / max), prompt positions computed, and the ratio.
 """
+
 import argparse
 import json
 import random
@@ -23,6 +24,7 @@ def prompt_positions_computed(llm) -> int:
 
 def run_round(llm, prompt, args, together: bool) -> tuple[float, list[list[int]], int]:
     from engine import SamplingParams
+
     base = dict(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True)
     before = prompt_positions_computed(llm)
     start = time.perf_counter()
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args()
     from engine import LLM
+
     engines = {arm: LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens) for arm in ("n", "separate")}
     vocab = engines["n"].engine.spec.hf_config.vocab_size
     rng = random.Random(args.seed)
@@ -53,17 +56,27 @@ def main() -> None:
     for round_index in range(args.rounds + 1):  # round 0 warms both up
         prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
         tokens = {}
-        for arm in (("n", "separate") if round_index % 2 else ("separate", "n")):
+        for arm in ("n", "separate") if round_index % 2 else ("separate", "n"):
             seconds, tokens[arm], positions = run_round(engines[arm], prompt, args, together=arm == "n")
             if round_index:
                 times[arm].append(seconds)
                 computed[arm].append(positions)
         assert tokens["n"] == tokens["separate"], "both arms must sample the same tokens"
-    summary = {arm: {"seconds_min": min(t), "seconds_median": statistics.median(t), "seconds_max": max(t),
-                     "prompt_positions_per_round": computed[arm][0]} for arm, t in times.items()}
+    summary = {
+        arm: {
+            "seconds_min": min(t),
+            "seconds_median": statistics.median(t),
+            "seconds_max": max(t),
+            "prompt_positions_per_round": computed[arm][0],
+        }
+        for arm, t in times.items()
+    }
     summary["speedup_median"] = summary["separate"]["seconds_median"] / summary["n"]["seconds_median"]
-    summary["config"] = {**vars(args), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                         "torch_threads": torch.get_num_threads()}
+    summary["config"] = {
+        **vars(args),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+    }
     print(json.dumps(summary, indent=2))
 
 

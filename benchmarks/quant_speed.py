@@ -18,6 +18,7 @@ Prints the CPU and the ISA the kernels were compiled for, the median and the ran
 of each, the ratio of the medians, the load time and the RSS after each load. The machine
 is shared: read the spread before the median.
 """
+
 import argparse
 import gc
 import random
@@ -39,6 +40,7 @@ def rss_mib() -> dict:
 
 def greedy(max_tokens: int):
     from engine import SamplingParams
+
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -60,22 +62,34 @@ def main():
     parser.add_argument("--single-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--batch-output", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's); on a shared, oversubscribed box 1 avoids OpenMP spinning")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated quantization modes (none is always run)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); on a shared, oversubscribed box 1 avoids OpenMP spinning",
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated quantization modes (none is always run)"
+    )
     add_json_option(parser)
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m != "none"] + ["none"]
     import torch
+
     from engine import LLM
     from kernels.cpu import extension
+
     kernels = extension.load()
     if args.threads:
         torch.set_num_threads(args.threads)
     from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
-    print(describe_cpu(), f"| quantized kernel: {kernels.quant_isa() if kernels else 'torch reference'}",
-          f"| int8 dot: {int8_dot_isa(cpu_flags())}",
-          f"| torch threads: {torch.get_num_threads()}")
+
+    print(
+        describe_cpu(),
+        f"| quantized kernel: {kernels.quant_isa() if kernels else 'torch reference'}",
+        f"| int8 dot: {int8_dot_isa(cpu_flags())}",
+        f"| torch threads: {torch.get_num_threads()}",
+    )
     vocab = vocab_size(args.model)
     rng = random.Random(1)
     prompt = random_prompt(rng, 16, vocab)
@@ -84,8 +98,14 @@ def main():
     for mode in modes:
         gc.collect()
         start = time.perf_counter()
-        engines[mode] = LLM(args.model, dtype="float32", device="cpu", quantization=mode,
-                            kv_cache_memory="256MiB", max_num_seqs=max(args.batch, 1))
+        engines[mode] = LLM(
+            args.model,
+            dtype="float32",
+            device="cpu",
+            quantization=mode,
+            kv_cache_memory="256MiB",
+            max_num_seqs=max(args.batch, 1),
+        )
         loads[mode] = {"load_s": time.perf_counter() - start, **rss_mib()}
         engines[mode].generate([prompt[:8]], greedy(4), use_tqdm=False)  # warm-up
     results = {mode: {"single": [], "batched": []} for mode in modes}
@@ -99,10 +119,20 @@ def main():
         medians = {mode: statistics.median(results[mode][workload]) for mode in modes}
         for mode in modes:
             values = results[mode][workload]
-            rows.append({"workload": workload, "weights": mode, "median tok/s": medians[mode],
-                         "min": min(values), "max": max(values), "vs none": medians[mode] / medians["none"]})
-    print(f"\n{args.rounds} alternating rounds; single: 16 in, {args.single_tokens} out; batched: {args.batch}"
-          f" x (32 in, {args.batch_output} out), output tok/s")
+            rows.append(
+                {
+                    "workload": workload,
+                    "weights": mode,
+                    "median tok/s": medians[mode],
+                    "min": min(values),
+                    "max": max(values),
+                    "vs none": medians[mode] / medians["none"],
+                }
+            )
+    print(
+        f"\n{args.rounds} alternating rounds; single: 16 in, {args.single_tokens} out; batched: {args.batch}"
+        f" x (32 in, {args.batch_output} out), output tok/s"
+    )
     print(format_table(rows, list(rows[0])))
     print("\nafter each load (MiB; the second load's VmHWM includes the first engine):")
     print(format_table([{"weights": m, **loads[m]} for m in modes], ["weights", "load_s", "VmRSS", "VmHWM", "RssAnon"]))

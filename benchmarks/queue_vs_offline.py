@@ -14,6 +14,7 @@ prompts (so no prefix cache helps across rounds), runs every mode on them in a r
 order, and counts output tokens/s from the first submission to the last result. Prints the
 median and spread of each mode and of queue / offline (target: >= 0.95).
 """
+
 import argparse
 import random
 import statistics
@@ -26,28 +27,40 @@ from harness import describe_cpu, embedded_valkey, spawned_replica, write_json  
 from offline import make_workload  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=64, max_num_batched_tokens=512)
-QUEUE_MODES = {"queue": [], "queue_overlapped": ["--async-scheduling", "true"],
-               "queue_thread": ["--engine-process", "false"]}
+QUEUE_MODES = {
+    "queue": [],
+    "queue_overlapped": ["--async-scheduling", "true"],
+    "queue_thread": ["--engine-process", "false"],
+}
 
 
 def offline_runner(model: str):
     from engine import LLM, SamplingParams
+
     llm = LLM(model, **ENGINE_OPTIONS)
 
     def run(prompts, output_lens) -> int:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
         return sum(len(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+
     return run
 
 
 def queue_runner(redis_url: str, namespace: str):
     from clients import Client
+
     client = Client(redis_url, namespace=namespace)
 
     def run(prompts, output_lens) -> int:
-        jobs = client.submit_many([{"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True, "temperature": 0}
-                                   for p, n in zip(prompts, output_lens)], progress=False)
+        jobs = client.submit_many(
+            [
+                {"prompt_token_ids": p, "max_tokens": n, "ignore_eos": True, "temperature": 0}
+                for p, n in zip(prompts, output_lens)
+            ],
+            progress=False,
+        )
         return sum(len(job.result(timeout=1800).token_ids) for job in jobs)
+
     return run
 
 
@@ -56,14 +69,17 @@ def measure(runners: dict, args, vocab: int) -> dict[str, list[float]]:
     order = list(runners)
     for round_index in range(args.rounds):
         prompts, output_lens = make_workload(args.num_requests, vocab, seed=100 + round_index)
-        for mode in order[round_index % len(order):] + order[:round_index % len(order)]:
+        for mode in order[round_index % len(order) :] + order[: round_index % len(order)]:
             start = time.perf_counter()
             tokens = runners[mode](prompts, output_lens)
             elapsed = time.perf_counter() - start
             assert tokens == sum(output_lens), f"{mode}: ignore_eos outputs must have exactly max_tokens tokens"
             rates[mode].append(tokens / elapsed)
-            print(f"round {round_index + 1}/{args.rounds} {mode:>17}: {tokens / elapsed:7.1f} output tok/s "
-                  f"({elapsed:.1f} s)", flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds} {mode:>17}: {tokens / elapsed:7.1f} output tok/s "
+                f"({elapsed:.1f} s)",
+                flush=True,
+            )
     return rates
 
 
@@ -72,15 +88,22 @@ def report(rates: dict[str, list[float]], args) -> dict:
     summary = {}
     for mode, values in rates.items():
         summary[mode] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-        print(f"  {mode:>17}: {summary[mode]['median']:7.1f} output tok/s (min {min(values):.1f}, max {max(values):.1f})")
+        print(
+            f"  {mode:>17}: {summary[mode]['median']:7.1f} output tok/s (min {min(values):.1f}, max {max(values):.1f})"
+        )
     if "offline" in rates:
         for mode in QUEUE_MODES:
             if mode in rates:
                 ratios = [q / o for q, o in zip(rates[mode], rates["offline"])]  # same round, same prompts
-                summary[f"{mode}/offline"] = {"median": statistics.median(ratios), "min": min(ratios),
-                                              "max": max(ratios)}
-                print(f"  {mode} / offline = {statistics.median(ratios):.2f} "
-                      f"(per round {min(ratios):.2f}-{max(ratios):.2f})")
+                summary[f"{mode}/offline"] = {
+                    "median": statistics.median(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                }
+                print(
+                    f"  {mode} / offline = {statistics.median(ratios):.2f} "
+                    f"(per round {min(ratios):.2f}-{max(ratios):.2f})"
+                )
     return summary
 
 
@@ -94,6 +117,7 @@ def main():
     args = parser.parse_args()
     modes = args.modes.split(",")
     from engine.models.loader import load_spec
+
     vocab = load_spec(args.model).hf_config.vocab_size
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_OPTIONS.items()]
     with embedded_valkey() as url:

@@ -46,6 +46,7 @@ tokens of the same lengths (the prefix cache never serves one run from another's
 in queue mode). Each run also reports the CPU seconds of the replica, the gateway and this
 client: on a small machine they compete for the same cores.
 """
+
 import argparse
 import asyncio
 import contextlib
@@ -58,8 +59,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (check_alive, cpu_info, cpu_seconds, describe_cpu, embedded_valkey, format_table,  # noqa: E402
-                     random_prompt, spawned_gateway, spawned_replica, summarize, vocab_size, write_json)
+from harness import (  # noqa: E402
+    check_alive,
+    cpu_info,
+    cpu_seconds,
+    describe_cpu,
+    embedded_valkey,
+    format_table,
+    random_prompt,
+    spawned_gateway,
+    spawned_replica,
+    summarize,
+    vocab_size,
+    write_json,
+)
 from offline import make_workload  # noqa: E402
 
 WORKLOAD_LENGTHS = {"random": (128, 32), "summarization": (1024, 32)}  # default (input, output) tokens
@@ -113,8 +126,13 @@ def build_workload(args, vocab: int, rate_index: int = 0, content_index: int = 0
         input_len, output_len = _lengths(args)
         prefix = random_prompt(random.Random(args.seed), args.shared_prefix_tokens, vocab)
         rng = random.Random(seed)
-        requests = [Request(prefix + random_prompt(rng, _around(rng, input_len, args.range_ratio), vocab),
-                            _around(rng, output_len, args.range_ratio)) for _ in range(args.num_prompts)]
+        requests = [
+            Request(
+                prefix + random_prompt(rng, _around(rng, input_len, args.range_ratio), vocab),
+                _around(rng, output_len, args.range_ratio),
+            )
+            for _ in range(args.num_prompts)
+        ]
         prefix_len = len(prefix)
     if content_index:
         rng = random.Random(f"{seed}/{content_index}")
@@ -151,13 +169,18 @@ def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> li
 # ---- one request -----------------------------------------------------------------------------
 async def send_request(client, request: Request, args) -> RequestRecord:
     from clients import ConveyorError
+
     record = RequestRecord(len(request.prompt_token_ids))
-    prompt = ({"prompt": request.prompt_text} if request.prompt_text is not None
-              else {"prompt_token_ids": request.prompt_token_ids})
+    prompt = (
+        {"prompt": request.prompt_text}
+        if request.prompt_text is not None
+        else {"prompt_token_ids": request.prompt_token_ids}
+    )
     submitted = time.perf_counter()
     try:
-        job = await client.submit(**prompt, max_tokens=request.max_tokens,
-                                  ignore_eos=True, temperature=0, priority_class=args.priority_class)
+        job = await client.submit(
+            **prompt, max_tokens=request.max_tokens, ignore_eos=True, temperature=0, priority_class=args.priority_class
+        )
         last = None
         async for event in job.stream(timeout=args.request_timeout):
             last = _record_token_event(record, event, submitted, last)
@@ -189,20 +212,29 @@ def _record_token_event(record: RequestRecord, event, submitted: float, last: fl
 def completion_body(request: Request, model: str) -> dict:
     """What ``vllm bench serve`` sends an OpenAI server (its openai-completions backend)."""
     prompt = request.prompt_text if request.prompt_text is not None else request.prompt_token_ids
-    return {"model": model, "prompt": prompt, "max_tokens": request.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def send_http_request(client, model: str, request: Request, args) -> RequestRecord:
     """One streaming /v1/completions: TTFT at the first chunk with text, an ITL sample per
     later text chunk, e2e at ``data: [DONE]``, token counts from the usage chunk."""
     import httpx
+
     record = RequestRecord(len(request.prompt_token_ids))
     headers = {"X-Conveyor-Priority-Class": args.priority_class}
     submitted = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=completion_body(request, model),
-                                 headers=headers) as response:
+        async with client.stream(
+            "POST", "/v1/completions", json=completion_body(request, model), headers=headers
+        ) as response:
             if response.status_code != 200:
                 await response.aread()
                 record.error = f"HTTP {response.status_code}: {response.text[:200]}"
@@ -242,6 +274,7 @@ async def send_http_request(client, model: str, request: Request, args) -> Reque
 @dataclass
 class Target:
     """Where a run's requests go, and the processes whose CPU time it reports."""
+
     redis_url: str | None
     replica: object = None  # the spawned `conveyor serve` (Popen), else None
     gateway_url: str | None = None
@@ -249,12 +282,20 @@ class Target:
     model: str | None = None  # the model name the gateway serves (found on the first http run)
 
 
-async def run_benchmark(target: Target, requests: list[Request], rate: float, args, label: str = "",
-                        mode: str = "queue", warmup: bool = False) -> dict:
+async def run_benchmark(
+    target: Target,
+    requests: list[Request],
+    rate: float,
+    args,
+    label: str = "",
+    mode: str = "queue",
+    warmup: bool = False,
+) -> dict:
     """One run: ``requests`` at ``rate`` through the queue or the gateway (``mode``)."""
     if mode == "http":
         return await _run_http(target, requests, rate, args, label, warmup)
     from clients import AsyncClient
+
     async with AsyncClient(target.redis_url, args.namespace) as client:
         await wait_until_ready(client, target.replica)
         return await _drive(requests, rate, args, label, lambda r: send_request(client, r, args), target, warmup)
@@ -262,39 +303,51 @@ async def run_benchmark(target: Target, requests: list[Request], rate: float, ar
 
 async def _run_http(target: Target, requests: list[Request], rate: float, args, label: str, warmup: bool) -> dict:
     import httpx
+
     connections = args.max_concurrency or len(requests)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with httpx.AsyncClient(base_url=target.gateway_url, limits=limits, timeout=timeout) as client:
         target.model = await wait_until_served(client, target, args)
-        return await _drive(requests, rate, args, label,
-                            lambda r: send_http_request(client, target.model, r, args), target, warmup)
+        return await _drive(
+            requests, rate, args, label, lambda r: send_http_request(client, target.model, r, args), target, warmup
+        )
 
 
-async def _drive(requests: list[Request], rate: float, args, label: str, send, target: Target,
-                 warmup: bool = False) -> dict:
+async def _drive(
+    requests: list[Request], rate: float, args, label: str, send, target: Target, warmup: bool = False
+) -> dict:
     """Sends ``requests`` at their arrival times (a warm-up: all at once) through ``send``."""
     from tqdm import tqdm
+
     offsets = arrival_offsets(len(requests), math.inf if warmup else rate, args.burstiness, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     cpu_before = _cpu_now(target)
     with tqdm(total=len(requests), desc=label or f"rate {rate}", unit="req") as bar:
         start = time.perf_counter()
-        records = await asyncio.gather(*(_send_at(send, r, start + o, limit, bar)
-                                         for r, o in zip(requests, offsets)))
+        records = await asyncio.gather(*(_send_at(send, r, start + o, limit, bar) for r, o in zip(requests, offsets)))
         duration = time.perf_counter() - start
-    cpu = {name: None if after is None or cpu_before[name] is None else after - cpu_before[name]
-           for name, after in _cpu_now(target).items()}
-    return {"request_rate": rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-            **summarize_run(records, duration, args), "cpu_s": cpu,
-            "requests": [_record_json(r) for r in records]}
+    cpu = {
+        name: None if after is None or cpu_before[name] is None else after - cpu_before[name]
+        for name, after in _cpu_now(target).items()
+    }
+    return {
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **summarize_run(records, duration, args),
+        "cpu_s": cpu,
+        "requests": [_record_json(r) for r in records],
+    }
 
 
 def _cpu_now(target: Target) -> dict:
     """CPU seconds so far of the replica, the gateway (spawned ones only) and this client."""
-    return {"replica": target.replica and cpu_seconds(target.replica.pid),
-            "gateway": target.gateway and cpu_seconds(target.gateway.pid),
-            "client": time.process_time()}
+    return {
+        "replica": target.replica and cpu_seconds(target.replica.pid),
+        "gateway": target.gateway and cpu_seconds(target.gateway.pid),
+        "client": time.process_time(),
+    }
 
 
 async def _send_at(send, request: Request, send_time: float, limit: asyncio.Semaphore, bar):
@@ -309,6 +362,7 @@ async def wait_until_ready(client, replica, timeout: float = 600.0) -> None:
     """One tiny job, answered: the replica is up and its model warm. A first start may
     take minutes (GGUF conversion, kernel build)."""
     from clients import Timeout
+
     job = await client.submit(prompt_token_ids=[100, 101, 102, 103], max_tokens=4, temperature=0)
     deadline = time.monotonic() + timeout
     while True:
@@ -334,8 +388,10 @@ async def wait_until_served(client, target: Target, args, timeout: float = 600.0
         if names:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the gateway at {target.gateway_url} served no model after {timeout:.0f} s "
-                               f"(/v1/models: {reply.status_code} {reply.text[:200]})")
+            raise RuntimeError(
+                f"the gateway at {target.gateway_url} served no model after {timeout:.0f} s "
+                f"(/v1/models: {reply.status_code} {reply.text[:200]})"
+            )
         await asyncio.sleep(0.5)
     wanted = Path(args.model).name
     if len(names) > 1 and wanted not in names:
@@ -351,15 +407,25 @@ def summarize_run(records: list[RequestRecord], duration: float, args) -> dict:
     done = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in done)
     total_tokens = output_tokens + sum(r.prompt_tokens for r in done)
-    latencies = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
-                 "itl": [gap for r in done for gap in r.itl], "e2e": [r.e2e for r in done],
-                 "queue": [r.queue for r in done if r.queue is not None]}
-    return {"completed": len(done), "failed": len(records) - len(done), "duration_s": duration,
-            "request_throughput": len(done) / duration, "output_tokens_per_s": output_tokens / duration,
-            "total_tokens_per_s": total_tokens / duration, "output_tokens": output_tokens,
-            "goodput": sum(meets_slo(r, args) for r in done) / duration,
-            **{name: summarize(values) for name, values in latencies.items()},
-            "errors": sorted({r.error for r in records if r.error})[:5]}
+    latencies = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2e": [r.e2e for r in done],
+        "queue": [r.queue for r in done if r.queue is not None],
+    }
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_tokens_per_s": output_tokens / duration,
+        "total_tokens_per_s": total_tokens / duration,
+        "output_tokens": output_tokens,
+        "goodput": sum(meets_slo(r, args) for r in done) / duration,
+        **{name: summarize(values) for name, values in latencies.items()},
+        "errors": sorted({r.error for r in records if r.error})[:5],
+    }
 
 
 def meets_slo(record: RequestRecord, args) -> bool:
@@ -426,10 +492,12 @@ def run_sweep(args, workloads) -> list[dict]:
                 for round_index in range(args.rounds):
                     for mode in round_order(modes, round_index, args.order):
                         requests = workloads(rate_index, round_index * len(modes) + modes.index(mode))
-                        label = (variant + (f" {mode}" if args.mode != "queue" else "")
-                                 + (f" round {round_index + 1}" if args.rounds > 1 else ""))
-                        run = asyncio.run(run_benchmark(target, requests, rate, args, f"{label} rate {rate:g}/s",
-                                                        mode))
+                        label = (
+                            variant
+                            + (f" {mode}" if args.mode != "queue" else "")
+                            + (f" round {round_index + 1}" if args.rounds > 1 else "")
+                        )
+                        run = asyncio.run(run_benchmark(target, requests, rate, args, f"{label} rate {rate:g}/s", mode))
                         runs.append({"variant": variant, "mode": mode, "round": round_index + 1, **run})
                         print(describe_run(runs[-1], args), flush=True)
     return runs
@@ -446,9 +514,10 @@ def warm_up(target: Target, workloads, args, variant: str) -> None:
     """``--warmup`` requests of the first rate's shapes, all at once, through each path
     (the replica's first batches of that size, the gateway's first streams); not reported."""
     for mode_index, mode in enumerate(MODES[args.mode]):
-        requests = workloads(0, 10_000 + mode_index)[:args.warmup]
-        run = asyncio.run(run_benchmark(target, requests, math.inf, args, f"{variant} {mode} warm-up", mode,
-                                        warmup=True))
+        requests = workloads(0, 10_000 + mode_index)[: args.warmup]
+        run = asyncio.run(
+            run_benchmark(target, requests, math.inf, args, f"{variant} {mode} warm-up", mode, warmup=True)
+        )
         if run["failed"]:
             raise RuntimeError(f"{run['failed']} warm-up requests through {mode} failed: {run['errors']}")
 
@@ -460,8 +529,14 @@ def engine_variants(args) -> list[tuple[str, str]]:
     for policy in args.policies or [None]:
         for caching in args.prefix_caching or [None]:
             label = ", ".join(part for part in (policy, caching and f"prefix cache {caching}") if part)
-            flags = " ".join(flag for flag in (policy and f"--batching {policy}",
-                                               caching and f"--enable-prefix-caching {caching == 'on'}") if flag)
+            flags = " ".join(
+                flag
+                for flag in (
+                    policy and f"--batching {policy}",
+                    caching and f"--enable-prefix-caching {caching == 'on'}",
+                )
+                if flag
+            )
             variants.append((label or "as configured", flags))
     return variants
 
@@ -469,35 +544,50 @@ def engine_variants(args) -> list[tuple[str, str]]:
 def describe_run(run: dict, args) -> str:
     path = "" if args.mode == "queue" else f", {MODE_NAMES[run['mode']]}"
     rounds = f", round {run['round']} of {args.rounds}" if args.rounds > 1 else ""
-    lines = [f"== {run['variant']}{path}{rounds}, request rate {run['request_rate']:g}/s, "
-             f"max concurrency {run['max_concurrency'] or '-'} ==",
-             f"completed {run['completed']}, failed {run['failed']}, {run['duration_s']:.1f} s",
-             f"request throughput {run['request_throughput']:.2f} req/s, output {run['output_tokens_per_s']:.1f} "
-             f"tok/s, total {run['total_tokens_per_s']:.1f} tok/s",
-             f"goodput {run['goodput']:.2f} req/s ({describe_slo(args)})"]
+    lines = [
+        f"== {run['variant']}{path}{rounds}, request rate {run['request_rate']:g}/s, "
+        f"max concurrency {run['max_concurrency'] or '-'} ==",
+        f"completed {run['completed']}, failed {run['failed']}, {run['duration_s']:.1f} s",
+        f"request throughput {run['request_throughput']:.2f} req/s, output {run['output_tokens_per_s']:.1f} "
+        f"tok/s, total {run['total_tokens_per_s']:.1f} tok/s",
+        f"goodput {run['goodput']:.2f} req/s ({describe_slo(args)})",
+    ]
     for name in LATENCIES:
         stats = run[name]
         if stats["mean"] is not None:
-            lines.append(f"  {name:>5} ms: mean {1000 * stats['mean']:8.1f}  median {1000 * stats['p50']:8.1f}  "
-                         f"p99 {1000 * stats['p99']:8.1f}")
+            lines.append(
+                f"  {name:>5} ms: mean {1000 * stats['mean']:8.1f}  median {1000 * stats['p50']:8.1f}  "
+                f"p99 {1000 * stats['p99']:8.1f}"
+            )
     lines += [f"  error: {error}" for error in run["errors"]]
     cpu = describe_cpu_use(run)
     return "\n".join(lines + ([cpu] if cpu and args.mode != "queue" else []))
 
 
 def describe_slo(args) -> str:
-    slos = [f"{name} <= {value} s" for name, value in (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot))
-            if value is not None]
+    slos = [
+        f"{name} <= {value} s"
+        for name, value in (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot))
+        if value is not None
+    ]
     return " and ".join(slos) if slos else "no SLO given: every completed request counts"
 
 
 def sweep_table(runs: list[dict], args) -> str:
     path = args.mode != "queue" or args.rounds > 1
-    rows = [{"variant": r["variant"], **({"mode": r["mode"], "round": r["round"]} if path else {}),
-             "rate": r["request_rate"], "req/s": r["request_throughput"],
-             "out tok/s": r["output_tokens_per_s"], "goodput": r["goodput"],
-             **{f"{name} {stat} ms": _ms(r[name][stat]) for name in ("ttft", "tpot", "e2e")
-                for stat in ("p50", "p99")}, "failed": r["failed"]} for r in runs]
+    rows = [
+        {
+            "variant": r["variant"],
+            **({"mode": r["mode"], "round": r["round"]} if path else {}),
+            "rate": r["request_rate"],
+            "req/s": r["request_throughput"],
+            "out tok/s": r["output_tokens_per_s"],
+            "goodput": r["goodput"],
+            **{f"{name} {stat} ms": _ms(r[name][stat]) for name in ("ttft", "tpot", "e2e") for stat in ("p50", "p99")},
+            "failed": r["failed"],
+        }
+        for r in runs
+    ]
     return format_table(rows, list(rows[0]))
 
 
@@ -507,11 +597,17 @@ def _ms(seconds: float | None) -> float | None:
 
 # ---- gateway vs queue ------------------------------------------------------------------------
 # (row name, run key, statistic or None for a plain figure, higher is better)
-COMPARED = [("ttft mean ms", "ttft", "mean", False), ("ttft median ms", "ttft", "p50", False),
-            ("ttft p99 ms", "ttft", "p99", False), ("tpot median ms", "tpot", "p50", False),
-            ("itl median ms", "itl", "p50", False), ("e2e median ms", "e2e", "p50", False),
-            ("e2e p99 ms", "e2e", "p99", False), ("output tok/s", "output_tokens_per_s", None, True),
-            ("request/s", "request_throughput", None, True)]
+COMPARED = [
+    ("ttft mean ms", "ttft", "mean", False),
+    ("ttft median ms", "ttft", "p50", False),
+    ("ttft p99 ms", "ttft", "p99", False),
+    ("tpot median ms", "tpot", "p50", False),
+    ("itl median ms", "itl", "p50", False),
+    ("e2e median ms", "e2e", "p50", False),
+    ("e2e p99 ms", "e2e", "p99", False),
+    ("output tok/s", "output_tokens_per_s", None, True),
+    ("request/s", "request_throughput", None, True),
+]
 TARGETED = ("ttft mean ms", "ttft median ms", "ttft p99 ms", "output tok/s")
 
 
@@ -534,21 +630,39 @@ def compare_modes(runs: list[dict], order: str = "alternate") -> list[dict]:
             for name, key, stat, higher_better in COMPARED:
                 for index, mode in enumerate(("queue", "http")):
                     figures[mode][name] = [_figure(pair[index], key, stat) for pair in pairs]
-                ratio = [None if None in (q, h) or not q else h / q
-                         for q, h in zip(figures["queue"][name], figures["http"][name])]
+                ratio = [
+                    None if None in (q, h) or not q else h / q
+                    for q, h in zip(figures["queue"][name], figures["http"][name])
+                ]
                 ratios[name] = ratio
                 costs[name] = [None if x is None else 100 * ((1 - x) if higher_better else (x - 1)) for x in ratio]
-            cpu = {mode: {proc: _mean([pair[index]["cpu_s"].get(proc) for pair in pairs])
-                          for proc in ("replica", "gateway", "client")}
-                   for index, mode in enumerate(("queue", "http"))}
+            cpu = {
+                mode: {
+                    proc: _mean([pair[index]["cpu_s"].get(proc) for pair in pairs])
+                    for proc in ("replica", "gateway", "client")
+                }
+                for index, mode in enumerate(("queue", "http"))
+            }
             worst = max(TARGETED, key=lambda n: _mean(costs[n]) if _mean(costs[n]) is not None else -math.inf)
-            comparisons.append({"variant": variant, "request_rate": rate, "rounds": len(pairs), "order": order,
-                                "queue": figures["queue"], "http": figures["http"], "ratio": ratios,
-                                "cost_percent": costs, "cpu_s": cpu,
-                                "failed": sum(r["failed"] for pair in pairs for r in pair),
-                                "target_cost_percent": TARGET_COST_PERCENT, "worst": worst,
-                                "target_met": all(_mean(costs[n]) is not None and _mean(costs[n]) < TARGET_COST_PERCENT
-                                                  for n in TARGETED)})
+            comparisons.append(
+                {
+                    "variant": variant,
+                    "request_rate": rate,
+                    "rounds": len(pairs),
+                    "order": order,
+                    "queue": figures["queue"],
+                    "http": figures["http"],
+                    "ratio": ratios,
+                    "cost_percent": costs,
+                    "cpu_s": cpu,
+                    "failed": sum(r["failed"] for pair in pairs for r in pair),
+                    "target_cost_percent": TARGET_COST_PERCENT,
+                    "worst": worst,
+                    "target_met": all(
+                        _mean(costs[n]) is not None and _mean(costs[n]) < TARGET_COST_PERCENT for n in TARGETED
+                    ),
+                }
+            )
     return comparisons
 
 
@@ -577,22 +691,37 @@ def _spread(values, text) -> str:
 
 def comparison_table(comparison: dict) -> str:
     figure, ratio, cost = (lambda v: f"{v:.4g}"), (lambda v: f"{v:.3f}"), (lambda v: f"{v:+.1f}%")
-    rows = [{"": name, "queue": _spread(comparison["queue"][name], figure),
-             "http (gateway)": _spread(comparison["http"][name], figure),
-             "gateway/queue": _spread(comparison["ratio"][name], ratio),
-             "gateway cost": _spread(comparison["cost_percent"][name], cost)} for name, *_ in COMPARED]
+    rows = [
+        {
+            "": name,
+            "queue": _spread(comparison["queue"][name], figure),
+            "http (gateway)": _spread(comparison["http"][name], figure),
+            "gateway/queue": _spread(comparison["ratio"][name], ratio),
+            "gateway cost": _spread(comparison["cost_percent"][name], cost),
+        }
+        for name, *_ in COMPARED
+    ]
     cpu = comparison["cpu_s"]
     for proc in ("replica", "gateway", "client"):
         if cpu["queue"][proc] is not None or cpu["http"][proc] is not None:
-            rows.append({"": f"{proc} CPU s/run", "queue": _spread([cpu["queue"][proc]], figure),
-                         "http (gateway)": _spread([cpu["http"][proc]], figure)})
+            rows.append(
+                {
+                    "": f"{proc} CPU s/run",
+                    "queue": _spread([cpu["queue"][proc]], figure),
+                    "http (gateway)": _spread([cpu["http"][proc]], figure),
+                }
+            )
     spread = "mean [min, max] over rounds" if comparison["rounds"] > 1 else "one round"
-    header = (f"== gateway vs queue: {comparison['variant']}, request rate {comparison['request_rate']:g}/s, "
-              f"{comparison['rounds']} round{'s' * (comparison['rounds'] > 1)} ({comparison['order']}), {spread} ==")
+    header = (
+        f"== gateway vs queue: {comparison['variant']}, request rate {comparison['request_rate']:g}/s, "
+        f"{comparison['rounds']} round{'s' * (comparison['rounds'] > 1)} ({comparison['order']}), {spread} =="
+    )
     worst = comparison["worst"]
-    verdict = (f"target: the gateway costs < {TARGET_COST_PERCENT:g}% on TTFT mean/median/p99 and output tok/s: "
-               f"{'MET' if comparison['target_met'] else 'NOT MET'} (largest: {worst} "
-               f"{_spread(comparison['cost_percent'][worst], cost)})")
+    verdict = (
+        f"target: the gateway costs < {TARGET_COST_PERCENT:g}% on TTFT mean/median/p99 and output tok/s: "
+        f"{'MET' if comparison['target_met'] else 'NOT MET'} (largest: {worst} "
+        f"{_spread(comparison['cost_percent'][worst], cost)})"
+    )
     failed = [f"failed requests: {comparison['failed']}"] if comparison["failed"] else []
     return "\n".join([header, format_table(rows, list(rows[0])), verdict, *failed])
 
@@ -600,9 +729,11 @@ def comparison_table(comparison: dict) -> str:
 def plot_sweep(runs: list[dict], path: str) -> None:
     """TTFT and e2e (median solid, P99 dashed) and output tokens/s vs request rate, a line per variant."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
+
     finite = [r for r in runs if math.isfinite(r["request_rate"])]
     both = len(_unique(r.get("mode", "queue") for r in runs)) > 1
     series = lambda r: f"{r['variant']} {r['mode']}" if both else r["variant"]  # noqa: E731
@@ -612,12 +743,23 @@ def plot_sweep(runs: list[dict], path: str) -> None:
         rates = _unique(r["request_rate"] for r in mine)  # rounds of a rate: their mean
         at = lambda rate, get: _mean([get(r) for r in mine if r["request_rate"] == rate])  # noqa: E731
         for axis, metric in zip(axes, ("ttft", "e2e")):
-            axis.plot(rates, [at(x, lambda r: _ms(r[metric]["p50"])) for x in rates], "o-", color=color,
-                      label=f"{variant} median")
-            axis.plot(rates, [at(x, lambda r: _ms(r[metric]["p99"])) for x in rates], "s--", color=color,
-                      label=f"{variant} P99")
-        axes[2].plot(rates, [at(x, lambda r: r["output_tokens_per_s"]) for x in rates], "o-", color=color,
-                     label=variant)
+            axis.plot(
+                rates,
+                [at(x, lambda r: _ms(r[metric]["p50"])) for x in rates],
+                "o-",
+                color=color,
+                label=f"{variant} median",
+            )
+            axis.plot(
+                rates,
+                [at(x, lambda r: _ms(r[metric]["p99"])) for x in rates],
+                "s--",
+                color=color,
+                label=f"{variant} P99",
+            )
+        axes[2].plot(
+            rates, [at(x, lambda r: r["output_tokens_per_s"]) for x in rates], "o-", color=color, label=variant
+        )
     for axis, title in zip(axes, ("TTFT (ms)", "end-to-end latency (ms)", "output tokens/s")):
         axis.set(xlabel="request rate (req/s)", title=title)
         axis.set_xscale("log", base=2)
@@ -639,36 +781,60 @@ def parse_args(argv=None):
     target = parser.add_argument_group("target")
     target.add_argument("--redis-url", help="the Redis of a running replica; with --spawn, where to spawn one")
     target.add_argument("--namespace", default=None)
-    target.add_argument("--spawn", action="store_true",
-                        help="start a replica per swept variant, on an embedded Valkey unless --redis-url "
-                             "(the default when no --redis-url is given)")
+    target.add_argument(
+        "--spawn",
+        action="store_true",
+        help="start a replica per swept variant, on an embedded Valkey unless --redis-url "
+        "(the default when no --redis-url is given)",
+    )
     target.add_argument("--model", default="smollm2")
-    target.add_argument("--engine-args", default="",
-                        help='flags for the spawned conveyor serve, e.g. --engine-args="--max-num-seqs 32"')
+    target.add_argument(
+        "--engine-args", default="", help='flags for the spawned conveyor serve, e.g. --engine-args="--max-num-seqs 32"'
+    )
     target.add_argument("--replica-log", help="append the spawned replica's output here (default: this terminal)")
-    target.add_argument("--mode", default="queue", choices=list(MODES),
-                        help="queue: clients.AsyncClient on Redis (default); http: streaming /v1/completions "
-                             "through the gateway; both: alternating on the same replica, with ratios")
-    target.add_argument("--gateway-url", help="a running gateway on the replica's Redis (http/both); default: "
-                                              "spawn `conveyor gateway` on a free loopback port")
+    target.add_argument(
+        "--mode",
+        default="queue",
+        choices=list(MODES),
+        help="queue: clients.AsyncClient on Redis (default); http: streaming /v1/completions "
+        "through the gateway; both: alternating on the same replica, with ratios",
+    )
+    target.add_argument(
+        "--gateway-url",
+        help="a running gateway on the replica's Redis (http/both); default: "
+        "spawn `conveyor gateway` on a free loopback port",
+    )
     target.add_argument("--gateway-log", help="append the spawned gateway's output here (default: --replica-log)")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
     load.add_argument("--rates", type=float, nargs="+", help="sweep these request rates")
     load.add_argument("--policies", nargs="+", choices=["continuous", "dynamic"], help="sweep these (implies --spawn)")
-    load.add_argument("--prefix-caching", nargs="+", choices=["on", "off"],
-                      help="sweep prefix caching on/off (implies --spawn)")
+    load.add_argument(
+        "--prefix-caching", nargs="+", choices=["on", "off"], help="sweep prefix caching on/off (implies --spawn)"
+    )
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--priority-class", default="interactive", choices=["interactive", "batch"])
     load.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for a request's next event")
-    load.add_argument("--rounds", type=int, default=None,
-                      help="runs of each rate per mode, alternating modes (default: 2 with --mode both, else 1)")
-    load.add_argument("--order", default="abba", choices=["alternate", "abba"],
-                      help="--mode both: queue then http every round (alternate), or reversed every "
-                           "second round (abba, default: cancels a steady drift, measured here)")
-    load.add_argument("--warmup", type=int, default=None,
-                      help="requests sent through each path before measuring (default: 4 in http/both, 0 in queue)")
+    load.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="runs of each rate per mode, alternating modes (default: 2 with --mode both, else 1)",
+    )
+    load.add_argument(
+        "--order",
+        default="abba",
+        choices=["alternate", "abba"],
+        help="--mode both: queue then http every round (alternate), or reversed every "
+        "second round (abba, default: cancels a steady drift, measured here)",
+    )
+    load.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="requests sent through each path before measuring (default: 4 in http/both, 0 in queue)",
+    )
     workload = parser.add_argument_group("workload")
     workload.add_argument("--workload", default="random", choices=["random", "mixed", "summarization"])
     workload.add_argument("--num-prompts", type=int, default=30)
@@ -677,8 +843,12 @@ def parse_args(argv=None):
     workload.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in len x [1-r, 1+r]")
     workload.add_argument("--shared-prefix-tokens", type=int, default=0, help="same leading tokens in every prompt")
     workload.add_argument("--seed", type=int, default=0)
-    workload.add_argument("--prompt-format", default="ids", choices=["ids", "text"],
-                          help="send prompts as token ids (default) or as their decoded text (both modes)")
+    workload.add_argument(
+        "--prompt-format",
+        default="ids",
+        choices=["ids", "text"],
+        help="send prompts as token ids (default) or as their decoded text (both modes)",
+    )
     report = parser.add_argument_group("report")
     report.add_argument("--slo-ttft", type=float, default=None, help="seconds")
     report.add_argument("--slo-tpot", type=float, default=None, help="seconds")
@@ -686,8 +856,7 @@ def parse_args(argv=None):
     report.add_argument("--plot", metavar="PATH", help="PNG of latency and throughput vs rate (sweeps)")
     args = parser.parse_args(argv)
     needs_queue = args.mode != "http" or not args.gateway_url
-    args.spawn = (args.spawn or bool(args.policies) or bool(args.prefix_caching)
-                  or (not args.redis_url and needs_queue))
+    args.spawn = args.spawn or bool(args.policies) or bool(args.prefix_caching) or (not args.redis_url and needs_queue)
     if args.spawn and args.gateway_url and not args.redis_url:
         parser.error("--gateway-url reads its own Redis: give it as --redis-url for the spawned replica")
     if args.gateway_url and args.mode == "queue":
@@ -720,21 +889,34 @@ def main(argv=None):
     for comparison in comparisons:
         print("\n" + comparison_table(comparison))
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
-    write_json(args.json, {"settings": settings, "cpu": cpu, "workload": describe_workload(workloads(0, 0)),
-                           "runs": runs, "comparisons": comparisons})
+    write_json(
+        args.json,
+        {
+            "settings": settings,
+            "cpu": cpu,
+            "workload": describe_workload(workloads(0, 0)),
+            "runs": runs,
+            "comparisons": comparisons,
+        },
+    )
     if args.plot:
         plot_sweep(runs, args.plot)
 
 
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
+
     from engine.models.loader import resolve_model_dir
+
     return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 
 
 def describe_workload(requests: list[Request]) -> dict:
-    return {"requests": len(requests), "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-            "output_tokens": sum(r.max_tokens for r in requests)}
+    return {
+        "requests": len(requests),
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+    }
 
 
 if __name__ == "__main__":

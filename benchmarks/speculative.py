@@ -14,6 +14,7 @@ tokens/s end to end (prefill included, as a pipeline sees it) and while decoding
 median time per output token after the first), the with / without ratio of each per round
 (median and range), the acceptance rate and the tokens a drafting step emits on average.
 """
+
 import argparse
 import statistics
 import sys
@@ -30,28 +31,36 @@ SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_dec
 
 def make_engines(args) -> dict:
     from engine import LLM
-    options = dict(max_num_seqs=max(args.concurrency), max_num_batched_tokens=args.max_num_batched_tokens,
-                   quantization=args.quantization)
-    return {"off": LLM(args.model, **options),
-            "ngram": LLM(args.model, speculative_config=args.speculative_config, **options)}
+
+    options = dict(
+        max_num_seqs=max(args.concurrency),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
+    )
+    return {
+        "off": LLM(args.model, **options),
+        "ngram": LLM(args.model, speculative_config=args.speculative_config, **options),
+    }
 
 
 def make_jobs(tokenizer, text: str, count: int, round_index: int, doc_tokens: int) -> list:
     """``count`` map prompts, each on its own excerpt (new starts every round: no prefix
     cache help across jobs beyond the shared instruction)."""
     from clients.summary_prompts import Prompts, SummarizeOptions
+
     prompts = Prompts(SummarizeOptions(), None, 8192)
     ids = tokenizer.encode(text, add_special_tokens=False)
     span = max(1, len(ids) - doc_tokens)
     jobs = []
     for index in range(count):
         start = ((round_index * 37 + index) * 211) % span
-        jobs.append(prompts.map_messages(tokenizer.decode(ids[start:start + doc_tokens])))
+        jobs.append(prompts.map_messages(tokenizer.decode(ids[start : start + doc_tokens])))
     return jobs
 
 
 def run_once(llm, jobs: list, concurrency: int, max_tokens: int) -> dict:
     from engine import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = {key: llm.engine.stats()[key] for key in SPEC_KEYS}
     started = time.perf_counter()
@@ -64,9 +73,16 @@ def run_once(llm, jobs: list, concurrency: int, max_tokens: int) -> dict:
     drafts, drafted, accepted = (after[key] - before[key] for key in SPEC_KEYS)
     tokens = sum(len(o.token_ids) for o in outputs)
     tpots = [o.metrics.tpot for o in outputs if o.metrics.tpot]
-    return {"tokens": tokens, "seconds": elapsed, "e2e": tokens / elapsed,
-            "decode": 1 / statistics.median(tpots) if tpots else None, "token_ids": [o.token_ids for o in outputs],
-            "drafts": drafts, "drafted": drafted, "accepted": accepted}
+    return {
+        "tokens": tokens,
+        "seconds": elapsed,
+        "e2e": tokens / elapsed,
+        "decode": 1 / statistics.median(tpots) if tpots else None,
+        "token_ids": [o.token_ids for o in outputs],
+        "drafts": drafts,
+        "drafted": drafted,
+        "accepted": accepted,
+    }
 
 
 def measure(engines: dict, args, text: str) -> dict:
@@ -80,9 +96,15 @@ def measure(engines: dict, args, text: str) -> dict:
             assert runs["off"]["token_ids"] == runs["ngram"]["token_ids"], "greedy outputs must be identical"
             for mode in MODES:
                 results[(c, mode)].append(runs[mode])
-            print(f"round {round_index + 1}/{args.rounds} x{c:<2} " + "  ".join(
-                f"{mode}: {runs[mode]['e2e']:6.1f} tok/s e2e, {runs[mode]['decode'] or 0:6.1f} decoding"
-                for mode in MODES) + f"  accepted {_rate(runs['ngram']):.2f}", flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds} x{c:<2} "
+                + "  ".join(
+                    f"{mode}: {runs[mode]['e2e']:6.1f} tok/s e2e, {runs[mode]['decode'] or 0:6.1f} decoding"
+                    for mode in MODES
+                )
+                + f"  accepted {_rate(runs['ngram']):.2f}",
+                flush=True,
+            )
     return results
 
 
@@ -100,17 +122,19 @@ def summarize(results: dict, args) -> list[dict]:
         off, spec = results[(c, "off")], results[(c, "ngram")]
         drafts = sum(r["drafts"] for r in spec)
         accepted, drafted = sum(r["accepted"] for r in spec), sum(r["drafted"] for r in spec)
-        rows.append({
-            "concurrency": c,
-            "off e2e tok/s": _spread([r["e2e"] for r in off]),
-            "ngram e2e tok/s": _spread([r["e2e"] for r in spec]),
-            "e2e ratio": _spread([s["e2e"] / o["e2e"] for s, o in zip(spec, off)]),
-            "off decode tok/s": _spread([r["decode"] for r in off]),
-            "ngram decode tok/s": _spread([r["decode"] for r in spec]),
-            "decode ratio": _spread([s["decode"] / o["decode"] for s, o in zip(spec, off)]),
-            "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
-            "tokens/drafting step": round(1 + accepted / drafts, 2) if drafts else 0.0,
-        })
+        rows.append(
+            {
+                "concurrency": c,
+                "off e2e tok/s": _spread([r["e2e"] for r in off]),
+                "ngram e2e tok/s": _spread([r["e2e"] for r in spec]),
+                "e2e ratio": _spread([s["e2e"] / o["e2e"] for s, o in zip(spec, off)]),
+                "off decode tok/s": _spread([r["decode"] for r in off]),
+                "ngram decode tok/s": _spread([r["decode"] for r in spec]),
+                "decode ratio": _spread([s["decode"] / o["decode"] for s, o in zip(spec, off)]),
+                "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
+                "tokens/drafting step": round(1 + accepted / drafts, 2) if drafts else 0.0,
+            }
+        )
     return rows
 
 
@@ -134,9 +158,11 @@ def main():
         run_once(llm, warm, 2, 8)
     rows = summarize(measure(engines, args, text), args)
     print(f"\n{describe_cpu()}")
-    print(f"{args.model} (quantization {args.quantization}), {args.doc_tokens}-token excerpts of {args.document}, "
-          f"up to {args.max_tokens} summary tokens, greedy; {args.rounds} rounds; "
-          f"speculative_config {args.speculative_config}")
+    print(
+        f"{args.model} (quantization {args.quantization}), {args.doc_tokens}-token excerpts of {args.document}, "
+        f"up to {args.max_tokens} summary tokens, greedy; {args.rounds} rounds; "
+        f"speculative_config {args.speculative_config}"
+    )
     print(format_table(rows, list(rows[0])))
     write_json(args.json, {"cpu": describe_cpu(), "args": vars(args), "rows": rows})
 

@@ -14,6 +14,7 @@ pass (fill + mask) and its accept step, per constrained row.
 Prints the CPU and its ISA, the median and range (min-max) of each, the ratio of the
 medians and the difference per token. The machine may be shared: read the spread first.
 """
+
 import argparse
 import statistics
 import sys
@@ -23,15 +24,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import add_json_option, describe_cpu, format_table, write_json  # noqa: E402
 
-RECORDS = {"type": "array", "minItems": 60, "items": {
-    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                     "city": {"enum": ["Paris", "Berlin", "Rome", "Madrid"]}},
-    "required": ["name", "age", "city"], "additionalProperties": False}}  # fmt: skip
+RECORDS = {
+    "type": "array",
+    "minItems": 60,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"enum": ["Paris", "Berlin", "Rome", "Madrid"]},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    },
+}
 TOPICS = ["engineers", "teachers", "painters", "doctors", "pilots", "chefs", "writers", "farmers"]
 MODES = ("constrained", "unconstrained")
-COLUMNS = ("batch", "clock", "mode", "median ms/token", "min", "max", "vs unconstrained", "+ms/token", "apply us/row",
-           "accept us/row", "timed share")
+COLUMNS = (
+    "batch",
+    "clock",
+    "mode",
+    "median ms/token",
+    "min",
+    "max",
+    "vs unconstrained",
+    "+ms/token",
+    "apply us/row",
+    "accept us/row",
+    "timed share",
+)
 
 
 class GrammarTimer:
@@ -51,6 +72,7 @@ class GrammarTimer:
             if name == "apply":
                 self.rows += len(result)
             return result
+
         return timed
 
     def reset(self):
@@ -60,6 +82,7 @@ class GrammarTimer:
 
 def params_for(mode: str, tokens: int):
     from engine import SamplingParams, StructuredOutputsParams
+
     if mode == "constrained":
         constraint = StructuredOutputsParams(json=RECORDS)
         return SamplingParams(temperature=0, max_tokens=tokens, structured_outputs=constraint)
@@ -74,8 +97,9 @@ def one_round(llm, mode: str, batch: int, tokens: int) -> dict:
     cpu = time.process_time()
     outputs = llm.chat(chats, params_for(mode, tokens), use_tqdm=False)
     cpu = time.process_time() - cpu
-    assert all(len(o.token_ids) == tokens and o.finish_reason == "length" for o in outputs), \
-        [(o.finish_reason, len(o.token_ids), o.error) for o in outputs]
+    assert all(len(o.token_ids) == tokens and o.finish_reason == "length" for o in outputs), [
+        (o.finish_reason, len(o.token_ids), o.error) for o in outputs
+    ]
     first = max(o.timestamps.first_token for o in outputs)
     last = max(o.timestamps.finished for o in outputs)
     return {"wall": (last - first) / ((tokens - 1) * batch), "cpu": cpu / (tokens * batch)}
@@ -87,9 +111,17 @@ def table_rows(batch: int, results: dict, grammar: list[dict]) -> list[dict]:
         medians = {mode: statistics.median(r[clock] for r in results[mode]) for mode in MODES}
         for mode in MODES:
             values = [r[clock] for r in results[mode]]
-            rows.append({"batch": batch, "clock": clock, "mode": mode, "median ms/token": 1e3 * medians[mode],
-                         "min": 1e3 * min(values), "max": 1e3 * max(values),
-                         "vs unconstrained": medians[mode] / medians["unconstrained"]})
+            rows.append(
+                {
+                    "batch": batch,
+                    "clock": clock,
+                    "mode": mode,
+                    "median ms/token": 1e3 * medians[mode],
+                    "min": 1e3 * min(values),
+                    "max": 1e3 * max(values),
+                    "vs unconstrained": medians[mode] / medians["unconstrained"],
+                }
+            )
         rows[-2]["+ms/token"] = 1e3 * (medians["constrained"] - medians["unconstrained"])
     for name in ("apply", "accept"):
         rows[0][f"{name} us/row"] = 1e6 * statistics.median(g[name] for g in grammar)
@@ -108,7 +140,9 @@ def main():
     add_json_option(parser)
     args = parser.parse_args()
     import torch
+
     from engine import LLM
+
     if args.threads:
         torch.set_num_threads(args.threads)
     print(describe_cpu(), f"| torch threads: {torch.get_num_threads()}")
@@ -120,18 +154,22 @@ def main():
     grammar = {batch: [] for batch in args.batches}
     for number in range(args.rounds):
         for batch in args.batches:
-            for mode in (MODES if number % 2 == 0 else MODES[::-1]):
+            for mode in MODES if number % 2 == 0 else MODES[::-1]:
                 timer.reset()
                 results[batch][mode].append(one_round(llm, mode, batch, args.tokens))
                 if mode == "constrained":
                     grammar[batch].append({name: s / timer.rows for name, s in timer.seconds.items()})
     rows = [row for batch in args.batches for row in table_rows(batch, results[batch], grammar[batch])]
-    print(f"\n{args.rounds} alternating rounds of {args.tokens} output tokens per request, greedy, {args.model} "
-          f"float32; ms per output token of the batch")
+    print(
+        f"\n{args.rounds} alternating rounds of {args.tokens} output tokens per request, greedy, {args.model} "
+        f"float32; ms per output token of the batch"
+    )
     print(format_table(rows, COLUMNS))
-    print("wall: decoding, first token to last; cpu: this process's CPU time over the whole call (prefill too);\n"
-          "apply: the bitmask pass (fill the rows, mask the logits); accept: check and advance each matcher;\n"
-          "timed share: apply + accept per row (= per output token) over the unconstrained wall time per token")
+    print(
+        "wall: decoding, first token to last; cpu: this process's CPU time over the whole call (prefill too);\n"
+        "apply: the bitmask pass (fill the rows, mask the logits); accept: check and advance each matcher;\n"
+        "timed share: apply + accept per row (= per output token) over the unconstrained wall time per token"
+    )
     write_json(args.json, {"settings": vars(args), "cpu": describe_cpu(), "results": results, "grammar": grammar})
 
 

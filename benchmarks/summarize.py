@@ -23,6 +23,7 @@ other's prefix cache or finished jobs; the order of the modes rotates every roun
 the CPU and its ISA, docs/hour and output tok/s per mode (median, min-max), ours/langchain
 and the overhead of ours over direct per round. On a shared machine read the spread first.
 """
+
 import argparse
 import asyncio
 import io
@@ -53,12 +54,12 @@ def make_folder(folder: Path, paragraphs: int) -> list[Path]:
     pdf.set_font("helvetica", size=11)
     for start in range(0, paragraphs, 6):
         pdf.add_page()
-        for paragraph in text[start:start + 6]:
+        for paragraph in text[start : start + 6]:
             pdf.multi_cell(0, 6, paragraph.encode("latin-1", "replace").decode("latin-1"))
             pdf.ln(3)
     (folder / "bzip2.pdf").write_bytes(bytes(pdf.output()))
     document = docx.Document()
-    for paragraph in text[paragraphs:2 * paragraphs]:
+    for paragraph in text[paragraphs : 2 * paragraphs]:
         document.add_paragraph(paragraph)
     buffer = io.BytesIO()
     document.save(buffer)
@@ -91,7 +92,9 @@ async def run_direct(client, docs, prompts, options) -> int:
         return result.text.strip(), result.usage.completion_tokens
 
     async def document(doc) -> int:
-        return await map_reduce(prompts, [c.text for c in prompts.chunks(doc)], lambda ms: asyncio.gather(*map(job, ms)))
+        return await map_reduce(
+            prompts, [c.text for c in prompts.chunks(doc)], lambda ms: asyncio.gather(*map(job, ms))
+        )
 
     return sum(await asyncio.gather(*map(document, docs)))
 
@@ -136,21 +139,32 @@ async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> 
     from clients.model_info import wait_for_model_info_async
     from clients.summary_prompts import Prompts, SummarizeOptions
 
-    base = dict(max_tokens=args.max_tokens, max_chunk_tokens=args.max_chunk_tokens, max_in_flight=8,
-                priority_class="interactive")  # fmt: skip
+    base = dict(
+        max_tokens=args.max_tokens,
+        max_chunk_tokens=args.max_chunk_tokens,
+        max_in_flight=8,
+        priority_class="interactive",
+    )
     docs = load_documents(paths)
     rows: dict[str, list[dict]] = {mode: [] for mode in MODES}
     async with AsyncClient(redis_url) as client:
         info = await wait_for_model_info_async(client.redis, client.keys, None, 600, True)
         model = httpx.get(f"{gateway_url}/v1/models").json()["data"][0]["id"]
         for round_index in range(-1, args.rounds):  # round -1 warms everything up, untimed
-            order = MODES[round_index % 3:] + MODES[:round_index % 3]
+            order = MODES[round_index % 3 :] + MODES[: round_index % 3]
             for mode in order:
                 options = {**base, "system_prompt": f"Run {round_index}-{mode}."}
                 prompts = Prompts(SummarizeOptions(**options), info.token_counter(), info.max_model_len)
-                llm = ChatOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", model=model, temperature=0,
-                                 max_tokens=args.max_tokens, max_retries=0, timeout=1800,
-                                 frequency_penalty=None)  # fmt: skip
+                llm = ChatOpenAI(
+                    base_url=f"{gateway_url}/v1",
+                    api_key="unused",
+                    model=model,
+                    temperature=0,
+                    max_tokens=args.max_tokens,
+                    max_retries=0,
+                    timeout=1800,
+                    frequency_penalty=None,
+                )
                 llm = llm.bind(extra_body={"repetition_penalty": SummarizeOptions().repetition_penalty})
                 started = time.perf_counter()
                 if mode == "ours":
@@ -162,27 +176,44 @@ async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> 
                 seconds = time.perf_counter() - started
                 if round_index < 0:
                     continue
-                row = {"round": round_index, "seconds": seconds, "tokens": tokens,
-                       "docs_per_hour": len(docs) * 3600 / seconds, "tok_s": tokens / seconds}  # fmt: skip
+                row = {
+                    "round": round_index,
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "docs_per_hour": len(docs) * 3600 / seconds,
+                    "tok_s": tokens / seconds,
+                }
                 rows[mode].append(row)
-                print(f"round {round_index + 1}/{args.rounds} {mode:>9}: {row['docs_per_hour']:7.1f} docs/h, "
-                      f"{row['tok_s']:6.1f} output tok/s ({seconds:.1f} s, {tokens} tokens)", flush=True)
+                print(
+                    f"round {round_index + 1}/{args.rounds} {mode:>9}: {row['docs_per_hour']:7.1f} docs/h, "
+                    f"{row['tok_s']:6.1f} output tok/s ({seconds:.1f} s, {tokens} tokens)",
+                    flush=True,
+                )
     return rows
 
 
 def report(rows: dict[str, list[dict]], args, docs: int) -> dict:
-    print(f"\n{describe_cpu()}\n{docs} documents x {args.rounds} rounds, {args.model}, max_tokens {args.max_tokens}, "
-          f"max_chunk_tokens {args.max_chunk_tokens}")
+    print(
+        f"\n{describe_cpu()}\n{docs} documents x {args.rounds} rounds, {args.model}, max_tokens {args.max_tokens}, "
+        f"max_chunk_tokens {args.max_chunk_tokens}"
+    )
     summary = {}
     for mode, values in rows.items():
         for metric in ("docs_per_hour", "tok_s"):
             figures = [v[metric] for v in values]
-            summary[f"{mode} {metric}"] = {"median": statistics.median(figures), "min": min(figures),
-                                           "max": max(figures)}  # fmt: skip
-            print(f"  {mode:>9} {metric:>13}: {statistics.median(figures):8.1f} (min {min(figures):.1f}, "
-                  f"max {max(figures):.1f})")
-    for name, ratio in (("ours / langchain (docs/h)", lambda o, lc, d: o["docs_per_hour"] / lc["docs_per_hour"]),
-                        ("ours overhead over direct (time)", lambda o, lc, d: o["seconds"] / d["seconds"] - 1)):
+            summary[f"{mode} {metric}"] = {
+                "median": statistics.median(figures),
+                "min": min(figures),
+                "max": max(figures),
+            }
+            print(
+                f"  {mode:>9} {metric:>13}: {statistics.median(figures):8.1f} (min {min(figures):.1f}, "
+                f"max {max(figures):.1f})"
+            )
+    for name, ratio in (
+        ("ours / langchain (docs/h)", lambda o, lc, d: o["docs_per_hour"] / lc["docs_per_hour"]),
+        ("ours overhead over direct (time)", lambda o, lc, d: o["seconds"] / d["seconds"] - 1),
+    ):
         per_round = [ratio(o, lc, d) for o, lc, d in zip(rows["ours"], rows["langchain"], rows["direct"])]
         summary[name] = {"median": statistics.median(per_round), "min": min(per_round), "max": max(per_round)}
         print(f"  {name}: {statistics.median(per_round):.2f} (per round {min(per_round):.2f} to {max(per_round):.2f})")
@@ -198,8 +229,12 @@ def plot(rows: dict[str, list[dict]], path: str) -> None:
     figure, axis = plt.subplots(figsize=(5, 3.2))
     for position, mode in enumerate(MODES):
         values = [r["docs_per_hour"] for r in rows[mode]]
-        axis.bar(position, statistics.median(values), yerr=[[statistics.median(values) - min(values)],
-                                                             [max(values) - statistics.median(values)]], capsize=4)  # fmt: skip
+        axis.bar(
+            position,
+            statistics.median(values),
+            yerr=[[statistics.median(values) - min(values)], [max(values) - statistics.median(values)]],
+            capsize=4,
+        )
     axis.set_xticks(range(len(MODES)), MODES)
     axis.set_ylabel("documents per hour (median, min-max)")
     figure.tight_layout()

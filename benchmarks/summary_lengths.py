@@ -10,6 +10,7 @@ repeated point), whether it hit max_tokens (`length`), and whether the raw text 
 finished sentence. The chosen defaults (max_chunk_tokens, repetition_penalty, max_tokens)
 come from this table; docs/summarize.md records a run.
 """
+
 import argparse
 import json
 import sys
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import describe_cpu  # noqa: E402
 
 from clients.documents import document_from_bytes  # noqa: E402
-from clients.summary_points import FINISHED, content_words, sentences, SAME_POINT  # noqa: E402
+from clients.summary_points import FINISHED, SAME_POINT, content_words, sentences  # noqa: E402
 from clients.summary_prompts import DEFAULT_MAP_INSTRUCTION, SummarizeOptions  # noqa: E402
 
 SOURCE = Path("/usr/share/doc/bzip2/manual.html")
@@ -73,15 +74,22 @@ def main() -> None:
         for penalty in args.penalties:
             params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, repetition_penalty=penalty)
             started = time.perf_counter()
-            outputs = llm.chat([[{"role": "user", "content": f"{DEFAULT_MAP_INSTRUCTION}\n\n{c}"}] for c in chunks],
-                               params, use_tqdm=False)  # fmt: skip
+            outputs = llm.chat(
+                [[{"role": "user", "content": f"{DEFAULT_MAP_INSTRUCTION}\n\n{c}"}] for c in chunks],
+                params,
+                use_tqdm=False,
+            )
             done = [o.outputs[0] for o in outputs]
-            row = {"chunk_tokens": size, "repetition_penalty": penalty,
-                   "repeated_share": round(sum(repeated_share(o.text) for o in done) / len(done), 3),
-                   "hit_length": sum(o.finish_reason == "length" for o in done) / len(done),
-                   "ends_finished": sum(bool(FINISHED.search(o.text.strip())) for o in done) / len(done),
-                   "mean_tokens": sum(len(o.token_ids) for o in done) / len(done),
-                   "seconds": round(time.perf_counter() - started, 1), "example": done[0].text[:300]}  # fmt: skip
+            row = {
+                "chunk_tokens": size,
+                "repetition_penalty": penalty,
+                "repeated_share": round(sum(repeated_share(o.text) for o in done) / len(done), 3),
+                "hit_length": sum(o.finish_reason == "length" for o in done) / len(done),
+                "ends_finished": sum(bool(FINISHED.search(o.text.strip())) for o in done) / len(done),
+                "mean_tokens": sum(len(o.token_ids) for o in done) / len(done),
+                "seconds": round(time.perf_counter() - started, 1),
+                "example": done[0].text[:300],
+            }
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "example"}), flush=True)
     if args.json:
@@ -99,8 +107,12 @@ def plot(rows: list[dict], path: str) -> None:
     figure, axis = plt.subplots(figsize=(6, 3.5))
     for penalty in sorted({r["repetition_penalty"] for r in rows}):
         mine = [r for r in rows if r["repetition_penalty"] == penalty]
-        axis.plot([r["chunk_tokens"] for r in mine], [r["repeated_share"] for r in mine], marker="o",
-                  label=f"repetition_penalty {penalty}")  # fmt: skip
+        axis.plot(
+            [r["chunk_tokens"] for r in mine],
+            [r["repeated_share"] for r in mine],
+            marker="o",
+            label=f"repetition_penalty {penalty}",
+        )
     axis.set_xscale("log", base=2)
     axis.set_xlabel("chunk tokens")
     axis.set_ylabel("share of repeated sentences")

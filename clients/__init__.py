@@ -6,8 +6,8 @@ from clients.client import Client, Job
 from clients.errors import (
     ConveyorError,
     InvalidJob,
-    JobConflict,
     JobCancelled,
+    JobConflict,
     JobFailed,
     ProtocolError,
     QueueFull,

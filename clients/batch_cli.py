@@ -31,9 +31,9 @@ from tqdm import tqdm
 from clients.async_client import AsyncClient
 from clients.connection import command_settings
 from clients.errors import ConveyorError
+from clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
 from clients.openai_api.batch_runner import BatchRun, Lease, LeaseLost, RunnerSettings, new_owner
 from clients.openai_api.batch_store import ANY_ENDPOINT, TERMINAL, BatchStore, FileTooLarge, check_jsonl
-from clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RESTARTED = ("cancelled", "expired")  # a rerun starts a new batch (reusing the finished jobs)
@@ -41,19 +41,39 @@ MAX_GENERATIONS = 100
 
 
 def register_batch(subparsers: argparse._SubParsersAction, connection: argparse.ArgumentParser) -> None:
-    parser = subparsers.add_parser("batch", parents=[connection], description=__doc__.split("\n\n")[1],
-                                   help="run an OpenAI batch file through the queue (resumable)")  # fmt: skip
+    parser = subparsers.add_parser(
+        "batch",
+        parents=[connection],
+        description=__doc__.split("\n\n")[1],
+        help="run an OpenAI batch file through the queue (resumable)",
+    )
     parser.add_argument("input", metavar="INPUT.jsonl", help="requests, one JSON line each")
     parser.add_argument("output", metavar="OUTPUT.jsonl", help="results, one JSON line per request")
-    parser.add_argument("--model", default=None,
-                        help="model every request runs on (replaces the lines' model); default: the only published one")
-    parser.add_argument("--max-in-flight", type=_positive(int), default=RunnerSettings.max_in_flight,
-                        help=f"jobs queued or running at once; default: {RunnerSettings.max_in_flight}")
-    parser.add_argument("--wait-s", type=_non_negative, default=DEFAULT_MODEL_WAIT_S, metavar="SECONDS",
-                        help=f"how long to wait for a replica serving the model; default: {DEFAULT_MODEL_WAIT_S:g}")
-    parser.add_argument("--lease-s", type=_positive(float), default=RunnerSettings.lease_s,
-                        help="lease on the batch: how soon another runner may take over a killed run; "
-                             f"default: {RunnerSettings.lease_s:g}")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model every request runs on (replaces the lines' model); default: the only published one",
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=_positive(int),
+        default=RunnerSettings.max_in_flight,
+        help=f"jobs queued or running at once; default: {RunnerSettings.max_in_flight}",
+    )
+    parser.add_argument(
+        "--wait-s",
+        type=_non_negative,
+        default=DEFAULT_MODEL_WAIT_S,
+        metavar="SECONDS",
+        help=f"how long to wait for a replica serving the model; default: {DEFAULT_MODEL_WAIT_S:g}",
+    )
+    parser.add_argument(
+        "--lease-s",
+        type=_positive(float),
+        default=RunnerSettings.lease_s,
+        help="lease on the batch: how soon another runner may take over a killed run; "
+        f"default: {RunnerSettings.lease_s:g}",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run_batch)
 
@@ -75,8 +95,9 @@ async def _batch(args: argparse.Namespace) -> int:
     lines = check_jsonl(content)
     settings = RunnerSettings(max_in_flight=args.max_in_flight, lease_s=args.lease_s)
     async with AsyncClient(namespace=args.namespace, connection=command_settings(args)) as client:
-        info = await wait_for_model_info_async(client.redis, client.keys, args.model, args.wait_s,
-                                               progress=not args.quiet)  # fmt: skip
+        info = await wait_for_model_info_async(
+            client.redis, client.keys, args.model, args.wait_s, progress=not args.quiet
+        )
         store = BatchStore(client.redis, client.keys.ns)
         batch_id = await _open_batch(store, content, lines, Path(args.input).name, info.name)
         with tqdm(total=lines, unit="req", desc=batch_id, disable=args.quiet) as bar:
@@ -98,18 +119,26 @@ async def _open_batch(store: BatchStore, content: bytes, lines: int, filename: s
     for generation in range(MAX_GENERATIONS):
         batch_id = base if generation == 0 else f"{base}-{generation}"
         batch, created = await store.create_batch(
-            input_file_id=file_id, endpoint=ANY_ENDPOINT, completion_window="24h",
-            metadata={"source": "conveyor batch", "input": filename[:512]}, batch_id=batch_id,
-            model_override=model, job_key=base)  # fmt: skip
+            input_file_id=file_id,
+            endpoint=ANY_ENDPOINT,
+            completion_window="24h",
+            metadata={"source": "conveyor batch", "input": filename[:512]},
+            batch_id=batch_id,
+            model_override=model,
+            job_key=base,
+        )
         if created or batch["status"] not in RESTARTED:
-            print(f"batch {batch_id}: {'new' if created else batch['status']}, {lines} requests, model {model}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"batch {batch_id}: {'new' if created else batch['status']}, {lines} requests, model {model}",
+                file=sys.stderr,
+            )
             return batch_id
     raise ConveyorError(f"{base}: {MAX_GENERATIONS} batches of this input were cancelled or expired")
 
 
-async def _drive(store: BatchStore, client: AsyncClient, batch_id: str, settings: RunnerSettings,
-                 bar: tqdm) -> tuple[str, BatchRun | None]:  # fmt: skip
+async def _drive(
+    store: BatchStore, client: AsyncClient, batch_id: str, settings: RunnerSettings, bar: tqdm
+) -> tuple[str, BatchRun | None]:
     """Run the batch here while its lease is ours; wait while another runner holds it."""
     owner, run, waiting_said = new_owner(), None, False
     while True:
@@ -127,8 +156,10 @@ async def _drive(store: BatchStore, client: AsyncClient, batch_id: str, settings
                 await lease.release()
             continue
         if not waiting_said:
-            print(f"batch {batch_id} is being run by another runner; waiting for it (or for its lease to "
-                  "expire)", file=sys.stderr)  # fmt: skip
+            print(
+                f"batch {batch_id} is being run by another runner; waiting for it (or for its lease to expire)",
+                file=sys.stderr,
+            )
             waiting_said = True
         counts = batch["request_counts"]
         _progress_to(bar)(counts["completed"] + counts["failed"], counts["total"] or bar.total)
@@ -139,11 +170,13 @@ def _progress_to(bar: tqdm):
     def update(done: int, total: int) -> None:
         bar.total, bar.n = total, done
         bar.refresh()
+
     return update
 
 
-async def _finish(store: BatchStore, batch_id: str, status: str, run: BatchRun | None, content: bytes,
-                  output: str) -> int:  # fmt: skip
+async def _finish(
+    store: BatchStore, batch_id: str, status: str, run: BatchRun | None, content: bytes, output: str
+) -> int:
     batch = await store.get_batch(batch_id) or {}
     if status == "failed":
         for error in (batch.get("errors") or {}).get("data", []):
@@ -152,8 +185,11 @@ async def _finish(store: BatchStore, batch_id: str, status: str, run: BatchRun |
     written = await _write_output(store, batch, content, output)
     counts = batch.get("request_counts") or {}
     jobs = f"; jobs {run.submitted} submitted, {run.reused} reused" if run else "; all jobs reused"
-    print(f"batch {batch_id}: {status}, {counts.get('completed', 0)} ok, {counts.get('failed', 0)} failed of "
-          f"{counts.get('total', 0)}{jobs} -> {output} ({written} lines)", file=sys.stderr)  # fmt: skip
+    print(
+        f"batch {batch_id}: {status}, {counts.get('completed', 0)} ok, {counts.get('failed', 0)} failed of "
+        f"{counts.get('total', 0)}{jobs} -> {output} ({written} lines)",
+        file=sys.stderr,
+    )
     return EXIT_OK if status == "completed" else EXIT_FAILED
 
 
@@ -194,6 +230,7 @@ def _positive(kind: type):
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
         return value
+
     return parse
 
 

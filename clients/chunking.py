@@ -66,8 +66,11 @@ class Boundaries:
         if first >= last:
             return None
         candidates = range(first, last)
-        filled = [i for i in candidates if self.positions[i] >= fill
-                  or (self.strength[i] >= SECTION and self.positions[i] >= section_fill)] or list(candidates)
+        filled = [
+            i
+            for i in candidates
+            if self.positions[i] >= fill or (self.strength[i] >= SECTION and self.positions[i] >= section_fill)
+        ] or list(candidates)
         best = max(filled, key=lambda i: (self.strength[i], self.positions[i]))
         return self.positions[best]
 
@@ -84,8 +87,14 @@ class Boundaries:
         return self.positions[best]
 
 
-def split_text(text: str, token_offsets: list[tuple[int, int]], budget: int, overlap: int = 0,
-               excess: Callable[[str], int] | None = None, sections: Iterable[int] = ()) -> list[Chunk]:  # fmt: skip
+def split_text(
+    text: str,
+    token_offsets: list[tuple[int, int]],
+    budget: int,
+    overlap: int = 0,
+    excess: Callable[[str], int] | None = None,
+    sections: Iterable[int] = (),
+) -> list[Chunk]:
     """Chunks covering `text`, each of at most `budget` tokens and `excess(chunk) <= 0`,
     preferring to end where a section starts (`sections`: character positions).
 
@@ -110,8 +119,9 @@ def split_text(text: str, token_offsets: list[tuple[int, int]], budget: int, ove
     return chunks
 
 
-def _fitting_chunk(text: str, boundaries: Boundaries, start: int, done: int, budget: int,
-                   excess: Callable[[str], int]) -> Chunk | None:  # fmt: skip
+def _fitting_chunk(
+    text: str, boundaries: Boundaries, start: int, done: int, budget: int, excess: Callable[[str], int]
+) -> Chunk | None:
     while budget >= 1:
         end = boundaries.best_cut(start, done, budget)
         if end is None:

@@ -78,11 +78,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     connection = connection_options()
     _add_submit(subparsers.add_parser("submit", parents=[connection], help="submit jobs and print results"))
     _add_status(subparsers.add_parser("status", parents=[connection], help="show queues and consumers"))
-    _add_summarize(subparsers.add_parser("summarize", parents=[connection],
-                                         help="summarize documents (map-reduce through the queue, resumable)"))
+    _add_summarize(
+        subparsers.add_parser(
+            "summarize", parents=[connection], help="summarize documents (map-reduce through the queue, resumable)"
+        )
+    )
     register_dead(subparsers, connection)
-    subparsers.add_parser("gateway", help="OpenAI-compatible HTTP gateway: a program of its own (python -m gateway; "
-                                          "`conveyor gateway --help`)")
+    subparsers.add_parser(
+        "gateway",
+        help="OpenAI-compatible HTTP gateway: a program of its own (python -m gateway; `conveyor gateway --help`)",
+    )
     register_batch(subparsers, connection)
 
 
@@ -108,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
 def connection_options() -> argparse.ArgumentParser:
     """--redis-url, --namespace, and the credential/TLS flags of clients/connection.py."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--redis-url", default=None,
-                        help="default: $REDIS_URL, else the local server that `conveyor serve` started (see --data-dir)")
+    parent.add_argument(
+        "--redis-url",
+        default=None,
+        help="default: $REDIS_URL, else the local server that `conveyor serve` started (see --data-dir)",
+    )
     parent.add_argument("--namespace", default=None, help="key prefix; default: $CONVEYOR_NAMESPACE or conveyor")
     add_connection_arguments(parent)
     return parent
@@ -124,8 +132,11 @@ def _add_submit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help="prompt text ('-' reads stdin)")
     parser.add_argument("--file", help="JSONL file, one job object per line ('-' reads stdin)")
     form = parser.add_mutually_exclusive_group()
-    form.add_argument("--chat", action="store_true",
-                      help="send the prompt as a user chat message (the default where the model has a chat template)")
+    form.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user chat message (the default where the model has a chat template)",
+    )
     form.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
     parser.add_argument("--system", help="system message (implies --chat)")
     for flag, field, kind in JOB_OPTIONS:
@@ -163,8 +174,10 @@ SUMMARIZE_DESCRIPTION = (
     "symbolic link already at an output path is replaced, never written through; a symbolic "
     "link to a folder inside --out makes that document an error."
 )
-SUMMARIZE_PATHS_HELP = ("PDF, DOCX, HTML, Markdown, reST or text files (told apart by content), or folders of "
-                        "them (recursively; symlinks inside folders are skipped)")
+SUMMARIZE_PATHS_HELP = (
+    "PDF, DOCX, HTML, Markdown, reST or text files (told apart by content), or folders of "
+    "them (recursively; symlinks inside folders are skipped)"
+)
 SUMMARIZE_OUT_HELP = "output folder, created if missing; it may itself be a symlink (default: ./summaries)"
 
 
@@ -172,19 +185,32 @@ def _add_summarize(parser: argparse.ArgumentParser) -> None:
     parser.description = SUMMARIZE_DESCRIPTION
     parser.add_argument("paths", nargs="*", metavar="PATH", help=SUMMARIZE_PATHS_HELP)
     parser.add_argument("--out", default="summaries", help=SUMMARIZE_OUT_HELP)
-    parser.add_argument("--watch", metavar="INBOX", help="keep summarizing new and changed files of this folder, "
-                        "each content once, until SIGTERM/SIGINT (then the documents in flight finish)")
+    parser.add_argument(
+        "--watch",
+        metavar="INBOX",
+        help="keep summarizing new and changed files of this folder, "
+        "each content once, until SIGTERM/SIGINT (then the documents in flight finish)",
+    )
     parser.add_argument("--poll-s", type=float, default=2.0, help="--watch: seconds between looks at INBOX")
-    parser.add_argument("--schema", metavar="FILE.json", help="JSON schema every map and reduce step answers "
-                        "under (structured outputs); the final JSON is validated against it")
+    parser.add_argument(
+        "--schema",
+        metavar="FILE.json",
+        help="JSON schema every map and reduce step answers "
+        "under (structured outputs); the final JSON is validated against it",
+    )
     for flag, field, kind in SUMMARIZE_OPTIONS:
         info = SummarizeOptions.model_fields[field]
         help_text = f"{info.description}; default: {info.default}" if info.description else f"default: {info.default}"
         parser.add_argument(flag, dest=field, type=kind, default=None, help=help_text.replace("%", "%%"))
     parser.add_argument("--priority-class", choices=PRIORITY_CLASSES, default=None, help="default: batch")
-    parser.add_argument("--wait-s", type=_wait_seconds, default=DEFAULT_MODEL_WAIT_S, metavar="SECONDS",
-                        help="how long to wait for a replica to publish its model info, e.g. while replicas "
-                             f"load their model (0: fail at once); default: {DEFAULT_MODEL_WAIT_S:g}")  # fmt: skip
+    parser.add_argument(
+        "--wait-s",
+        type=_wait_seconds,
+        default=DEFAULT_MODEL_WAIT_S,
+        metavar="SECONDS",
+        help="how long to wait for a replica to publish its model info, e.g. while replicas "
+        f"load their model (0: fail at once); default: {DEFAULT_MODEL_WAIT_S:g}",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars (and no waiting lines)")
     parser.set_defaults(func=run_summarize)
 
@@ -409,22 +435,32 @@ def _summarize(args: argparse.Namespace) -> int:
 async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]) -> list:
     """summarize_documents on a client with this command's URL, credentials and TLS."""
     async with AsyncClient(namespace=args.namespace, connection=command_settings(args)) as client:
-        return await summarize_documents_async(args.paths, args.out, client=client, progress=not args.quiet,
-                                               wait_s=args.wait_s, **options)  # fmt: skip
+        return await summarize_documents_async(
+            args.paths, args.out, client=client, progress=not args.quiet, wait_s=args.wait_s, **options
+        )
 
 
 async def _watch_on_client(args: argparse.Namespace, options: dict[str, Any]) -> None:
     async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
-        await watch_folder_async(args.watch, args.out, client=client, poll_s=args.poll_s, wait_s=args.wait_s,
-                                 progress=None if args.quiet else sys.stderr, **options)  # fmt: skip
+        await watch_folder_async(
+            args.watch,
+            args.out,
+            client=client,
+            poll_s=args.poll_s,
+            wait_s=args.wait_s,
+            progress=None if args.quiet else sys.stderr,
+            **options,
+        )
 
 
 def _summary_line(record: dict[str, Any]) -> str:
     if record["status"] == "error":
         return f"error: {record['error']}"
     jobs = record["jobs"]
-    return (f"{record['document']}: {len(record['chunks'])} chunks, {len(jobs)} jobs ({record['submitted']} "
-            f"submitted, {record['reused']} reused), {record['wall_s']:.1f} s -> {record['summary_file']}")
+    return (
+        f"{record['document']}: {len(record['chunks'])} chunks, {len(jobs)} jobs ({record['submitted']} "
+        f"submitted, {record['reused']} reused), {record['wall_s']:.1f} s -> {record['summary_file']}"
+    )
 
 
 if __name__ == "__main__":

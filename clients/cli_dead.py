@@ -1,4 +1,5 @@
 """``conveyor dead list|requeue``: the dead-letter stream from the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,10 @@ def run_dead_requeue(args: argparse.Namespace) -> int:
         new_ids, skipped, failed = requeue(client.redis, client.keys, args.ids or None)
     print(f"requeued {len(new_ids)} job(s)")
     if skipped:
-        print(f"skipped {len(skipped)} whose payload was not kept (unreadable, invalid or conflicting entries: "
-              f"they would fail again), e.g. {skipped[0].dead_id}: {skipped[0].reason}")
+        print(
+            f"skipped {len(skipped)} whose payload was not kept (unreadable, invalid or conflicting entries: "
+            f"they would fail again), e.g. {skipped[0].dead_id}: {skipped[0].reason}"
+        )
     for letter, why in failed:
         print(f"could not requeue {letter.dead_id}: {why}")
     return 1 if failed else 0

@@ -14,6 +14,7 @@ from typing import Any, Callable, Generator, Iterable
 
 from tqdm import tqdm
 
+from clients.connection import client_settings
 from clients.event_reader import (
     READ_COUNT,
     Deadline,
@@ -24,11 +25,10 @@ from clients.event_reader import (
     terminal_from_hash,
 )
 from clients.events import Event, TerminalEvent
-from clients.connection import client_settings
-from clients.keys import PRIORITY_CLASSES, Keys
-from clients.redis_cluster import is_cluster
-from clients.queue_status import model_names, queue_status_commands, queue_status_from
 from clients.job_record import CANCEL_LUA, SUBMIT_LUA
+from clients.keys import PRIORITY_CLASSES, Keys
+from clients.queue_status import model_names, queue_status_commands, queue_status_from
+from clients.redis_cluster import is_cluster
 from clients.submission import (
     ENQUEUED,
     SUBMIT_CHUNK,
@@ -120,8 +120,9 @@ class Run:
         self._error = error
 
 
-def connect(redis_url: str | None, connection: Any, redis_client: Any, partitions: int | None,
-            asynchronous: bool) -> tuple[Any, int | None]:
+def connect(
+    redis_url: str | None, connection: Any, redis_client: Any, partitions: int | None, asynchronous: bool
+) -> tuple[Any, int | None]:
     """A client's Redis connection (its own from the URL or RedisSettings, unless
     `redis_client` is given; creating one does no I/O) and its partitions (given, else the settings')."""
     if redis_client is not None:
@@ -170,16 +171,16 @@ def submit(keys: Keys, fields: dict[str, Any], max_queue_len: int | None, make_j
     return make_job(job.job_id, enqueued=code == ENQUEUED)
 
 
-def submit_many(keys: Keys, items: Iterable[dict[str, Any]], progress: bool, max_queue_len: int | None,
-                make_job: Callable) -> Program:  # fmt: skip
+def submit_many(
+    keys: Keys, items: Iterable[dict[str, Any]], progress: bool, max_queue_len: int | None, make_job: Callable
+) -> Program:
     requests = build_jobs(items)
     jobs: list = []
     with tqdm(total=len(requests), disable=not progress, unit="job", desc="submit") as bar:
         for start in range(0, len(requests), SUBMIT_CHUNK):
             chunk = requests[start : start + SUBMIT_CHUNK]
             codes = yield Pipelined([Script("submit", *submit_args(keys, job, max_queue_len)) for job in chunk])
-            jobs.extend(make_job(job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes)
-                        if code >= 0)  # fmt: skip
+            jobs.extend(make_job(job.job_id, enqueued=code == ENQUEUED) for job, code in zip(chunk, codes) if code >= 0)
             check_chunk(codes, chunk, keys, max_queue_len, jobs)
             bar.update(len(chunk))
     return jobs

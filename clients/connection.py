@@ -56,10 +56,17 @@ import redis.cluster as sync_cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from clients.keys import DEFAULT_REDIS_URL, Keys, partitions_setting
 from clients.errors import ConveyorError
-from clients.local_server import (PASSWORD_FILE, URL_FILE, NoServerFound, default_data_dir, find_local_server,
-                                  following_options, no_server_message)  # fmt: skip
+from clients.keys import DEFAULT_REDIS_URL, Keys, partitions_setting
+from clients.local_server import (
+    PASSWORD_FILE,
+    URL_FILE,
+    NoServerFound,
+    default_data_dir,
+    find_local_server,
+    following_options,
+    no_server_message,
+)
 
 log = logging.getLogger("conveyor.connection")
 
@@ -137,24 +144,35 @@ class RedisSettings:
         if self.password is not None:
             kwargs["password"] = self.password
         if self.tls:
-            kwargs.update(ssl_cert_reqs="required", ssl_ca_certs=self.ca_cert, ssl_certfile=self.cert,
-                          ssl_keyfile=self.key)
+            kwargs.update(
+                ssl_cert_reqs="required", ssl_ca_certs=self.ca_cert, ssl_certfile=self.cert, ssl_keyfile=self.key
+            )
         return kwargs
 
 
 def _check_tls(settings: RedisSettings) -> None:
     if (settings.ca_cert or settings.cert or settings.key) and not settings.tls:
-        raise ValueError(f"--redis-ca-cert/--redis-cert/--redis-key need a rediss:// URL "
-                         f"(TLS), got {redact(settings.url)}")
+        raise ValueError(
+            f"--redis-ca-cert/--redis-cert/--redis-key need a rediss:// URL (TLS), got {redact(settings.url)}"
+        )
     if bool(settings.cert) != bool(settings.key):
         raise ValueError("--redis-cert and --redis-key go together (client certificate and its key)")
 
 
-def resolve_settings(url: str | None = None, *, username: str | None = None, password: str | None = None,
-                     password_file: str | Path | None = None, ca_cert: str | None = None,
-                     cert: str | None = None, key: str | None = None, data_dir: str | Path | None = None,
-                     cluster: bool | None = None, partitions: int | None = None,
-                     env: Mapping[str, str] | None = None) -> RedisSettings:
+def resolve_settings(
+    url: str | None = None,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    password_file: str | Path | None = None,
+    ca_cert: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    data_dir: str | Path | None = None,
+    cluster: bool | None = None,
+    partitions: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> RedisSettings:
     """Apply the choices of the module docstring: the server (URL, $REDIS_URL, the local
     server of `data_dir`, default the user's data folder), then its password (explicit >
     file > environment > URL > the local server's password file)."""
@@ -163,8 +181,9 @@ def resolve_settings(url: str | None = None, *, username: str | None = None, pas
     chosen_url, source, local = choose_server(url, folder, env)
     bare_url, url_user, url_password = split_credentials(chosen_url)
     password_file = password_file or env.get("REDIS_PASSWORD_FILE")
-    chosen_password = _first(password, read_password_file(password_file) if password_file else None,
-                             env.get("REDIS_PASSWORD"), url_password)
+    chosen_password = _first(
+        password, read_password_file(password_file) if password_file else None, env.get("REDIS_PASSWORD"), url_password
+    )
     if chosen_password is None:
         chosen_password = embedded_password(folder, bare_url)
     if source != GIVEN:  # a URL that was not given: say where it came from
@@ -270,10 +289,12 @@ def _split(url: str):
 
 def same_server(url_a: str, url_b: str) -> bool:
     """Same scheme, host and port (localhost and 127.0.0.1 count as one)."""
+
     def where(url: str):
         parts = _split(split_credentials(url)[0])
         host = "127.0.0.1" if parts.hostname in ("localhost", "::1") else parts.hostname
         return parts.scheme, host, parts.port or 6379
+
     try:
         return where(url_a) == where(url_b)
     except ValueError:
@@ -296,24 +317,45 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, data_dir: bool 
     """The credential and TLS flags (not --redis-url, whose default differs per command).
     Their defaults are None: resolve_settings applies the environment, in order."""
     parser.add_argument("--redis-username", default=None, help="ACL user (env REDIS_USERNAME)")
-    parser.add_argument("--redis-password-file", default=None, metavar="PATH",
-                        help="file holding the password (env REDIS_PASSWORD_FILE; or env REDIS_PASSWORD)")
-    parser.add_argument("--redis-ca-cert", default=None, metavar="PATH",
-                        help="CA that signed the server's TLS certificate; needs rediss:// (env REDIS_CA_CERT)")
-    parser.add_argument("--redis-cert", default=None, metavar="PATH",
-                        help="client certificate for mutual TLS (env REDIS_CERT)")
-    parser.add_argument("--redis-key", default=None, metavar="PATH",
-                        help="client certificate's private key (env REDIS_KEY)")
-    parser.add_argument("--redis-cluster", action="store_true", default=None,
-                        help="the URL is a node of a Redis/Valkey Cluster (env REDIS_CLUSTER=1)")
-    parser.add_argument("--partitions", type=int, default=None,
-                        help="request stream partitions per class, the same for every producer and replica "
-                             "(default 1, 4 with --redis-cluster; env CONVEYOR_PARTITIONS)")
+    parser.add_argument(
+        "--redis-password-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the password (env REDIS_PASSWORD_FILE; or env REDIS_PASSWORD)",
+    )
+    parser.add_argument(
+        "--redis-ca-cert",
+        default=None,
+        metavar="PATH",
+        help="CA that signed the server's TLS certificate; needs rediss:// (env REDIS_CA_CERT)",
+    )
+    parser.add_argument(
+        "--redis-cert", default=None, metavar="PATH", help="client certificate for mutual TLS (env REDIS_CERT)"
+    )
+    parser.add_argument(
+        "--redis-key", default=None, metavar="PATH", help="client certificate's private key (env REDIS_KEY)"
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        default=None,
+        help="the URL is a node of a Redis/Valkey Cluster (env REDIS_CLUSTER=1)",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        help="request stream partitions per class, the same for every producer and replica "
+        "(default 1, 4 with --redis-cluster; env CONVEYOR_PARTITIONS)",
+    )
     if data_dir:
-        parser.add_argument("--data-dir", default=None,
-                            help="the local server's folder (conveyor serve's embedded Valkey): its URL is used "
-                                 "without --redis-url, its password for its URL "
-                                 f"(env CONVEYOR_DATA_DIR, default {DEFAULT_DATA_DIR})")
+        parser.add_argument(
+            "--data-dir",
+            default=None,
+            help="the local server's folder (conveyor serve's embedded Valkey): its URL is used "
+            "without --redis-url, its password for its URL "
+            f"(env CONVEYOR_DATA_DIR, default {DEFAULT_DATA_DIR})",
+        )
 
 
 def settings_from_args(args: argparse.Namespace, url: str | None = None) -> RedisSettings:
@@ -360,8 +402,10 @@ def check_credentials(settings: RedisSettings, wait_for_server: bool = True) -> 
         if isinstance(_root_cause(exc), ssl.SSLCertVerificationError):
             return f"TLS certificate of Redis at {settings.describe()} failed verification: {_root_cause(exc)}"
         if settings.local_dir and not wait_for_server:
-            return (f"the local server at {redact(settings.url)} (recorded in {Path(settings.local_dir) / URL_FILE}) "
-                    f"does not answer ({exc}): start `conveyor serve`, or give --redis-url or --data-dir")  # fmt: skip
+            return (
+                f"the local server at {redact(settings.url)} (recorded in {Path(settings.local_dir) / URL_FILE}) "
+                f"does not answer ({exc}): start `conveyor serve`, or give --redis-url or --data-dir"
+            )
         return None
     except (redis.RedisError, sync_cluster.RedisClusterException):  # e.g. no cluster node reachable yet
         return None
@@ -375,10 +419,12 @@ def refused_message(settings: RedisSettings, exc: BaseException) -> str:
     """Credentials refused: what was tried, and every way to give the right ones."""
     given = "a password" if settings.password else "no password"
     folder = settings.local_dir or str(default_data_dir())
-    return (f"Redis at {settings.describe()} refused the credentials ({given} sent: {exc}). For the local server "
-            f"started by `conveyor serve`, its password is in {Path(folder) / PASSWORD_FILE} (another folder: "
-            f"--data-dir); for another server give --redis-url with --redis-password-file, $REDIS_PASSWORD or "
-            f"--redis-username")  # fmt: skip
+    return (
+        f"Redis at {settings.describe()} refused the credentials ({given} sent: {exc}). For the local server "
+        f"started by `conveyor serve`, its password is in {Path(folder) / PASSWORD_FILE} (another folder: "
+        f"--data-dir); for another server give --redis-url with --redis-password-file, $REDIS_PASSWORD or "
+        f"--redis-username"
+    )
 
 
 def _root_cause(exc: BaseException) -> BaseException:

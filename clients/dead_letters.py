@@ -8,6 +8,7 @@ its deliveries) keeps its original request fields as ``field:<name>``; any other
 each field as ``prefix:<name>`` — requeueing those could only fail again.
 
 Everything is read in pages, so a long dead-letter stream costs bounded memory."""
+
 from __future__ import annotations
 
 import time
@@ -53,8 +54,9 @@ def list_dead(redis, keys: Keys, count: int = PAGE, start: str = "-") -> list[De
     return [_parse(dead_id, fields) for dead_id, fields in redis.xrange(keys.dead, min=start, count=count)]
 
 
-def requeue(redis, keys: Keys, dead_ids: list[str] | None = None
-            ) -> tuple[list[str], list[DeadLetter], list[tuple[DeadLetter, str]]]:
+def requeue(
+    redis, keys: Keys, dead_ids: list[str] | None = None
+) -> tuple[list[str], list[DeadLetter], list[tuple[DeadLetter, str]]]:
     """Requeue the given dead letters (all when None), page by page. Returns the new request
     entry ids, the letters skipped because their payload was not kept, and the letters that
     could not be requeued with why (the dead stream is input: a letter naming a key that is
@@ -94,8 +96,9 @@ def _requeue_one(redis, keys: Keys, letter: DeadLetter) -> str:
     job_hash = [keys.job(letter.job_id)] if letter.job_id is not None else []
     pairs = [item for name, value in letter.fields.items() for item in (name, value)]
     dead = letter.stream if keys.partitioned else keys.dead
-    entry_id = redis.eval(REQUEUE_LUA, 2 + len(job_hash), letter.stream, dead, *job_hash,
-                          letter.dead_id, repr(time.time()), *pairs)
+    entry_id = redis.eval(
+        REQUEUE_LUA, 2 + len(job_hash), letter.stream, dead, *job_hash, letter.dead_id, repr(time.time()), *pairs
+    )
     if keys.partitioned:
         redis.xdel(keys.dead, letter.dead_id)
     return _text(entry_id)
@@ -103,11 +106,18 @@ def _requeue_one(redis, keys: Keys, letter: DeadLetter) -> str:
 
 def _parse(dead_id, fields: dict) -> DeadLetter:
     text = {_text(k): v for k, v in fields.items()}
-    originals = {k[len(FIELD_PREFIX):]: v for k, v in text.items() if k.startswith(FIELD_PREFIX)}
-    return DeadLetter(_text(dead_id), _text(text.get("stream", b"")), _text(text.get("entry_id", b"")),
-                      _text(text.get("reason", b"")), _float(text.get("at")), originals,
-                      job_id=readable_job_id({"job_id": _text(text.get("job_id", b""))}),
-                      truncated=text.get("truncated") == b"1", size=_int(text.get("size")))
+    originals = {k[len(FIELD_PREFIX) :]: v for k, v in text.items() if k.startswith(FIELD_PREFIX)}
+    return DeadLetter(
+        _text(dead_id),
+        _text(text.get("stream", b"")),
+        _text(text.get("entry_id", b"")),
+        _text(text.get("reason", b"")),
+        _float(text.get("at")),
+        originals,
+        job_id=readable_job_id({"job_id": _text(text.get("job_id", b""))}),
+        truncated=text.get("truncated") == b"1",
+        size=_int(text.get("size")),
+    )
 
 
 def _float(value) -> float:

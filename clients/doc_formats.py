@@ -13,8 +13,13 @@ import zipfile
 SNIFF_BYTES = 4096
 BINARY_CONTROL_SHARE = 0.01  # more C0 control bytes than this (NUL included): not text
 TEXT_CONTROLS = frozenset(b"\t\n\r\f\b\x1b")
-BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
-        (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # fmt: skip
+BOMS = (
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
 HTML_START = re.compile(rb"^\s*(<!--.*?-->\s*)*<(!doctype\s+html|html|head|body)\b", re.I | re.S)
 HTML_TAGS = re.compile(rb"<(html|head|body|div|p|h[1-6]|title)\b[^>]*>", re.I)
 ATX_HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+\S", re.M)

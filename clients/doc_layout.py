@@ -68,11 +68,12 @@ def coordinates(text: str, spans: tuple[Span, ...], start: int, end: int) -> dic
     pages = sorted({s.page for s in inside if s.page is not None})
     first = inside[0] if inside else None
     return {
-        "start": start, "end": end,
+        "start": start,
+        "end": end,
         "pages": [pages[0], pages[-1]] if pages else None,
         "headings": list(first.headings) if first else [],
         "lines": [text.count("\n", 0, start) + 1, text.count("\n", 0, max(start, end - 1)) + 1],
-    }  # fmt: skip
+    }
 
 
 def citation_label(coords: dict) -> str:

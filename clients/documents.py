@@ -14,6 +14,7 @@ symbolic links that someone else planted:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -22,7 +23,6 @@ import secrets
 import stat
 import unicodedata
 from contextlib import contextmanager, suppress
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator

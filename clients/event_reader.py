@@ -27,8 +27,10 @@ from clients.job_record import Field as HashField
 
 READ_COUNT = 512
 TERMINAL_STATUSES = FINAL_STATUSES
-_STATUS, _RESULT, _ATTEMPT, _UPDATED, _CANCEL = (name.encode() for name in (
-    HashField.STATUS, HashField.RESULT, HashField.ATTEMPT, HashField.UPDATED, HashField.CANCEL))
+_STATUS, _RESULT, _ATTEMPT, _UPDATED, _CANCEL = (
+    name.encode()
+    for name in (HashField.STATUS, HashField.RESULT, HashField.ATTEMPT, HashField.UPDATED, HashField.CANCEL)
+)
 
 
 class JobResult(BaseModel):
@@ -88,8 +90,12 @@ class EventReader:
     def _accept(self, event: Event) -> Event | None:
         if event.attempt < self.attempt:
             return None  # a stale owner's event after a retry started
-        if isinstance(event, ErrorEvent) and event.rejected_entry and self.entry_id \
-                and event.rejected_entry != self.entry_id:
+        if (
+            isinstance(event, ErrorEvent)
+            and event.rejected_entry
+            and self.entry_id
+            and event.rejected_entry != self.entry_id
+        ):
             return None  # another entry was refused, not ours
         if isinstance(event, TokenEvent):
             return self._accept_token(event)

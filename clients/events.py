@@ -105,9 +105,17 @@ class DoneEvent(ToolOutput, _Event):
 
     def all_outputs(self) -> list[OutputChoice]:
         """Every output in index order; an n = 1 job's one output from the flat fields."""
-        return self.outputs or [OutputChoice(index=0, text=self.text, token_ids=self.token_ids,
-                                             finish_reason=self.finish_reason, tool_calls=self.tool_calls,
-                                             content=self.content, tool_call_error=self.tool_call_error)]
+        return self.outputs or [
+            OutputChoice(
+                index=0,
+                text=self.text,
+                token_ids=self.token_ids,
+                finish_reason=self.finish_reason,
+                tool_calls=self.tool_calls,
+                content=self.content,
+                tool_call_error=self.tool_call_error,
+            )
+        ]
 
 
 class ErrorEvent(_Event):

@@ -8,8 +8,8 @@ import io
 import re
 import zipfile
 
-from clients.doc_layout import Block
 from clients.doc_formats import ExtractError
+from clients.doc_layout import Block
 
 MAX_MEMBERS = 2000
 MAX_UNCOMPRESSED = 256 << 20  # all members together, as declared in the zip
@@ -31,8 +31,9 @@ def check_zip(data: bytes) -> None:
     for member in members:
         ratio = member.file_size / max(member.compress_size, 1)
         if member.file_size > RATIO_FLOOR and ratio > MAX_RATIO:
-            raise ExtractError(f"holds {member.filename!r} compressed {ratio:.0f}:1, over the limit of "
-                               f"{MAX_RATIO}:1 (a zip bomb?)")  # fmt: skip
+            raise ExtractError(
+                f"holds {member.filename!r} compressed {ratio:.0f}:1, over the limit of {MAX_RATIO}:1 (a zip bomb?)"
+            )
 
 
 def docx_blocks(data: bytes) -> list[Block]:

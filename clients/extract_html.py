@@ -9,15 +9,60 @@ from __future__ import annotations
 
 from lxml import etree
 
-from clients.doc_layout import Block
 from clients.doc_formats import ExtractError
+from clients.doc_layout import Block
 
-DROPPED = frozenset({"script", "style", "noscript", "template", "nav", "header", "footer", "aside", "form",
-                     "iframe", "svg", "math", "button", "select", "head", "object", "canvas"})  # fmt: skip
+DROPPED = frozenset(
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "nav",
+        "header",
+        "footer",
+        "aside",
+        "form",
+        "iframe",
+        "svg",
+        "math",
+        "button",
+        "select",
+        "head",
+        "object",
+        "canvas",
+    }
+)
 HEADINGS = {f"h{n}": n for n in range(1, 7)}
-BLOCK_TAGS = frozenset({"p", "div", "section", "article", "main", "li", "ul", "ol", "dl", "dt", "dd", "pre",
-                        "blockquote", "table", "tr", "caption", "figcaption", "figure", "address", "hr",
-                        "center", "body", "td", "th"} | set(HEADINGS))  # fmt: skip
+BLOCK_TAGS = frozenset(
+    {
+        "p",
+        "div",
+        "section",
+        "article",
+        "main",
+        "li",
+        "ul",
+        "ol",
+        "dl",
+        "dt",
+        "dd",
+        "pre",
+        "blockquote",
+        "table",
+        "tr",
+        "caption",
+        "figcaption",
+        "figure",
+        "address",
+        "hr",
+        "center",
+        "body",
+        "td",
+        "th",
+    }
+    | set(HEADINGS)
+)
 MAIN_XPATH = "//main | //article | //*[@role='main']"
 
 

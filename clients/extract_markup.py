@@ -60,7 +60,7 @@ def rst_blocks(text: str) -> list[Block]:
         title, char = match.group(1).strip(), match.group(2)
         if len(match.group(0).split("\n")[1].strip()) < len(title) or set(title) == {char}:
             continue  # an underline shorter than its title, or an overline line: not a title here
-        before = text[position:match.start()]
+        before = text[position : match.start()]
         overlined = before.rstrip("\n").endswith(char * 3)
         if overlined:
             before = before.rstrip("\n").rsplit("\n", 1)[0] if "\n" in before.rstrip("\n") else ""

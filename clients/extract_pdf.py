@@ -27,8 +27,7 @@ def pdf_blocks(data: bytes, max_pages: int = MAX_PAGES) -> list[Block]:
     except PdfReadError as exc:
         raise ExtractError(f"is a PDF that cannot be read ({exc})") from None
     if not blocks:
-        raise ExtractError(f"is a PDF without a text layer on any of its {pages} pages "
-                           f"(a scan? OCR is not done)")  # fmt: skip
+        raise ExtractError(f"is a PDF without a text layer on any of its {pages} pages (a scan? OCR is not done)")
     return blocks
 
 

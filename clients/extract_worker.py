@@ -28,8 +28,10 @@ from clients.doc_layout import Block
 
 ISOLATED_FORMATS = ("pdf", "docx", "html")
 CLIENTS_DIR = os.path.dirname(os.path.abspath(__file__))
-CHILD_MAIN = ("import sys, types; package = types.ModuleType('clients'); package.__path__ = [sys.argv[1]]; "
-              "sys.modules['clients'] = package; from clients.extract_worker import main; main(sys.argv[2:])")
+CHILD_MAIN = (
+    "import sys, types; package = types.ModuleType('clients'); package.__path__ = [sys.argv[1]]; "
+    "sys.modules['clients'] = package; from clients.extract_worker import main; main(sys.argv[2:])"
+)
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,16 @@ class ExtractLimits:
 def extract_isolated(data: bytes, kind: str, limits: ExtractLimits = ExtractLimits()) -> list[Block]:
     """The blocks of `data` (a `kind` document), parsed in a child process under `limits`."""
     assert kind in ISOLATED_FORMATS, kind
-    command = [sys.executable, "-c", CHILD_MAIN, CLIENTS_DIR, kind, str(limits.memory_bytes), str(limits.cpu_s),
-               str(limits.max_chars)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        CHILD_MAIN,
+        CLIENTS_DIR,
+        kind,
+        str(limits.memory_bytes),
+        str(limits.cpu_s),
+        str(limits.max_chars),
+    ]
     try:
         done = subprocess.run(command, input=data, capture_output=True, timeout=limits.wall_s)
     except subprocess.TimeoutExpired:

@@ -4,6 +4,7 @@ clients and replicas run these scripts, and nothing else writes a job's status
 (tests/test_job_record.py keeps it so). docs/protocol.md describes the fields.
 
 A job hash is producer-writable input: the scripts coerce what they read."""
+
 from dataclasses import dataclass
 
 
@@ -43,8 +44,12 @@ class Transition:
 
 TRANSITIONS = (
     Transition("SUBMIT_LUA", (NO_HASH, Status.REJECTED), (Status.QUEUED,), "producers: clients/client_core.py submit"),
-    Transition("START_LUA", (NO_HASH, Status.QUEUED, Status.RUNNING, Status.REJECTED), (Status.RUNNING,),
-               "replica: actors/ingest.py (running -> running: a reclaim, attempt + 1)"),
+    Transition(
+        "START_LUA",
+        (NO_HASH, Status.QUEUED, Status.RUNNING, Status.REJECTED),
+        (Status.RUNNING,),
+        "replica: actors/ingest.py (running -> running: a reclaim, attempt + 1)",
+    ),
     Transition("FINISH_LUA", (Status.RUNNING,), tuple(sorted(FINAL_STATUSES)), "replica: actors/publisher.py"),
     Transition("REJECT_LUA", (NO_HASH,), (Status.REJECTED,), "replica: actors/publisher.py (refusals)"),
     Transition("HAND_BACK_LUA", (Status.RUNNING,), (Status.QUEUED,), "replica: actors/ledger.py (shutdown)"),

@@ -96,7 +96,7 @@ class Keys:
         """The partition a request stream key names (0 in the single-server layout)."""
         if not self.partitioned:
             return 0
-        found = _PARTITION_TAG.match(stream[len(self.ns):]) if stream.startswith(self.ns) else None
+        found = _PARTITION_TAG.match(stream[len(self.ns) :]) if stream.startswith(self.ns) else None
         return int(found.group(1)) if found else None
 
     @property
@@ -145,7 +145,7 @@ class Keys:
         prefix = f"{self.requests(priority_class, partition)}:"
         if not stream.startswith(prefix):
             return None
-        return stream[len(prefix):] or None
+        return stream[len(prefix) :] or None
 
     def model_info(self, name: str) -> str:
         """Hash describing a served model for light clients (see clients/model_info.py)."""

@@ -79,10 +79,12 @@ def read_password(path: Path) -> str | None:
 
 
 def no_server_message(data_dir: Path) -> str:
-    return (f"no Redis to connect to: no --redis-url, no $REDIS_URL, and no local server recorded in "
-            f"{data_dir / URL_FILE}. Start one with `conveyor serve --model smollm2` (it records its URL and "
-            f"password in {data_dir}), point at another data folder with --data-dir (or $CONVEYOR_DATA_DIR), "
-            f"or give --redis-url (and --redis-password-file)")  # fmt: skip
+    return (
+        f"no Redis to connect to: no --redis-url, no $REDIS_URL, and no local server recorded in "
+        f"{data_dir / URL_FILE}. Start one with `conveyor serve --model smollm2` (it records its URL and "
+        f"password in {data_dir}), point at another data folder with --data-dir (or $CONVEYOR_DATA_DIR), "
+        f"or give --redis-url (and --redis-password-file)"
+    )
 
 
 # ---------------------------------------------------------------- connections that follow it

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import re
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,9 +33,17 @@ WAIT_POLL_S = 0.5
 WAIT_PROGRESS_S = 5.0
 MAX_CHAT_TEMPLATE_BYTES = 256 * 1024  # the largest published templates are a few tens of KiB
 MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # tokenizer.json of the largest vocabularies: ~35 MB
-FIELD_LIMITS = {"v": 16, "name": 1024, "max_model_len": 32, "eos_token_ids": 64 * 1024,
-                "chat_template": MAX_CHAT_TEMPLATE_BYTES, "special_tokens": 64 * 1024, "published_at": 64,
-                "tokenizer_json": MAX_TOKENIZER_BYTES, "tokenizer_sha256": 64}  # fmt: skip
+FIELD_LIMITS = {
+    "v": 16,
+    "name": 1024,
+    "max_model_len": 32,
+    "eos_token_ids": 64 * 1024,
+    "chat_template": MAX_CHAT_TEMPLATE_BYTES,
+    "special_tokens": 64 * 1024,
+    "published_at": 64,
+    "tokenizer_json": MAX_TOKENIZER_BYTES,
+    "tokenizer_sha256": 64,
+}
 FIELDS = tuple(FIELD_LIMITS)
 
 
@@ -128,8 +136,9 @@ class ModelInfo:
         try:
             return TokenCounter.from_json(self.tokenizer_json, self.chat_template, self.special_tokens)
         except Exception as exc:  # tokenizers' own errors for a tokenizer.json it cannot read
-            raise ProtocolError(f"model info of {self.name!r}: tokenizer_json is unusable: "
-                                f"{type(exc).__name__}") from None
+            raise ProtocolError(
+                f"model info of {self.name!r}: tokenizer_json is unusable: {type(exc).__name__}"
+            ) from None
 
 
 MAX_ADAPTERS = 256
@@ -216,8 +225,10 @@ def check_sizes(name: str, sizes: list[int]) -> None:
     """ProtocolError naming the first field of the model info over its FIELD_LIMITS entry."""
     for field_name, size in zip(FIELDS, sizes):
         if size > FIELD_LIMITS[field_name]:
-            raise ProtocolError(f"model info of {name[:200]!r}: {field_name} is {size} bytes, over the limit of "
-                                f"{FIELD_LIMITS[field_name]}")  # fmt: skip
+            raise ProtocolError(
+                f"model info of {name[:200]!r}: {field_name} is {size} bytes, over the limit of "
+                f"{FIELD_LIMITS[field_name]}"
+            )
 
 
 def known_fields(values: list[bytes | None]) -> dict[bytes, bytes]:
@@ -249,8 +260,7 @@ def model_info_from(keys: Keys, name: str, fields: Mapping[bytes, bytes]) -> Mod
 # ---------------------------------------------------------------- wait
 
 
-def wait_for_model_info(redis: Any, keys: Keys, model: str | None, wait_s: float,
-                        progress: bool = True) -> ModelInfo:  # fmt: skip
+def wait_for_model_info(redis: Any, keys: Keys, model: str | None, wait_s: float, progress: bool = True) -> ModelInfo:
     """fetch_model_info, polled until a replica publishes the model or `wait_s` runs out.
 
     For pipelines started together with their replicas (a compose deployment): a replica
@@ -267,8 +277,9 @@ def wait_for_model_info(redis: Any, keys: Keys, model: str | None, wait_s: float
             time.sleep(wait.pause_after(exc))
 
 
-async def wait_for_model_info_async(redis: Any, keys: Keys, model: str | None, wait_s: float,
-                                    progress: bool = True) -> ModelInfo:  # fmt: skip
+async def wait_for_model_info_async(
+    redis: Any, keys: Keys, model: str | None, wait_s: float, progress: bool = True
+) -> ModelInfo:
     """wait_for_model_info on a redis.asyncio client."""
     wait = _Wait(keys, model, wait_s, progress)
     while True:

@@ -39,25 +39,25 @@ from clients.limits import (  # noqa: F401  (re-exported)
     EARLIEST_DEADLINE,
     INT32_MAX,
     JOB_ID_PATTERN,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
     MAX_DECODED_ELEMENTS,
     MAX_JSON_BYTES,
+    MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_METADATA_BYTES,
     MAX_MSGPACK_BYTES,
     MAX_N,
+    MAX_PENALTY,
     MAX_PROMPT_CHARS,
     MAX_PROMPT_TOKENS,
-    MAX_RESULT_TTL,
-    MAX_LOGPROBS,
-    MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_RESULT_TTL,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_STOP_TOTAL_CHARS,
     MAX_STRUCTURED_BYTES,
-    MAX_CHOICE_CHARS,
-    MAX_CHOICES,
     MAX_TEMPERATURE,
     MIN_PENALTY,
     MIN_REPETITION_PENALTY,
@@ -66,8 +66,15 @@ from clients.limits import (  # noqa: F401  (re-exported)
     SEED_MIN,
 )
 from clients.safe_payload import read_payload, readable_job_id  # noqa: F401
-from clients.tool_schema import (MAX_TOOL_CALLS, MAX_TOOLS, MessageToolCall, ToolChoice, ToolSpec, check_tools,
-                                 tool_choice_of)
+from clients.tool_schema import (
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    MessageToolCall,
+    ToolChoice,
+    ToolSpec,
+    check_tools,
+    tool_choice_of,
+)
 
 ADAPTER_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -167,8 +174,9 @@ def _choices_size(value: list[str] | None) -> list[str] | None:
 def _exactly_one_constraint(so: StructuredOutputs) -> StructuredOutputs:
     given = [name for name in STRUCTURED_CONSTRAINTS if getattr(so, name) is not None]
     if len(given) != 1:
-        raise ValueError(f"exactly one of {', '.join(STRUCTURED_CONSTRAINTS)} is required "
-                         f"(got {', '.join(given) or 'none'})")
+        raise ValueError(
+            f"exactly one of {', '.join(STRUCTURED_CONSTRAINTS)} is required (got {', '.join(given) or 'none'})"
+        )
     return so
 
 
@@ -249,9 +257,7 @@ class JobRequest(BaseModel):
     @classmethod
     def _deadline_is_absolute(cls, value: float | None) -> float | None:
         if value is not None and value < EARLIEST_DEADLINE:
-            raise ValueError(
-                f"must be absolute epoch seconds (e.g. time.time() + 30), got {value}"
-            )
+            raise ValueError(f"must be absolute epoch seconds (e.g. time.time() + 30), got {value}")
         return value
 
     @field_validator("metadata")
@@ -292,8 +298,11 @@ class JobRequest(BaseModel):
             raise FieldValueError(field, message)
         forced = self.tool_choice not in (None, "none", "auto")
         if forced and self.structured_outputs is not None:
-            raise FieldValueError("tool_choice", "a forced tool call is its own structured output: "
-                                                 "give tool_choice required/named or structured_outputs, not both")
+            raise FieldValueError(
+                "tool_choice",
+                "a forced tool call is its own structured output: "
+                "give tool_choice required/named or structured_outputs, not both",
+            )
 
     def chat_messages(self) -> list[dict[str, Any]] | None:
         """`messages` as plain dicts (for a tokenizer's chat template), unset fields left out."""
@@ -304,9 +313,11 @@ class JobRequest(BaseModel):
         if self.tools is None:
             return None
         choice = self.tool_choice
-        return {"tools": [tool.model_dump(exclude_none=True) for tool in self.tools],
-                "tool_choice": choice if isinstance(choice, str) or choice is None else choice.model_dump(),
-                "parallel_tool_calls": self.parallel_tool_calls}
+        return {
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.tools],
+            "tool_choice": choice if isinstance(choice, str) or choice is None else choice.model_dump(),
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
 
     def sampling_params(self) -> dict[str, Any]:
         """Keyword arguments for vLLM-style `SamplingParams(**job.sampling_params())`
@@ -322,10 +333,21 @@ class JobRequest(BaseModel):
 
 
 SAMPLING_PARAM_NAMES = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "min_tokens", "logprobs",
-)  # fmt: skip
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+)
 # Fields added after the digest was defined: part of it only when not at their default, so
 # every digest computed before them stays valid (docs/protocol.md, "Payload digest").
 DEFAULT_ONLY_DIGEST_FIELDS = {"n": 1}
@@ -437,8 +459,13 @@ def digest_input(job: JobRequest) -> str:
     """The canonical JSON text that payload_digest hashes (pure ASCII)."""
     content = {name: getattr(job, name) for name in DIGEST_FIELDS}
     content["messages"] = job.chat_messages()
-    content.update({name: getattr(job, name) for name, default in DEFAULT_ONLY_DIGEST_FIELDS.items()
-                    if getattr(job, name) != default})
+    content.update(
+        {
+            name: getattr(job, name)
+            for name, default in DEFAULT_ONLY_DIGEST_FIELDS.items()
+            if getattr(job, name) != default
+        }
+    )
     if job.structured_outputs is not None:
         content["structured_outputs"] = job.structured_outputs_given()
     if job.tools is not None:  # hashed only when given, as structured_outputs
@@ -478,9 +505,12 @@ def _js_number(value: float) -> str:
     k = len(s)
     n = exponent + len(digits)  # value = 0.s x 10^n
     text = (
-        s + "0" * (n - k) if k <= n <= 21
-        else s[:n] + "." + s[n:] if 0 < n <= 21
-        else "0." + "0" * -n + s if -6 < n <= 0
+        s + "0" * (n - k)
+        if k <= n <= 21
+        else s[:n] + "." + s[n:]
+        if 0 < n <= 21
+        else "0." + "0" * -n + s
+        if -6 < n <= 0
         else s[0] + ("." + s[1:] if k > 1 else "") + "e" + ("+" if n > 0 else "-") + str(abs(n - 1))
     )
     return ("-" if sign else "") + text

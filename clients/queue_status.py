@@ -38,16 +38,19 @@ def queue_status_from(keys: Keys, models: list[str], replies: list[Any]) -> dict
     dead_len = next(answers)
     return {
         "namespace": keys.ns,
-        "requests": {c: _combined([streams[keys.requests(c, p)] for p in range(keys.partitions)])
-                     for c in PRIORITY_CLASSES},
+        "requests": {
+            c: _combined([streams[keys.requests(c, p)] for p in range(keys.partitions)]) for c in PRIORITY_CLASSES
+        },
         "models": {m: _model_status(keys, m, streams, max_lens[m]) for m in models},
         "dead_letter": {"stream": keys.dead, "length": _int(dead_len)},
     }
 
 
 def _model_status(keys: Keys, model: str, streams: dict[str, dict], max_model_len: Any) -> dict[str, Any]:
-    requests = {c: _combined([streams[keys.model_requests(model, c, p)] for p in range(keys.partitions)])
-                for c in PRIORITY_CLASSES}
+    requests = {
+        c: _combined([streams[keys.model_requests(model, c, p)] for p in range(keys.partitions)])
+        for c in PRIORITY_CLASSES
+    }
     queued = sum(info["length"] for info in requests.values())
     served = any(info["consumers"] for info in requests.values())
     published = isinstance(max_model_len, bytes)

@@ -156,8 +156,14 @@ def readable_job_id(payload: Any) -> str | None:
 
 def _salvage_msgpack_job_id(raw: bytes) -> str | None:
     """Read only the top-level `job_id` of a broken or oversized msgpack map."""
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(raw) + 1, max_str_len=len(raw),
-                                max_bin_len=len(raw), max_array_len=len(raw), max_map_len=len(raw))  # fmt: skip
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=len(raw) + 1,
+        max_str_len=len(raw),
+        max_bin_len=len(raw),
+        max_array_len=len(raw),
+        max_map_len=len(raw),
+    )
     try:
         unpacker.feed(raw)
         for _ in range(unpacker.read_map_header()):

@@ -51,30 +51,34 @@ def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple
 OPERATOR_QUEUE_FULL, CONFLICT, QUEUE_FULL, ENQUEUED = -3, -2, -1, 1
 
 
-def check_submitted(code: int, job: JobRequest, keys: Keys, max_queue_len: int | None,
-                    submitted: list | None = None) -> None:
+def check_submitted(
+    code: int, job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list | None = None
+) -> None:
     if code in (QUEUE_FULL, OPERATOR_QUEUE_FULL):
         raise queue_full(job, keys, max_queue_len, submitted or [], operator=code == OPERATOR_QUEUE_FULL)
     if code == CONFLICT:
-        raise JobConflict(f"job_id {job.job_id!r} was already submitted with a different payload",
-                          job_id=job.job_id)
+        raise JobConflict(f"job_id {job.job_id!r} was already submitted with a different payload", job_id=job.job_id)
 
 
-def check_chunk(codes: list[int], chunk: list[JobRequest], keys: Keys, max_queue_len: int | None,
-                submitted: list) -> None:
+def check_chunk(
+    codes: list[int], chunk: list[JobRequest], keys: Keys, max_queue_len: int | None, submitted: list
+) -> None:
     """submit_many: the first failed job of a pipelined chunk raises (after the rest went in)."""
     for code, job in zip(codes, chunk):
         check_submitted(code, job, keys, max_queue_len, submitted)
 
 
-def queue_full(job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list,
-               operator: bool = False) -> QueueFull:
+def queue_full(
+    job: JobRequest, keys: Keys, max_queue_len: int | None, submitted: list, operator: bool = False
+) -> QueueFull:
     """QueueFull naming the bound that was hit: the caller's max_queue_len or the operator's."""
     stream = keys.job_request_stream(job.job_id, job.priority_class, job.model)
     if operator:
-        message = (f"{stream} is full at the server's queue bound (max_queue_len in "
-                   f"{keys.job_limits(job.job_id)}, "
-                   f"set by the replicas' operator); try again later")
+        message = (
+            f"{stream} is full at the server's queue bound (max_queue_len in "
+            f"{keys.job_limits(job.job_id)}, "
+            f"set by the replicas' operator); try again later"
+        )
     else:
         message = f"{stream} holds {max_queue_len} or more entries (the caller's max_queue_len={max_queue_len})"
     return QueueFull(message, submitted=submitted)

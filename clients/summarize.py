@@ -23,17 +23,16 @@ from tqdm import tqdm
 
 from clients.async_client import AsyncClient, AsyncJob
 from clients.chunking import Chunk
+from clients.doc_layout import citation_label, citation_of, coordinates
 from clients.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
 from clients.errors import JobFailed, Timeout
 from clients.event_reader import JobResult
 from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_for_model_info_async
-from clients.doc_layout import citation_label, citation_of, coordinates
 from clients.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
-from clients.summary_report import write_report
 from clients.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
+from clients.summary_report import write_report
 
-__all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents",
-           "summarize_documents_async"]  # fmt: skip
+__all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents", "summarize_documents_async"]
 
 RETRIED_STATUSES = ("error", "cancelled")
 
@@ -54,9 +53,16 @@ class DocumentSummary:
         return self.error is None
 
 
-def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str | Path | None = None, *,
-                        redis_url: str | None = None, namespace: str | None = None, progress: bool = False,
-                        wait_s: float = DEFAULT_MODEL_WAIT_S, **options: Any) -> list[DocumentSummary]:  # fmt: skip
+def summarize_documents(
+    sources: Iterable[str | Path | Document],
+    out_dir: str | Path | None = None,
+    *,
+    redis_url: str | None = None,
+    namespace: str | None = None,
+    progress: bool = False,
+    wait_s: float = DEFAULT_MODEL_WAIT_S,
+    **options: Any,
+) -> list[DocumentSummary]:
     """Summarize files, folders and Documents; `options` are SummarizeOptions fields.
 
     Writes `<name>.summary.txt` and `<name>.summary.json` per document into `out_dir`
@@ -69,16 +75,24 @@ def summarize_documents(sources: Iterable[str | Path | Document], out_dir: str |
     so a pipeline may start before its replicas have loaded their model (a line on stderr
     every few seconds when `progress`); then raises ModelNotPublished naming the limit.
     """
-    return asyncio.run(summarize_documents_async(
-        sources, out_dir, redis_url=redis_url, namespace=namespace, progress=progress, wait_s=wait_s,
-        **options))  # fmt: skip
+    return asyncio.run(
+        summarize_documents_async(
+            sources, out_dir, redis_url=redis_url, namespace=namespace, progress=progress, wait_s=wait_s, **options
+        )
+    )
 
 
-async def summarize_documents_async(sources: Iterable[str | Path | Document], out_dir: str | Path | None = None,
-                                    *, client: AsyncClient | None = None, redis_url: str | None = None,
-                                    namespace: str | None = None, progress: bool = False,
-                                    wait_s: float = DEFAULT_MODEL_WAIT_S,
-                                    **options: Any) -> list[DocumentSummary]:  # fmt: skip
+async def summarize_documents_async(
+    sources: Iterable[str | Path | Document],
+    out_dir: str | Path | None = None,
+    *,
+    client: AsyncClient | None = None,
+    redis_url: str | None = None,
+    namespace: str | None = None,
+    progress: bool = False,
+    wait_s: float = DEFAULT_MODEL_WAIT_S,
+    **options: Any,
+) -> list[DocumentSummary]:
     """summarize_documents as a coroutine, optionally on an existing AsyncClient."""
     settings = SummarizeOptions(**options)
     documents = load_documents(sources)
@@ -102,8 +116,15 @@ async def summarize_documents_async(sources: Iterable[str | Path | Document], ou
 class PipelineRun:
     """One pipeline run: shared prompts, the bound on jobs in flight, progress bars."""
 
-    def __init__(self, client: AsyncClient, info: ModelInfo, options: SummarizeOptions, out_dir: Path | None,
-                 progress: bool, documents: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: AsyncClient,
+        info: ModelInfo,
+        options: SummarizeOptions,
+        out_dir: Path | None,
+        progress: bool,
+        documents: int,
+    ) -> None:
         self.client, self.info, self.options, self.out_dir = client, info, options, out_dir
         self.prompts = Prompts(options, info.token_counter(), info.max_model_len)
         self.in_flight = asyncio.Semaphore(options.max_in_flight)
@@ -173,23 +194,28 @@ class PipelineRun:
         self.jobs_bar.total += len(prompts)
         self.jobs_total += len(prompts)
         self.jobs_bar.refresh()
-        outcomes = await asyncio.gather(*(self._job(doc, record, kind, level, index, messages)
-                                          for index, messages in enumerate(prompts)), return_exceptions=True)  # fmt: skip
+        outcomes = await asyncio.gather(
+            *(self._job(doc, record, kind, level, index, messages) for index, messages in enumerate(prompts)),
+            return_exceptions=True,
+        )
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
         return outcomes
 
-    async def _job(self, doc: Document, record: _Record, kind: str, level: int, index: int,
-                   messages: Messages) -> str:  # fmt: skip
+    async def _job(self, doc: Document, record: _Record, kind: str, level: int, index: int, messages: Messages) -> str:
         step = {"kind": kind, "level": level, "index": index}
         job_key = job_id(kind, doc, level, index, messages, self.options, self.info.name)
         async with self.in_flight:
             if self.options.retry_failed:
                 await self._forget_failure(job_key)
-            job = await self.client.submit(job_id=job_key, messages=messages, model=self.options.model,
-                                           metadata={"pipeline": "summarize", "document": doc.name, **step},
-                                           **self.options.job_fields())  # fmt: skip
+            job = await self.client.submit(
+                job_id=job_key,
+                messages=messages,
+                model=self.options.model,
+                metadata={"pipeline": "summarize", "document": doc.name, **step},
+                **self.options.job_fields(),
+            )
             try:
                 result = await job.result(timeout=self.options.job_timeout)
             except (JobFailed, Timeout) as exc:
@@ -213,8 +239,11 @@ def _complete_json(result: JobResult, step: str, max_tokens: int) -> str:
     try:
         json.loads(result.text)
     except ValueError:
-        cut = f" (cut at max_tokens {max_tokens}: raise it or bound the schema's strings)" \
-            if result.finish_reason == "length" else ""
+        cut = (
+            f" (cut at max_tokens {max_tokens}: raise it or bound the schema's strings)"
+            if result.finish_reason == "length"
+            else ""
+        )
         raise SummarizeError(f"{step} returned incomplete JSON{cut}") from None
     return result.text.strip()
 
@@ -225,33 +254,56 @@ class _Record:
     def __init__(self, doc: Document, run: PipelineRun) -> None:
         self.started = time.monotonic()
         self.data: dict[str, Any] = {
-            "document": doc.name, "source": doc.source, "sha256": doc.sha256, "characters": len(doc.text),
-            "format": doc.format, "encoding": doc.encoding, "model": run.info.name,
-            "context_tokens": run.prompts.context, "options": run.options.model_dump(by_alias=True),
-            "chunks": [], "tree": [], "points": [], "jobs": [],
-        }  # fmt: skip
+            "document": doc.name,
+            "source": doc.source,
+            "sha256": doc.sha256,
+            "characters": len(doc.text),
+            "format": doc.format,
+            "encoding": doc.encoding,
+            "model": run.info.name,
+            "context_tokens": run.prompts.context,
+            "options": run.options.model_dump(by_alias=True),
+            "chunks": [],
+            "tree": [],
+            "points": [],
+            "jobs": [],
+        }
 
     def add_chunks(self, doc: Document, chunks: list[Chunk], prompts: Prompts) -> None:
         self.data["chunking_s"] = round(time.monotonic() - self.started, 4)
         self.data["chunks"] = []
         for c in chunks:
             coords = coordinates(doc.text, doc.spans, c.start, c.end)
-            self.data["chunks"].append({
-                "index": c.index, **coords, "cite": citation_label(coords),
-                "tokens": prompts.counter.count(c.text, False),
-                "prompt_tokens": prompts.counter.count_chat(prompts.map_messages(c.text)), "summary": None,
-            })  # fmt: skip
+            self.data["chunks"].append(
+                {
+                    "index": c.index,
+                    **coords,
+                    "cite": citation_label(coords),
+                    "tokens": prompts.counter.count(c.text, False),
+                    "prompt_tokens": prompts.counter.count_chat(prompts.map_messages(c.text)),
+                    "summary": None,
+                }
+            )
 
     def add_chunk_summaries(self, summaries: list[str]) -> None:
         for chunk, summary in zip(self.data["chunks"], summaries):
             chunk["summary"] = summary
 
-    def add_reduce_level(self, level: int, groups: list[list[int]], covered: list[list[int]],
-                         summaries: list[str]) -> None:  # fmt: skip
+    def add_reduce_level(
+        self, level: int, groups: list[list[int]], covered: list[list[int]], summaries: list[str]
+    ) -> None:
         """One level of the reduce tree: which nodes of the level below each merge read."""
         for index, (group, leaves, summary) in enumerate(zip(groups, covered, summaries)):
-            self.data["tree"].append({"level": level, "index": index, "inputs": group, "chunks": leaves,
-                                      "cite": self._cite(leaves), "summary": summary})  # fmt: skip
+            self.data["tree"].append(
+                {
+                    "level": level,
+                    "index": index,
+                    "inputs": group,
+                    "chunks": leaves,
+                    "cite": self._cite(leaves),
+                    "summary": summary,
+                }
+            )
 
     def add_points(self, final: str, leaves: list[str]) -> str:
         """The final summary as cited points; each cites the chunks it was traced to."""
@@ -279,13 +331,18 @@ class _Record:
     def _cite(self, chunks: list[int]) -> str:
         return citation_of([self.data["chunks"][i] for i in chunks])
 
-    def add_job(self, step: dict[str, Any], job: AsyncJob, result: JobResult | None = None,
-                error: str | None = None) -> None:  # fmt: skip
+    def add_job(
+        self, step: dict[str, Any], job: AsyncJob, result: JobResult | None = None, error: str | None = None
+    ) -> None:
         entry = {**step, "job_id": job.job_id, "enqueued": job.enqueued}
         if result is not None:
-            entry.update(prompt_tokens=result.usage.prompt_tokens, completion_tokens=result.usage.completion_tokens,
-                         finish_reason=result.finish_reason, attempt=result.attempt,
-                         timings=result.timings.model_dump())  # fmt: skip
+            entry.update(
+                prompt_tokens=result.usage.prompt_tokens,
+                completion_tokens=result.usage.completion_tokens,
+                finish_reason=result.finish_reason,
+                attempt=result.attempt,
+                timings=result.timings.model_dump(),
+            )
         if error is not None:
             entry["error"] = error
         self.data["jobs"].append(entry)

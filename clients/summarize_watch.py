@@ -37,9 +37,11 @@ STATE_NAME = ".conveyor-watch.json"
 PROGRESS_EVERY_S = 2.0
 
 
-def watch_folder(inbox: str | Path, out_dir: str | Path, *, redis_url: str | None = None,
-                 namespace: str | None = None, **kwargs: Any) -> None:  # fmt: skip
+def watch_folder(
+    inbox: str | Path, out_dir: str | Path, *, redis_url: str | None = None, namespace: str | None = None, **kwargs: Any
+) -> None:
     """Blocking watch_folder_async on a client of its own, until SIGTERM or SIGINT."""
+
     async def main() -> None:
         async with AsyncClient(redis_url, namespace) as client:
             await watch_folder_async(inbox, out_dir, client=client, **kwargs)
@@ -47,10 +49,18 @@ def watch_folder(inbox: str | Path, out_dir: str | Path, *, redis_url: str | Non
     asyncio.run(main())
 
 
-async def watch_folder_async(inbox: str | Path, out_dir: str | Path, *, client: AsyncClient,
-                             stop: asyncio.Event | None = None, poll_s: float = 2.0, max_documents: int = 2,
-                             wait_s: float = DEFAULT_MODEL_WAIT_S, progress: TextIO | None = sys.stderr,
-                             **options: Any) -> None:  # fmt: skip
+async def watch_folder_async(
+    inbox: str | Path,
+    out_dir: str | Path,
+    *,
+    client: AsyncClient,
+    stop: asyncio.Event | None = None,
+    poll_s: float = 2.0,
+    max_documents: int = 2,
+    wait_s: float = DEFAULT_MODEL_WAIT_S,
+    progress: TextIO | None = sys.stderr,
+    **options: Any,
+) -> None:
     """Watch `inbox` until `stop` is set (by default on SIGTERM/SIGINT), then finish the
     documents in flight. `options` are SummarizeOptions fields."""
     settings = SummarizeOptions(**options)
@@ -75,8 +85,9 @@ def _stop_on_signals() -> asyncio.Event:
 class _Watcher:
     """The inbox's last listing, the state of finished contents, the documents in flight."""
 
-    def __init__(self, inbox: Path, out_dir: Path, run: PipelineRun, max_documents: int,
-                 progress: TextIO | None) -> None:  # fmt: skip
+    def __init__(
+        self, inbox: Path, out_dir: Path, run: PipelineRun, max_documents: int, progress: TextIO | None
+    ) -> None:
         self.inbox, self.out_dir, self.pipeline, self.progress = inbox, out_dir, run, progress
         self.state = _read_state(out_dir)
         self.seen: dict[str, tuple[int, int]] = {}  # name -> (size, mtime_ns) at the last poll
@@ -100,8 +111,11 @@ class _Watcher:
     def _ready_files(self) -> list[tuple[str, Path]]:
         """Files whose size and mtime held still since the last poll and that are not in flight."""
         listing = dict(_listing(self.inbox))
-        ready = [(name, self.inbox / name) for name, key in listing.items()
-                 if self.seen.get(name) == key != self.handled.get(name) and name not in self.in_flight]  # fmt: skip
+        ready = [
+            (name, self.inbox / name)
+            for name, key in listing.items()
+            if self.seen.get(name) == key != self.handled.get(name) and name not in self.in_flight
+        ]
         self.seen = listing
         self.handled.update((name, listing[name]) for name, _ in ready)
         return ready
@@ -130,16 +144,21 @@ class _Watcher:
         write_report(self.out_dir)
         self.done += result.ok
         self.failed += not result.ok
-        self._line(f"{name}: done -> {result.record.get('summary_file')}" if result.ok else f"error: {result.error}",
-                   force=True)  # fmt: skip
+        self._line(
+            f"{name}: done -> {result.record.get('summary_file')}" if result.ok else f"error: {result.error}",
+            force=True,
+        )
 
     def _report_progress(self, force: bool = False) -> None:
         run = self.pipeline
         left = run.jobs_total - run.jobs_done
         rate = run.jobs_done / max(time.monotonic() - self.started, 1e-9)
         eta = f"{left / rate:.0f} s" if rate > 0 and left else "-"
-        self._line(f"watch {self.inbox}: {self.done} documents done, {self.failed} failed, {len(self.in_flight)} in "
-                   f"flight; jobs {run.jobs_done}/{run.jobs_total}; {run.tokens} tokens; ETA {eta}", force)  # fmt: skip
+        self._line(
+            f"watch {self.inbox}: {self.done} documents done, {self.failed} failed, {len(self.in_flight)} in "
+            f"flight; jobs {run.jobs_done}/{run.jobs_total}; {run.tokens} tokens; ETA {eta}",
+            force,
+        )
 
     def _line(self, text: str, force: bool = False) -> None:
         now = time.monotonic()
@@ -175,4 +194,6 @@ def _read_state(out_dir: Path) -> dict[str, str]:
         state = json.loads((out_dir / STATE_NAME).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    return {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(state, dict) else {}
+    return (
+        {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(state, dict) else {}
+    )

@@ -12,10 +12,12 @@ import re
 SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+")
 FINISHED = re.compile(r"[.!?][\"')\]]*$")
 WORD = re.compile(r"[^\W_]{3,}")
-STOP_WORDS = frozenset("the and for are but not you all any can had her was one our out has have this that with "
-                       "from they will would there their what which when where who been into than then them "
-                       "these those its also such may each other more most some only about over under text "
-                       "document summary summaries part parts".split())  # fmt: skip
+STOP_WORDS = frozenset(
+    "the and for are but not you all any can had her was one our out has have this that with "
+    "from they will would there their what which when where who been into than then them "
+    "these those its also such may each other more most some only about over under text "
+    "document summary summaries part parts".split()
+)
 SAME_POINT = 0.6  # word-set overlap (Jaccard) at which two sentences say the same thing
 CLOSE_SECOND = 0.75  # a second source is cited when it matches at least this share of the best
 

@@ -26,9 +26,22 @@ DEFAULT_REDUCE_INSTRUCTION = (
     "whole document in three to six complete sentences; state each point once. Reply with the summary only."
 )
 SCHEMA_INSTRUCTION = " Reply with one JSON object under the given schema."
-PIPELINE_FIELDS = frozenset({"job_id", "prompt", "messages", "prompt_token_ids", "model", "metadata",
-                             "max_tokens", "temperature", "priority_class", "result_ttl",
-                             "repetition_penalty", "structured_outputs"})  # fmt: skip
+PIPELINE_FIELDS = frozenset(
+    {
+        "job_id",
+        "prompt",
+        "messages",
+        "prompt_token_ids",
+        "model",
+        "metadata",
+        "max_tokens",
+        "temperature",
+        "priority_class",
+        "result_ttl",
+        "repetition_penalty",
+        "structured_outputs",
+    }
+)
 
 Messages = list[dict[str, str]]
 
@@ -45,21 +58,31 @@ class SummarizeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    model: str | None = Field(None, description="model to use (None: the only one published); "
-                                                "naming one sends the jobs to its own streams")
+    model: str | None = Field(
+        None, description="model to use (None: the only one published); naming one sends the jobs to its own streams"
+    )
     max_tokens: int = Field(160, ge=1, description="tokens per summary (map and reduce)")
-    max_chunk_tokens: int | None = Field(1024, ge=1, description="cap on a chunk's tokens (None: what the "
-                                         "context allows; SmolLM2 starts to loop on much longer chunks)")
+    max_chunk_tokens: int | None = Field(
+        1024,
+        ge=1,
+        description="cap on a chunk's tokens (None: what the "
+        "context allows; SmolLM2 starts to loop on much longer chunks)",
+    )
     context_tokens: int | None = Field(None, ge=2, description="cap on prompt + summary tokens per job")
     overlap_tokens: int = Field(0, ge=0, description="tokens repeated from one chunk into the next")
     map_instruction: str = Field(DEFAULT_MAP_INSTRUCTION, min_length=1)
     reduce_instruction: str = Field(DEFAULT_REDUCE_INSTRUCTION, min_length=1)
     system_prompt: str | None = Field(None, description="system message (None: the chat template's own)")
     temperature: float = Field(0.0, ge=0.0, description="0 is greedy")
-    repetition_penalty: float = Field(1.15, ge=1.0, le=2.0, description="above 1 discourages repeating tokens "
-                                      "(greedy small models loop without it)")
-    schema_: dict[str, Any] | None = Field(None, alias="schema", description="JSON schema every map and reduce "
-                                           "step answers under (structured outputs); the final JSON validates")
+    repetition_penalty: float = Field(
+        1.15, ge=1.0, le=2.0, description="above 1 discourages repeating tokens (greedy small models loop without it)"
+    )
+    schema_: dict[str, Any] | None = Field(
+        None,
+        alias="schema",
+        description="JSON schema every map and reduce "
+        "step answers under (structured outputs); the final JSON validates",
+    )
     job_options: dict[str, Any] = Field(default_factory=dict, description="more job fields: seed, stop, ...")
     priority_class: Literal["interactive", "batch"] = "batch"
     max_in_flight: int = Field(8, ge=1, description="jobs submitted and not yet finished, per pipeline")
@@ -145,8 +168,14 @@ class Prompts:
             return max(over_cap, self.excess(self.map_messages(text)))
 
         budget = self.chunk_budget()
-        return split_text(doc.text, self.counter.offsets(doc.text), budget, self.options.overlap_tokens, chunk_excess,
-                          section_starts(doc.text, doc.spans))  # fmt: skip
+        return split_text(
+            doc.text,
+            self.counter.offsets(doc.text),
+            budget,
+            self.options.overlap_tokens,
+            chunk_excess,
+            section_starts(doc.text, doc.spans),
+        )
 
     def groups(self, summaries: list[str]) -> list[list[str]]:
         return [[summaries[i] for i in group] for group in self.group_indices(summaries)]
@@ -167,11 +196,18 @@ class Prompts:
         return groups
 
 
-def job_id(kind: str, doc: Document, level: int, index: int, messages: Messages, options: SummarizeOptions,
-           model: str) -> str:  # fmt: skip
+def job_id(
+    kind: str, doc: Document, level: int, index: int, messages: Messages, options: SummarizeOptions, model: str
+) -> str:
     """Deterministic id: the same document, step, prompt, parameters and model give the same job."""
-    key = {"kind": kind, "document": doc.sha256, "level": level, "index": index, "messages": messages,
-           "params": options.output_fields(), "model": model}  # fmt: skip
+    key = {
+        "kind": kind,
+        "document": doc.sha256,
+        "level": level,
+        "index": index,
+        "messages": messages,
+        "params": options.output_fields(),
+        "model": model,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     return f"sum-{kind}-{digest[:40]}"
-

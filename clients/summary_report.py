@@ -12,9 +12,11 @@ from typing import Any
 from clients.documents import write_top_file
 
 REPORT_NAME = "index.html"
-STYLE = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.4}"
-         ".error{color:#a00}.cite{font-size:90%}table{border-collapse:collapse}"
-         "td,th{border:1px solid #ccc;padding:2px 6px;vertical-align:top}details{margin:.5em 0}")  # fmt: skip
+STYLE = (
+    "body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.4}"
+    ".error{color:#a00}.cite{font-size:90%}table{border-collapse:collapse}"
+    "td,th{border:1px solid #ccc;padding:2px 6px;vertical-align:top}details{margin:.5em 0}"
+)
 
 
 def records_in(out_dir: Path) -> list[dict[str, Any]]:
@@ -41,12 +43,16 @@ def write_report(out_dir: Path) -> Path:
 def render(records: list[dict[str, Any]]) -> str:
     done = [r for r in records if r.get("status") == "done"]
     failed = [r for r in records if r.get("status") != "done"]
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Summaries</title><style>{STYLE}</style>"
-             f"</head><body><h1>Summaries</h1><p>{len(done)} documents summarized, {len(failed)} failed.</p>"]  # fmt: skip
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Summaries</title><style>{STYLE}</style>"
+        f"</head><body><h1>Summaries</h1><p>{len(done)} documents summarized, {len(failed)} failed.</p>"
+    ]
     parts.extend(_document(number, record) for number, record in enumerate(done))
     if failed:
         parts.append("<h2>Failures</h2><table><tr><th>document</th><th>reason</th></tr>")
-        parts.extend(f"<tr><td>{_e(r['document'])}</td><td class='error'>{_e(r.get('error'))}</td></tr>" for r in failed)
+        parts.extend(
+            f"<tr><td>{_e(r['document'])}</td><td class='error'>{_e(r.get('error'))}</td></tr>" for r in failed
+        )
         parts.append("</table>")
     parts.append("</body></html>\n")
     return "".join(parts)
@@ -55,22 +61,32 @@ def render(records: list[dict[str, Any]]) -> str:
 def _document(number: int, record: dict[str, Any]) -> str:
     anchor = f"d{number}"
     usage = record.get("usage", {})
-    head = (f"<h2 id='{anchor}'>{_e(record['document'])}</h2><p>{_e(record.get('format'))}, "
-            f"{len(record.get('chunks', []))} chunks, {record.get('levels', 0)} levels, "
-            f"{usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} completion tokens, "
-            f"{record.get('wall_s', 0)} s</p>")  # fmt: skip
+    head = (
+        f"<h2 id='{anchor}'>{_e(record['document'])}</h2><p>{_e(record.get('format'))}, "
+        f"{len(record.get('chunks', []))} chunks, {record.get('levels', 0)} levels, "
+        f"{usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} completion tokens, "
+        f"{record.get('wall_s', 0)} s</p>"
+    )
     if record.get("summary_json") is not None:
         body = f"<pre>{_e(json.dumps(record['summary_json'], indent=2, ensure_ascii=False))}</pre>"
     else:
         body = "<ul>" + "".join(_point(anchor, p) for p in record.get("points", [])) + "</ul>"
-    chunks = "".join(f"<tr id='{anchor}-c{c['index']}'><td>{c['index']}</td><td>{_e(c.get('cite'))}</td>"
-                     f"<td>{_e(c.get('summary'))}</td></tr>" for c in record.get("chunks", []))  # fmt: skip
-    tree = "".join(f"<tr><td>{t['level']}.{t['index']}</td><td>{_e(t['inputs'])}</td><td>{_e(t.get('cite'))}</td>"
-                   f"<td>{_e(t.get('summary'))}</td></tr>" for t in record.get("tree", []))  # fmt: skip
-    return (head + body + "<details><summary>chunk summaries</summary><table><tr><th>#</th><th>from</th>"
-            f"<th>summary</th></tr>{chunks}</table></details>"
-            "<details><summary>reduce tree</summary><table><tr><th>node</th><th>inputs</th><th>covers</th>"
-            f"<th>summary</th></tr>{tree}</table></details>")  # fmt: skip
+    chunks = "".join(
+        f"<tr id='{anchor}-c{c['index']}'><td>{c['index']}</td><td>{_e(c.get('cite'))}</td>"
+        f"<td>{_e(c.get('summary'))}</td></tr>"
+        for c in record.get("chunks", [])
+    )
+    tree = "".join(
+        f"<tr><td>{t['level']}.{t['index']}</td><td>{_e(t['inputs'])}</td><td>{_e(t.get('cite'))}</td>"
+        f"<td>{_e(t.get('summary'))}</td></tr>"
+        for t in record.get("tree", [])
+    )
+    return (
+        head + body + "<details><summary>chunk summaries</summary><table><tr><th>#</th><th>from</th>"
+        f"<th>summary</th></tr>{chunks}</table></details>"
+        "<details><summary>reduce tree</summary><table><tr><th>node</th><th>inputs</th><th>covers</th>"
+        f"<th>summary</th></tr>{tree}</table></details>"
+    )
 
 
 def _point(anchor: str, point: dict[str, Any]) -> str:

@@ -20,7 +20,6 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-
 RENDER_TIMEOUT_S = 2.0
 MAX_TEMPLATE_OUTPUT_CHARS = 256 * 1024  # what a template may add to the messages' own text
 MAX_BINOP_ITEMS = 1 << 20  # characters or items one `*` in a template may build
@@ -34,15 +33,20 @@ class RenderRefused(ValueError):
 class TokenCounter:
     """Counts tokens as the serving replica will (same tokenizer.json, same chat template)."""
 
-    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None,
-                 special_tokens: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, tokenizer: Tokenizer, chat_template: str | None = None, special_tokens: Mapping[str, Any] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template or None
         self.special_tokens = dict(special_tokens or {})
 
     @classmethod
-    def from_json(cls, tokenizer_json: bytes | str, chat_template: str | None = None,
-                  special_tokens: Mapping[str, Any] | None = None) -> TokenCounter:  # fmt: skip
+    def from_json(
+        cls,
+        tokenizer_json: bytes | str,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, Any] | None = None,
+    ) -> TokenCounter:
         text = tokenizer_json.decode() if isinstance(tokenizer_json, bytes) else tokenizer_json
         return cls(Tokenizer.from_str(text), chat_template, special_tokens)
 
@@ -64,8 +68,13 @@ class TokenCounter:
         if not self.chat_template:
             raise ValueError("this model has no chat template")
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]  # as transformers does
-        context = {**self.special_tokens, "messages": plain, "tools": None, "documents": None,
-                   "add_generation_prompt": add_generation_prompt}  # fmt: skip
+        context = {
+            **self.special_tokens,
+            "messages": plain,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         budget = 2 * len(json.dumps(plain, default=str)) + MAX_TEMPLATE_OUTPUT_CHARS
         return render_bounded(compile_template(self.chat_template), context, budget, RENDER_TIMEOUT_S)
 
@@ -124,8 +133,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's own tojson escapes HTML characters; transformers' does not
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -165,8 +175,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
             raise RenderRefused(f"a chat template's exponent is over {MAX_EXPONENT}")
         if operator == "*":
             sized, count = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
-            if isinstance(sized, (str, list, tuple)) and isinstance(count, int) \
-                    and len(sized) * count > MAX_BINOP_ITEMS:
+            if (
+                isinstance(sized, (str, list, tuple))
+                and isinstance(count, int)
+                and len(sized) * count > MAX_BINOP_ITEMS
+            ):
                 raise RenderRefused(f"a chat template's `*` builds over {MAX_BINOP_ITEMS} items")
         return super().call_binop(context, operator, left, right)
 
@@ -174,9 +187,12 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 @lru_cache(maxsize=16)
 def compile_template(chat_template: str) -> jinja2.Template:
     """The template in the environment transformers uses for chat templates."""
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])  # fmt: skip
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, namespace=_Namespace, dict=_Dict(),
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))  # fmt: skip
+    env.globals.update(
+        raise_exception=_raise_exception,
+        namespace=_Namespace,
+        dict=_Dict(),
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+    )
     return env.from_string(chat_template)

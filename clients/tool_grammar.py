@@ -9,6 +9,7 @@ arguments validate.
 Both without whitespace outside strings: a model unsure of itself cannot spend its
 max_tokens on blank lines the grammar would otherwise allow.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,5 +41,9 @@ def _parameters(tool: ToolSpec) -> dict[str, Any]:
 
 
 def _call_schema(tool: ToolSpec) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "parameters": _parameters(tool)},
-            "required": ["name", "parameters"], "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "parameters": _parameters(tool)},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }

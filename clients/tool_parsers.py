@@ -11,6 +11,7 @@ Parsers (chosen per model by its chat template, overridable with `--tool-call-pa
 With `tool_choice` required or named the output was generated under a grammar
 (clients/tool_grammar.py) and is read by that grammar's shape, whatever the parser.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,11 +52,16 @@ class ToolReading:
         content, found = calls
         unknown = [name for name, _ in found if name not in self.names]
         if unknown:
-            return ToolOutput(content=text, tool_call_error=f"the model called {unknown[0]!r}, which is not a tool "
-                                                            f"of this request")
-        return ToolOutput(content=content or None, tool_calls=[
-            ToolCall(id=call_id(self.job_id, index, n), name=name, arguments=arguments)
-            for n, (name, arguments) in enumerate(found)])
+            return ToolOutput(
+                content=text, tool_call_error=f"the model called {unknown[0]!r}, which is not a tool of this request"
+            )
+        return ToolOutput(
+            content=content or None,
+            tool_calls=[
+                ToolCall(id=call_id(self.job_id, index, n), name=name, arguments=arguments)
+                for n, (name, arguments) in enumerate(found)
+            ],
+        )
 
     def _calls(self, text: str) -> tuple[str, list[tuple[str, str]]] | None:
         if self.mode == "named":

@@ -2,6 +2,7 @@
 `tool_calls` an assistant message of the history carries. Bounded and checked here;
 what the tools mean to the model (the prompt, the grammar, the parsers) lives elsewhere
 (clients/tool_grammar.py, clients/tool_parsers.py, engine/chat_tools.py)."""
+
 from __future__ import annotations
 
 import json
@@ -88,8 +89,9 @@ def tool_choice_of(value: Any) -> Any:
             return NamedToolChoice.model_validate(value)
         except ValidationError as exc:
             problem = exc.errors(include_url=False)[0]["msg"]
-            raise ValueError(f"must be {', '.join(CHOICES)} or {{type: function, function: {{name}}}} ({problem})") \
-                from None
+            raise ValueError(
+                f"must be {', '.join(CHOICES)} or {{type: function, function: {{name}}}} ({problem})"
+            ) from None
     raise ValueError(f"must be {', '.join(CHOICES)} or {{type: function, function: {{name}}}} (got {value!r:.60})")
 
 
@@ -119,7 +121,7 @@ def check_tools(tools: list[ToolSpec] | None, choice: ToolChoice | None) -> str 
 
 
 def choice_mode(choice: ToolChoice | None) -> str:
-    """"none", "auto", "required" or "named" (no choice given: "auto", as OpenAI)."""
+    """ "none", "auto", "required" or "named" (no choice given: "auto", as OpenAI)."""
     if choice is None:
         return "auto"
     return "named" if isinstance(choice, NamedToolChoice) else choice

@@ -1,4 +1,5 @@
 """Per-step description of where each token's attention reads and writes in the paged cache."""
+
 from dataclasses import dataclass, field
 
 import torch
@@ -7,6 +8,7 @@ import torch
 @dataclass
 class PrefillSpan:
     """Tokens ``[start, end)`` of the flat batch: one sequence's prompt chunk."""
+
     start: int
     end: int
     prefix_len: int  # tokens of this sequence already cached before the chunk
@@ -16,6 +18,7 @@ class PrefillSpan:
 @dataclass
 class PackedPrefills:
     """The prefill spans as tensors, for a backend that attends to all of them in one launch."""
+
     starts: torch.Tensor  # [S] first row of each span in the flat batch
     lens: torch.Tensor  # [S] new tokens
     prefix_lens: torch.Tensor  # [S] tokens cached before them
@@ -28,8 +31,10 @@ def pack_prefills(prefills: list[PrefillSpan], block_tables: list[list[int]], de
     (from pinned memory on CUDA: no wait on the device)."""
     width = max(map(len, block_tables))
     tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-    columns = torch.tensor([[s.start for s in prefills], [s.end - s.start for s in prefills],
-                            [s.prefix_len for s in prefills]], dtype=torch.long)
+    columns = torch.tensor(
+        [[s.start for s in prefills], [s.end - s.start for s in prefills], [s.prefix_len for s in prefills]],
+        dtype=torch.long,
+    )
     if device.type == "cuda":
         tables, columns = tables.pin_memory(), columns.pin_memory()
     tables, columns = tables.to(device, non_blocking=True), columns.to(device, non_blocking=True)

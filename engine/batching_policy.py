@@ -5,6 +5,7 @@ dynamic: request-level batching; collect up to ``max_batch_size`` requests or wa
 ``batch_window_ms`` from the oldest one, then run that batch until all of it finishes
 while newcomers wait.
 """
+
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 
@@ -30,7 +31,7 @@ class DynamicBatching:
         if not self.batch:
             if self.seconds_until_ready(ranked_waiting, now) > 0:
                 return []
-            self.batch = {s.seq_id for s in ranked_waiting[:self.max_batch_size]}
+            self.batch = {s.seq_id for s in ranked_waiting[: self.max_batch_size]}
         return [s for s in ranked_waiting if s.seq_id in self.batch]
 
     def on_finish(self, seq: Sequence) -> None:
@@ -48,6 +49,5 @@ class DynamicBatching:
 
 def make_policy(config: EngineConfig):
     if config.batching == "dynamic":
-        return DynamicBatching(min(config.max_batch_size, config.max_num_seqs),
-                               config.batch_window_ms / 1000)
+        return DynamicBatching(min(config.max_batch_size, config.max_num_seqs), config.batch_window_ms / 1000)
     return ContinuousBatching()

@@ -6,6 +6,7 @@ its own token ids), so equal prefixes map to equal block chains. Freed blocks ke
 hash and wait in an LRU free list: a later request with the same prefix takes them back
 (a cache hit) until the pool needs them for new content (eviction from the LRU end).
 """
+
 from collections import OrderedDict
 
 from engine.sequence import Sequence
@@ -113,7 +114,7 @@ class BlockManager:
             position = len(seq.block_hashes)
             # the first block's parent: the adapter, so prefixes are shared only under the same weights
             parent = seq.block_hashes[-1] if seq.block_hashes else _adapter_of(seq)
-            tokens = tuple(seq.token_ids[position * self.block_size:(position + 1) * self.block_size])
+            tokens = tuple(seq.token_ids[position * self.block_size : (position + 1) * self.block_size])
             seq.block_hashes.append(hash((parent, tokens)))
         return seq.block_hashes[index]
 

@@ -13,13 +13,14 @@ Hermes format the `hermes` parser reads (the one Qwen2.5 uses):
   - `tool` messages: a `user` message holding `<tool_response>...</tool_response>` (one
     per result; consecutive results share the message).
 """
+
 import json
 
 FALLBACK_TOOLS_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
     "<args-json-object>}}\n</tool_call>"
 )
 
@@ -43,10 +44,10 @@ def default_tool_parser(tokenizer) -> str:
 def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
     """The prompt text of `messages` (+ `tools`), the generation prompt at its end."""
     if knows_tools(tokenizer):
-        return tokenizer.apply_chat_template([_for_template(m) for m in messages], tools=tools or None,
-                                             tokenize=False, add_generation_prompt=True)
-    return tokenizer.apply_chat_template(fallback_messages(messages, tools), tokenize=False,
-                                         add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [_for_template(m) for m in messages], tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
+    return tokenizer.apply_chat_template(fallback_messages(messages, tools), tokenize=False, add_generation_prompt=True)
 
 
 def uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
@@ -57,8 +58,14 @@ def _for_template(message: dict) -> dict:
     calls = message.get("tool_calls")
     if not calls:
         return message
-    functions = [{"type": "function", "id": call["id"],
-                  "function": {"name": call["function"]["name"], "arguments": _arguments(call)}} for call in calls]
+    functions = [
+        {
+            "type": "function",
+            "id": call["id"],
+            "function": {"name": call["function"]["name"], "arguments": _arguments(call)},
+        }
+        for call in calls
+    ]
     return {**message, "content": message.get("content") or "", "tool_calls": functions}
 
 
@@ -88,8 +95,10 @@ def _rendered(message: dict) -> dict:
     if message["role"] == "tool":
         return {"role": "tool", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
     calls = message.get("tool_calls") or []
-    blocks = [json.dumps({"name": call["function"]["name"], "arguments": _arguments(call)}, ensure_ascii=False)
-              for call in calls]
+    blocks = [
+        json.dumps({"name": call["function"]["name"], "arguments": _arguments(call)}, ensure_ascii=False)
+        for call in calls
+    ]
     content = "\n".join([message.get("content") or "", *(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)])
     return {"role": message["role"], "content": content.strip("\n") if calls else message["content"]}
 

@@ -1,5 +1,6 @@
 """The engine's own child processes (the engine core process, tensor-parallel ranks): their
 environment and how they meet signals."""
+
 import os
 import signal
 from pathlib import Path
@@ -26,6 +27,7 @@ def die_with_parent() -> None:
     """A parent killed with SIGKILL leaves no child computing for nobody (Linux)."""
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):
         pass

@@ -1,4 +1,5 @@
 """Engine options. Every option has a laptop-CPU default and a ``CONVEYOR_<NAME>`` env var."""
+
 import os
 import re
 from dataclasses import dataclass, fields
@@ -67,8 +68,11 @@ class EngineConfig:
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size < 1:
+        if (
+            isinstance(self.tensor_parallel_size, bool)
+            or not isinstance(self.tensor_parallel_size, int)
+            or self.tensor_parallel_size < 1
+        ):
             raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_batch_size is None:
             self.max_batch_size = self.max_num_seqs
@@ -79,8 +83,10 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             if self.async_scheduling:
-                raise ValueError("async_scheduling: overlapped steps cannot run with speculative_config "
-                                 "(the drafts need each step's tokens); leave async_scheduling unset or false")
+                raise ValueError(
+                    "async_scheduling: overlapped steps cannot run with speculative_config "
+                    "(the drafts need each step's tokens); leave async_scheduling unset or false"
+                )
             self.async_scheduling = False  # one step at a time: the drafter sees the latest tokens
 
     @property
@@ -108,8 +114,7 @@ def _fraction(name: str, value) -> float:
     return number
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_bytes(value: int | str) -> int:

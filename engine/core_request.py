@@ -1,6 +1,7 @@
 """EngineCoreRequest: what a front door hands the engine core for one request (as vLLM's
 EngineCoreRequest). Only validated inputs cross; the engine's own ``Sequence`` (block table,
 progress, timestamps) is made and kept inside the core."""
+
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -20,6 +21,14 @@ class EngineCoreRequest:
     lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
 
     def to_sequence(self) -> Sequence:
-        return Sequence(self.request_id, list(self.prompt_token_ids), self.params, self.max_tokens,
-                        self.priority_class, self.priority, self.arrival_time, grammar=self.grammar,
-                        lora_request=self.lora_request)
+        return Sequence(
+            self.request_id,
+            list(self.prompt_token_ids),
+            self.params,
+            self.max_tokens,
+            self.priority_class,
+            self.priority,
+            self.arrival_time,
+            grammar=self.grammar,
+            lora_request=self.lora_request,
+        )

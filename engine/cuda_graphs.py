@@ -16,6 +16,7 @@ fixed shapes and addresses, so:
 ``replay`` without a captured graph runs the same forward on the same static buffers
 eagerly, which is how a CPU test drives everything but the capture.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ def bucket_for(batch: int, buckets: list[int]) -> int | None:
 @dataclass
 class DecodeBuffers:
     """Static inputs of the captured graphs, for the largest bucket."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -48,8 +50,9 @@ class DecodeBuffers:
     @classmethod
     def allocate(cls, rows: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
         column = lambda: torch.zeros(rows, dtype=torch.long, device=device)  # noqa: E731
-        return cls(column(), column(), column(), torch.zeros(rows, max_blocks, dtype=torch.long, device=device),
-                   column())
+        return cls(
+            column(), column(), column(), torch.zeros(rows, max_blocks, dtype=torch.long, device=device), column()
+        )
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int) -> None:
         """Copy a step's ``n`` rows in, and pad rows ``n:bucket`` (device copies: no host sync)."""
@@ -66,8 +69,9 @@ class DecodeBuffers:
         self.context_lens[n:bucket].zero_()
 
     def meta(self, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:bucket], bucket, self.block_tables[:bucket],
-                                 self.context_lens[:bucket])
+        return AttentionMetadata(
+            self.slot_mapping[:bucket], bucket, self.block_tables[:bucket], self.context_lens[:bucket]
+        )
 
 
 class DecodeGraphs:
@@ -81,8 +85,11 @@ class DecodeGraphs:
         self.replays = self.eager_fallbacks = 0
 
     def serves(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        return (meta.num_decode_tokens == num_tokens and num_tokens <= self.buckets[-1]
-                and meta.decode_block_tables.shape[1] <= self.max_blocks)
+        return (
+            meta.num_decode_tokens == num_tokens
+            and num_tokens <= self.buckets[-1]
+            and meta.decode_block_tables.shape[1] <= self.max_blocks
+        )
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of a decode-only step the graphs serve (``serves``): rows ``[:n]``."""

@@ -11,9 +11,15 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for correct 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True, include_stop_str: bool = False,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -31,27 +37,27 @@ class IncrementalDetokenizer:
         """Decode one more token; sets ``stop_string`` when a stop string completes."""
         assert self.stop_string is None
         self.window.append(token_id)
-        prefix = self._decode(self.window[self.prefix_offset:self.read_offset])
-        full = self._decode(self.window[self.prefix_offset:])
+        prefix = self._decode(self.window[self.prefix_offset : self.read_offset])
+        full = self._decode(self.window[self.prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for the next token
         self.prefix_offset, self.read_offset = self.read_offset, len(self.window)
         self.window, self.prefix_offset, self.read_offset = self._trimmed()
-        self._append(full[len(prefix):])
+        self._append(full[len(prefix) :])
 
     def flush(self) -> None:
         """At the end: decode what was held back as an incomplete character (it stays U+FFFD)."""
         if self.stop_string is None and self.read_offset < len(self.window):
-            prefix = self._decode(self.window[self.prefix_offset:self.read_offset])
-            full = self._decode(self.window[self.prefix_offset:])
+            prefix = self._decode(self.window[self.prefix_offset : self.read_offset])
+            full = self._decode(self.window[self.prefix_offset :])
             self.read_offset = len(self.window)
             if len(full) > len(prefix):
-                self._append(full[len(prefix):])
+                self._append(full[len(prefix) :])
 
     def take_delta(self, final: bool) -> str:
         """Text not yet handed out; unless ``final``, minus a possible stop-string start."""
         end = len(self.text) if final or self.stop_string else len(self.text) - self._held_back()
-        delta = self.text[self.emitted:end]
+        delta = self.text[self.emitted : end]
         self.emitted = max(self.emitted, end)
         return delta
 
@@ -60,7 +66,7 @@ class IncrementalDetokenizer:
         self.text += new_text
         if hit:
             index, self.stop_string = hit
-            self.text = self.text[:index + (len(self.stop_string) if self.include_stop_str else 0)]
+            self.text = self.text[: index + (len(self.stop_string) if self.include_stop_str else 0)]
 
     def _held_back(self) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string
@@ -69,8 +75,11 @@ class IncrementalDetokenizer:
 
     def _trimmed(self):
         """Drop window tokens before ``prefix_offset``; they are never decoded again."""
-        return self.window[self.prefix_offset:], 0, self.read_offset - self.prefix_offset
+        return self.window[self.prefix_offset :], 0, self.read_offset - self.prefix_offset
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        return self.tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )

@@ -15,6 +15,7 @@ front door holds the other end of (never a network socket: pickle trusts its pee
 first frame from the front door is the EngineConfig (or, on a thread with an engine already
 built, nothing); the core answers CoreReady (or CoreFailed), then StepDone after each step.
 """
+
 import logging
 import os
 import pickle
@@ -38,6 +39,7 @@ IDLE_WATCH_S = 0.5  # an idle core still looks at its tensor-parallel ranks this
 @dataclass(frozen=True)
 class CoreFacts:
     """What the front door needs to know of the engine the core built."""
+
     model_name: str
     tokenizer_dir: str
     vocab_size: int
@@ -147,10 +149,15 @@ class EngineCore:
 
 
 def facts_of(engine) -> CoreFacts:
-    return CoreFacts(model_name=engine.spec.name, tokenizer_dir=str(engine.tokenizer_dir),
-                     vocab_size=engine.spec.hf_config.vocab_size, max_model_len=engine.max_model_len,
-                     max_pool_tokens=engine.inputs.max_pool_tokens, eos_token_ids=frozenset(engine.spec.eos_token_ids),
-                     max_num_seqs=engine.config.max_num_seqs)
+    return CoreFacts(
+        model_name=engine.spec.name,
+        tokenizer_dir=str(engine.tokenizer_dir),
+        vocab_size=engine.spec.hf_config.vocab_size,
+        max_model_len=engine.max_model_len,
+        max_pool_tokens=engine.inputs.max_pool_tokens,
+        eos_token_ids=frozenset(engine.spec.eos_token_ids),
+        max_num_seqs=engine.config.max_num_seqs,
+    )
 
 
 def serve(sock: socket.socket, engine=None) -> int:
@@ -180,6 +187,7 @@ def _run(engine, sock: socket.socket) -> int:
 
 def _build_engine(sock: socket.socket, config: EngineConfig):
     from engine.llm_engine import LLMEngine
+
     try:
         return LLMEngine(config)
     except Exception as exc:  # noqa: BLE001 - the front door raises it as its own
@@ -195,14 +203,16 @@ def portable(exc: BaseException) -> BaseException:
         return exc
     except Exception:  # noqa: BLE001 - any failure to round-trip
         from engine.errors import ModelLoadError
+
         return ModelLoadError(f"{type(exc).__name__}: {exc}")
 
 
 def main() -> int:
     die_with_parent()
     ignore_stop_signals()
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     sock = socket.socket(fileno=int(sys.argv[1]))
     sock.setblocking(True)
     return serve(sock)
@@ -210,4 +220,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     from engine.engine_core import main as module_main  # messages pickle as engine.engine_core's, not __main__'s
+
     sys.exit(module_main())

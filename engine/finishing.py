@@ -19,6 +19,7 @@ EOS, so for such a request EOS always ends it (2a holds whatever ``ignore_eos`` 
 ``min_tokens`` say, and EOS is not banned before ``min_tokens``): nothing valid could follow.
 ``min_tokens`` still bans the request's ``stop_token_ids``.
 """
+
 from engine.sequence import Sequence
 
 StopReason = tuple[str, str | int | None]  # (finish_reason, stop_reason)

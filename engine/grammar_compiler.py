@@ -6,6 +6,7 @@ xgrammar reads the vocabulary from the Hugging Face tokenizer, sized to the MODE
 vocabulary (the logits may be wider than the tokenizer: ids past it are never allowed),
 with the model's EOS ids as its stop tokens: a complete grammar allows only those.
 """
+
 import json
 import re
 import threading
@@ -24,9 +25,14 @@ XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[15:49:50] /project/c
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as [^"\\\r\n]
 # (no escapes): that lets raw control characters through, which JSON forbids. Such rules get
 # JSON's class of characters that need no escape instead.
-LENGTH_BOUNDED_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]')
-WHAT = {"json": "the JSON schema", "regex": "the regex", "choice": "the choices", "grammar": "the grammar",
-        "json_object": "the JSON object grammar"}  # fmt: skip
+LENGTH_BOUNDED_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\]")
+WHAT = {
+    "json": "the JSON schema",
+    "regex": "the regex",
+    "choice": "the choices",
+    "grammar": "the grammar",
+    "json_object": "the JSON object grammar",
+}
 
 
 class Grammar:
@@ -59,8 +65,9 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, serialize: bool = False):
         """``serialize``: each grammar is also serialized once, here (its requests cross to the engine core)."""
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids))
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)  # the LRU below is the one cache
         self.serialize = serialize
         self.cache: OrderedDict[tuple, Grammar] = OrderedDict()

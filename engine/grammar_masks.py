@@ -9,11 +9,14 @@ A matcher ends (``done``) once it accepted a stop token: the engine ends such a 
 with that token (engine/finishing.py), and a step already planned for it samples a token
 that is thrown away, so its row is left unmasked.
 """
+
 import torch
 import xgrammar as xgr
 
-DEAD_END = ("structured_outputs: no token the grammar allows could be sampled (min_tokens bans the stop "
-            "token ids the grammar needs here)")  # fmt: skip
+DEAD_END = (
+    "structured_outputs: no token the grammar allows could be sampled (min_tokens bans the stop "
+    "token ids the grammar needs here)"
+)
 REJECTED = "structured_outputs: the grammar matcher rejected token {token} (allowed by its own bitmask)"
 
 
@@ -42,8 +45,9 @@ class GrammarMasks:
         bitmask = self._bitmask(len(rows))
         self.batch = self.batch or xgr.BatchGrammarMatcher()
         self.batch.batch_fill_next_token_bitmask([rows[index].grammar.matcher for index in live], bitmask, live)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=live)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size, indices=live
+        )
         return live
 
     def accept(self, rows: list, token_ids: list[int], live: list[int]) -> dict[int, str]:

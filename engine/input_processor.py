@@ -1,4 +1,5 @@
 """Turns a user's prompt + parameters into a validated request for the engine core (or an InvalidRequest)."""
+
 import time
 
 from engine import chat_tools
@@ -12,8 +13,15 @@ MAX_PROMPT_CHARS = 4_000_000  # refuse to tokenize absurd inputs (the token limi
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_pool_tokens: int,
-                 eos_token_ids: frozenset[int] = frozenset(), serialize_grammars: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        max_pool_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        serialize_grammars: bool = False,
+    ):
         """``serialize_grammars``: its sequences go to another process (the engine core), so
         each grammar is serialized once where it is compiled."""
         self.tokenizer = tokenizer
@@ -36,7 +44,9 @@ class InputProcessor:
                 raise InvalidRequest("prompt_token_ids", "must not be empty")
             for token_id in prompt:
                 if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                    raise InvalidRequest("prompt_token_ids", f"entries must be ints in [0, {self.vocab_size}), got {token_id!r}")
+                    raise InvalidRequest(
+                        "prompt_token_ids", f"entries must be ints in [0, {self.vocab_size}), got {token_id!r}"
+                    )
             return list(prompt)
         raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
 
@@ -47,8 +57,11 @@ class InputProcessor:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("messages", "this model's tokenizer has no chat template")
         for index, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content", ""), str):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content", ""), str)
+            ):
                 raise InvalidRequest(f"messages[{index}]", "must be {'role': str, 'content': str}")
         if chat_tools.uses_tools(messages, tools):
             text = chat_tools.chat_text(self.tokenizer, messages, tools)
@@ -60,10 +73,17 @@ class InputProcessor:
         """The tool-call parser this model's output needs (engine/chat_tools.py)."""
         return chat_tools.default_tool_parser(self.tokenizer)
 
-    def request_for(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                    priority_class: str = "interactive", priority: int = 0,
-                    arrival_time: float | None = None, messages: list[dict] | None = None,
-                    tools: list[dict] | None = None) -> EngineCoreRequest:
+    def request_for(
+        self,
+        request_id: str,
+        prompt=None,
+        params: SamplingParams | None = None,
+        priority_class: str = "interactive",
+        priority: int = 0,
+        arrival_time: float | None = None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+    ) -> EngineCoreRequest:
         """Tokenize (or apply the chat template) and validate: a request or InvalidRequest."""
         params = params or SamplingParams()
         token_ids = self.apply_chat_template(messages, tools) if messages is not None else self.tokenize(prompt)
@@ -75,12 +95,17 @@ class InputProcessor:
     def with_tokenizer(self, tokenizer) -> "InputProcessor":
         """The same limits over another tokenizer instance (one per thread: a fast tokenizer
         used from two threads at once fails with "Already borrowed")."""
-        return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens,
-                              self.eos_token_ids)
+        return InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.max_pool_tokens, self.eos_token_ids)
 
-    def make_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                     priority_class: str = "interactive", priority: int = 0,
-                     arrival_time: float | None = None) -> EngineCoreRequest:
+    def make_request(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority_class: str = "interactive",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
         params.validate(self.vocab_size)
         if priority_class not in PRIORITY_CLASSES:
             raise InvalidRequest("priority_class", f"must be one of {PRIORITY_CLASSES}, got {priority_class!r}")
@@ -90,10 +115,20 @@ class InputProcessor:
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
         if len(token_ids) + max(max_tokens, 1) > limit:
             which = "max_model_len" if limit == self.max_model_len else "the KV cache pool"
-            raise InvalidRequest("prompt", f"{len(token_ids)} prompt tokens + max_tokens {params.max_tokens} "
-                                           f"exceed {which} ({limit} tokens)")
-        return EngineCoreRequest(request_id, tuple(token_ids), params, max_tokens, priority_class, priority,
-                                 arrival_time or time.time(), self.compile_grammar(params))
+            raise InvalidRequest(
+                "prompt",
+                f"{len(token_ids)} prompt tokens + max_tokens {params.max_tokens} exceed {which} ({limit} tokens)",
+            )
+        return EngineCoreRequest(
+            request_id,
+            tuple(token_ids),
+            params,
+            max_tokens,
+            priority_class,
+            priority,
+            arrival_time or time.time(),
+            self.compile_grammar(params),
+        )
 
     def make_sequence(self, *args, **kwargs) -> Sequence:
         return self.make_request(*args, **kwargs).to_sequence()
@@ -111,8 +146,9 @@ class InputProcessor:
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                             self.serialize_grammars)
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, self.serialize_grammars
+            )
         return self._grammars
 
     def _empty(self):

@@ -5,15 +5,46 @@ and every output under an accepted schema validates against it.
 
 Unknown keywords are annotations in JSON Schema (a validator ignores them too): allowed.
 """
+
 import re
 
 # assertions xgrammar 0.2 drops (vLLM refuses the same ones for xgrammar)
-UNENFORCED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
-              "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
-              "additionalItems", "patternProperties", "propertyNames")  # fmt: skip
+UNENFORCED = (
+    "multipleOf",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+    "patternProperties",
+    "propertyNames",
+)
 # string formats xgrammar turns into a grammar (cpp/json_schema_converter.cc)
-FORMATS = ("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
-           "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")  # fmt: skip
+FORMATS = (
+    "email",
+    "date",
+    "time",
+    "date-time",
+    "duration",
+    "ipv4",
+    "ipv6",
+    "hostname",
+    "uuid",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "json-pointer",
+    "relative-json-pointer",
+)
 LENGTHS = ("minLength", "maxLength")
 # where subschemas sit: maps of them, lists of them, and single ones
 SCHEMA_MAPS = ("properties", "$defs", "definitions")

@@ -4,6 +4,7 @@ Deliberate difference: a request with invalid parameters does not raise (vLLM's 
 it comes back as its own output with ``finish_reason='error'`` and ``error`` set, so the
 rest of a batch still runs (README, "Offline API").
 """
+
 import itertools
 from typing import Sequence as Seq
 
@@ -46,9 +47,14 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Seq[int] | None = None,
-                 lora_request=None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         """``prompts``: one prompt or a list (engine/prompt_inputs.py: strings, token-id lists,
         vLLM's prompt dicts). Outputs come back in prompt order; a bad request yields
         ``finish_reason='error'`` on its own output. ``lora_request``: one engine.LoRARequest
@@ -60,8 +66,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run(conversations, sampling_params, use_tqdm, None, chat=True)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority,
-             chat: bool = False, lora_request=None) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list, sampling_params, use_tqdm: bool, priority, chat: bool = False, lora_request=None
+    ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
@@ -88,8 +95,9 @@ class LLM:
         self.engine.add_sequence(seq, text)
 
     def _drain(self, results: dict, total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, initial=len(results), desc="Generating", unit="req",
-                   disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=total, initial=len(results), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True
+        )
         generated = 0
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
@@ -118,5 +126,6 @@ def _error_output(request_id: str, prompt, params: SamplingParams, exc: InvalidR
     prompt_ids = list(value) if isinstance(value, list) and all(isinstance(t, int) for t in value) else []
     n = params.n if isinstance(params.n, int) and 1 <= params.n <= MAX_N else 1
     failed = [CompletionOutput(index, "", [], finish_reason="error") for index in range(n)]
-    return RequestOutput(request_id, value if isinstance(value, str) else None, prompt_ids, outputs=failed,
-                         finished=True, error=str(exc))
+    return RequestOutput(
+        request_id, value if isinstance(value, str) else None, prompt_ids, outputs=failed, finished=True, error=str(exc)
+    )

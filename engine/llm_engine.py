@@ -7,6 +7,7 @@ appended and checked as if it were a step's only token, and those after a stop a
 dropped. The actors drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from
 separate tasks; this class wires them synchronously for the offline API.
 """
+
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,8 +42,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.spec, self.max_model_len)
         self.stop_rules = StopRules(self.spec.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.stop_rules)
-        self.inputs = InputProcessor(self.tokenizer, self.spec.hf_config.vocab_size, self.max_model_len,
-                                     self.runner.num_blocks * config.block_size, self.spec.eos_token_ids)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.spec.hf_config.vocab_size,
+            self.max_model_len,
+            self.runner.num_blocks * config.block_size,
+            self.spec.eos_token_ids,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples = ParallelSampling(share_prefix=config.enable_prefix_caching)  # n > 1 requests
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
@@ -50,20 +56,35 @@ class LLMEngine:
         self._model_thread: ThreadPoolExecutor | None = None
 
     # ---- requests --------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                    priority_class: str = "interactive", priority: int = 0,
-                    arrival_time: float | None = None, messages: list[dict] | None = None,
-                    lora_request=None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt=None,
+        params: SamplingParams | None = None,
+        priority_class: str = "interactive",
+        priority: int = 0,
+        arrival_time: float | None = None,
+        messages: list[dict] | None = None,
+        lora_request=None,
+    ) -> Sequence:
         """``prompt``: text or token ids; or ``messages`` (chat). Raises InvalidRequest."""
-        seq = self.make_sequence(request_id, prompt, params, priority_class, priority, arrival_time, messages,
-                                 lora_request)
+        seq = self.make_sequence(
+            request_id, prompt, params, priority_class, priority, arrival_time, messages, lora_request
+        )
         self.add_sequence(seq, prompt_text_of(self.tokenizer, prompt, messages, seq))
         return seq
 
-    def make_sequence(self, request_id: str, prompt=None, params: SamplingParams | None = None,
-                      priority_class: str = "interactive", priority: int = 0,
-                      arrival_time: float | None = None, messages: list[dict] | None = None,
-                      lora_request=None) -> Sequence:
+    def make_sequence(
+        self,
+        request_id: str,
+        prompt=None,
+        params: SamplingParams | None = None,
+        priority_class: str = "interactive",
+        priority: int = 0,
+        arrival_time: float | None = None,
+        messages: list[dict] | None = None,
+        lora_request=None,
+    ) -> Sequence:
         """Tokenize and validate without touching engine state; ``lora_request``: an engine.LoRARequest."""
         seq = self.inputs.sequence_for(request_id, prompt, params, priority_class, priority, arrival_time, messages)
         seq.lora_request = self._checked_lora(lora_request)
@@ -158,8 +179,11 @@ class LLMEngine:
         """The step's sequences the runner could not sample for (a structured output's dead end)."""
         if not result.errors:
             return []
-        return [(seq, result.errors[seq.seq_id]) for seq in self.scheduler.in_flight[plan.step_id]
-                if seq.seq_id in result.errors]
+        return [
+            (seq, result.errors[seq.seq_id])
+            for seq in self.scheduler.in_flight[plan.step_id]
+            if seq.seq_id in result.errors
+        ]
 
     def _fail(self, seq: Sequence, reason: str) -> None:
         if not seq.is_finished:  # else it ended meanwhile (aborted, or by an earlier step's token)
@@ -211,8 +235,10 @@ def resolve_tokenizer_dir(tokenizer: str | None, model_dir):
         return model_dir
     path = Path(tokenizer).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"tokenizer: {tokenizer!r} is not a local directory (tokenizer.json or "
-                             f"tokenizer_config.json); Conveyor never downloads one")
+        raise ModelLoadError(
+            f"tokenizer: {tokenizer!r} is not a local directory (tokenizer.json or "
+            f"tokenizer_config.json); Conveyor never downloads one"
+        )
     return path
 
 
@@ -220,8 +246,9 @@ def resolve_max_model_len(config: EngineConfig, model_context: int) -> int:
     if config.max_model_len is None:
         return model_context
     if not 0 < config.max_model_len <= model_context:
-        raise ModelLoadError(f"max_model_len: must be in [1, {model_context}] for this model, "
-                             f"got {config.max_model_len}")
+        raise ModelLoadError(
+            f"max_model_len: must be in [1, {model_context}] for this model, got {config.max_model_len}"
+        )
     return config.max_model_len
 
 

@@ -4,6 +4,7 @@
 ``decoded_token`` is the token decoded alone, as vLLM's ``convert_ids_list_to_tokens``
 does (``tokenizer.decode([token_id])``); each id is decoded once per formatter.
 """
+
 from engine.outputs import Logprob
 from engine.plan import TokenLogprobs
 

@@ -3,6 +3,7 @@
 It mirrors just enough per-sequence state (tokens, block table, sampling params) to turn
 the scheduler's compact plan into flat, unpadded batch tensors.
 """
+
 import logging
 from dataclasses import dataclass, field
 
@@ -23,8 +24,8 @@ from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_ker
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
-from engine.vllm_options import kv_budget_from_utilization
 from engine.spec_decode.verifier import verify
+from engine.vllm_options import kv_budget_from_utilization
 from kernels.cpu.dispatch import cpu_auto_dtype, cpu_flags
 from kernels.prepare import prepare
 
@@ -63,6 +64,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return "torch"
     from kernels.triton import unusable_reason
+
     reason = unusable_reason(device.type)
     if name == "auto":
         return "torch" if reason else "triton"
@@ -104,15 +106,19 @@ class ModelRunner:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)
             self.backend = prepare(self.model, self.device)
-        self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device) \
-            if config.enable_lora else None  # after prepare: it wraps the backend's projections
+        self.lora = (
+            LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            if config.enable_lora
+            else None
+        )  # after prepare: it wraps the backend's projections
         self._tails: list[Tail] = []  # rank 0: what the last step sampled, sent with the next plan
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self._bind_triton_kernels()
         self.num_blocks = self._allocate_kv_cache()
         self.graphs = self._capture_decode_graphs()
-        self.sampler = Sampler(self.device, config.seed,
-                               fused=self.attention_backend == "triton" and self.device.type == "cuda")
+        self.sampler = Sampler(
+            self.device, config.seed, fused=self.attention_backend == "triton" and self.device.type == "cuda"
+        )
         self.grammar_masks = GrammarMasks(spec.hf_config.vocab_size)
         self.seqs: dict[str, RunnerSeq] = {}
 
@@ -121,6 +127,7 @@ class ModelRunner:
             return
         from kernels import layer_ops
         from kernels.triton import attention
+
         for layer in self.attention_layers:
             layer.triton = attention
         if self.device.type == "cuda":  # the fused norms and SiLU-and-mul too (CPU has its own)
@@ -129,11 +136,16 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode-only steps: on CUDA with the Triton backend (whose kernels
         take padded rows), one process, unless ``enforce_eager``."""
-        if (self.device.type != "cuda" or self.attention_backend != "triton" or self.config.enforce_eager
-                or self.tp is not None):
+        if (
+            self.device.type != "cuda"
+            or self.attention_backend != "triton"
+            or self.config.enforce_eager
+            or self.tp is not None
+        ):
             return None
-        graphs = DecodeGraphs(self.model, graph_buckets(self.config.max_num_seqs),
-                              -(-self.max_model_len // self.block_size), self.device)
+        graphs = DecodeGraphs(
+            self.model, graph_buckets(self.config.max_num_seqs), -(-self.max_model_len // self.block_size), self.device
+        )
         graphs.capture()
         log.info("CUDA graphs captured for decode batches %s", graphs.buckets)
         return graphs
@@ -154,8 +166,9 @@ class ModelRunner:
     # ---- KV cache --------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
         first = self.attention_layers[0]
-        per_block = (2 * len(self.attention_layers) * self.block_size * first.num_kv_heads
-                     * first.head_dim * self.dtype.itemsize)
+        per_block = (
+            2 * len(self.attention_layers) * self.block_size * first.num_kv_heads * first.head_dim * self.dtype.itemsize
+        )
         # never more than every running sequence at full length could use
         useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
         num_blocks = self.config.num_kv_blocks or max(1, min(useful, self._kv_budget_bytes() // per_block))
@@ -167,8 +180,9 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for index, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.k_cache[index], self.v_cache[index]
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size,
-                 num_blocks * per_block / 2**20)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size, num_blocks * per_block / 2**20
+        )
         return num_blocks
 
     def _kv_budget_bytes(self) -> int:
@@ -232,8 +246,10 @@ class ModelRunner:
         scored = {}
         for span in batch.prompt_spans:
             seq = self.seqs[span.seq_id]
-            scored[span.seq_id] = (span.start + 1, score_prompt(hidden, self.model.compute_logits, span,
-                                                                seq.token_ids, seq.params.prompt_logprobs))
+            scored[span.seq_id] = (
+                span.start + 1,
+                score_prompt(hidden, self.model.compute_logits, span, seq.token_ids, seq.params.prompt_logprobs),
+            )
         return scored
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
@@ -245,8 +261,9 @@ class ModelRunner:
         if not with_adapters and self.graphs is not None and self.graphs.serves(tokens, meta):
             return self.graphs.replay(batch.input_ids, batch.positions, meta)
         if not with_adapters and meta.num_decode_tokens == tokens and self.backend.decodes(tokens):
-            return self.backend.decode(batch.input_ids, batch.positions, meta.slot_mapping,
-                                       meta.decode_block_tables, meta.decode_context_lens)
+            return self.backend.decode(
+                batch.input_ids, batch.positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
+            )
         return self.model(batch.input_ids, batch.positions, meta)
 
     def _apply_deltas(self, plan: StepPlan) -> None:
@@ -256,10 +273,15 @@ class ModelRunner:
             generator = None
             if new.params.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
-            self.seqs[new.seq_id] = RunnerSeq(new.params, list(new.token_ids), len(new.token_ids),
-                                              new.min_tokens_stop_ids, generator,
-                                              grammar=GrammarState(new.grammar) if new.grammar else None,
-                                              lora_request=new.lora_request)
+            self.seqs[new.seq_id] = RunnerSeq(
+                new.params,
+                list(new.token_ids),
+                len(new.token_ids),
+                new.min_tokens_stop_ids,
+                generator,
+                grammar=GrammarState(new.grammar) if new.grammar else None,
+                lora_request=new.lora_request,
+            )
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
         for seq_id, num_blocks in plan.trimmed_tables.items():
@@ -285,8 +307,7 @@ class ModelRunner:
                 decode_tables += [seq.block_table] * item.num_new
                 decode_lens += range(start + 1, end + 1)
             else:
-                prefills.append(PrefillSpan(offset, offset + item.num_new, start,
-                                            self._tensor(seq.block_table)))
+                prefills.append(PrefillSpan(offset, offset + item.num_new, start, self._tensor(seq.block_table)))
                 prefill_tables.append(seq.block_table)
             if end == len(seq.token_ids):  # logits at the last token and at each draft
                 last = offset + item.num_new
@@ -304,8 +325,15 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
             meta.decode_context_lens = self._tensor(decode_lens)
-        return InputBatch(self._tensor(input_ids), positions_t, meta, self._tensor(logits_indices),
-                          sampling_ids, prompt_spans, row_loras)
+        return InputBatch(
+            self._tensor(input_ids),
+            positions_t,
+            meta,
+            self._tensor(logits_indices),
+            sampling_ids,
+            prompt_spans,
+            row_loras,
+        )
 
     def _slots(self, ordered: list[ScheduledSeq], positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of every token: block_table[pos // block_size] * block_size + pos % block_size."""
@@ -313,7 +341,8 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         table_rows = self._tensor([t + [0] * (width - len(t)) for t in tables])
         row_of_token = torch.repeat_interleave(
-            torch.arange(len(ordered), device=self.device), self._tensor([s.num_new for s in ordered]))
+            torch.arange(len(ordered), device=self.device), self._tensor([s.num_new for s in ordered])
+        )
         blocks = table_rows[row_of_token, positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
 
@@ -326,9 +355,12 @@ class ModelRunner:
 def _result(seq_ids: list[str], token_ids: list[int], logprobs: dict, failed: dict[int, str]) -> StepResult:
     """The step's tokens; a row whose structured output failed gets its error instead."""
     kept = [index for index in range(len(seq_ids)) if index not in failed]
-    return StepResult([seq_ids[i] for i in kept], [token_ids[i] for i in kept],
-                      {seq_ids[i]: lp for i, lp in logprobs.items() if i not in failed},
-                      errors={seq_ids[i]: reason for i, reason in failed.items()})
+    return StepResult(
+        [seq_ids[i] for i in kept],
+        [token_ids[i] for i in kept],
+        {seq_ids[i]: lp for i, lp in logprobs.items() if i not in failed},
+        errors={seq_ids[i]: reason for i, reason in failed.items()},
+    )
 
 
 def _decodes(item: ScheduledSeq) -> bool:

@@ -1,4 +1,5 @@
 """Per-request output state: incremental text, stop strings, logprobs, timestamps."""
+
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -30,14 +31,23 @@ class OutputProcessor:
 
     def add(self, seq: Sequence, prompt: str | None = None) -> None:
         params = seq.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
-                                             params.skip_special_tokens, params.include_stop_str_in_output,
-                                             params.spaces_between_special_tokens)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            seq.prompt_token_ids,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+            params.spaces_between_special_tokens,
+        )
         wants_logprobs = params.logprobs is not None
-        self.states[seq] = RequestState(detokenizer, prompt, [] if wants_logprobs else None,
-                                        [] if wants_logprobs else None,
-                                        [None] if params.prompt_logprobs is not None else None,
-                                        0.0 if wants_logprobs else None)
+        self.states[seq] = RequestState(
+            detokenizer,
+            prompt,
+            [] if wants_logprobs else None,
+            [] if wants_logprobs else None,
+            [None] if params.prompt_logprobs is not None else None,
+            0.0 if wants_logprobs else None,
+        )
 
     def feed(self, seq: Sequence, logprobs: TokenLogprobs | None = None, hold_last: bool = False) -> str | None:
         """Decode the sequence's new tokens; returns the stop string if one just completed.
@@ -49,7 +59,7 @@ class OutputProcessor:
             state.sample_logprobs.append(self.formatter.position(logprobs))
             state.cumulative_logprob += logprobs.logprob
         detok = state.detokenizer
-        new_tokens = seq.output_token_ids[state.num_seen_tokens:]
+        new_tokens = seq.output_token_ids[state.num_seen_tokens :]
         for token_id in new_tokens[:-1] if hold_last else new_tokens:
             if detok.stop_string is None:
                 detok.add(token_id)
@@ -75,27 +85,43 @@ class OutputProcessor:
             del self.states[seq]
         completion = self._completion(seq, state, finished)
         return RequestOutput(
-            request_id=seq.seq_id, prompt=state.prompt, prompt_token_ids=seq.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs, outputs=[completion], finished=finished,
-            num_cached_tokens=seq.num_cached_tokens, timestamps=timestamps_of(seq) if finished else None,
-            num_preemptions=seq.num_preemptions, error=seq.error)
+            request_id=seq.seq_id,
+            prompt=state.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=seq.num_cached_tokens,
+            timestamps=timestamps_of(seq) if finished else None,
+            num_preemptions=seq.num_preemptions,
+            error=seq.error,
+        )
 
     @staticmethod
     def _completion(seq: Sequence, state: RequestState, finished: bool) -> CompletionOutput:
         detok = state.detokenizer
         new_text = detok.take_delta(final=finished)
-        new_tokens = seq.output_token_ids[state.num_reported_tokens:]
-        new_logprobs = None if state.logprobs is None else \
-            state.logprobs[state.num_reported_tokens:state.num_reported_tokens + len(new_tokens)]
+        new_tokens = seq.output_token_ids[state.num_reported_tokens :]
+        new_logprobs = (
+            None
+            if state.logprobs is None
+            else state.logprobs[state.num_reported_tokens : state.num_reported_tokens + len(new_tokens)]
+        )
         state.num_reported_tokens = seq.num_output_tokens
         return CompletionOutput(
-            index=seq.sample_index, text=detok.text[:detok.emitted], token_ids=list(seq.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob, logprobs=state.sample_logprobs,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs)
+            index=seq.sample_index,
+            text=detok.text[: detok.emitted],
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=state.sample_logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            new_logprobs=new_logprobs,
+        )
 
 
 def timestamps_of(seq: Sequence) -> RequestTimestamps:
     """A copy of what the core recorded; metrics are computed from it on the output side."""
-    return RequestTimestamps(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
-                             seq.finished_time)
+    return RequestTimestamps(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time, seq.finished_time)

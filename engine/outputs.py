@@ -7,6 +7,7 @@ Each CompletionOutput also carries the step's deltas (``new_token_ids``, ``new_t
 The engine core records timestamps only (``RequestTimestamps``); the output side turns
 them into ``RequestMetrics`` (``RequestOutput.metrics``), as in vLLM V1.
 """
+
 from dataclasses import dataclass, field
 
 from engine.plan import TokenLogprobs
@@ -16,6 +17,7 @@ from engine.plan import TokenLogprobs
 class Logprob:
     """vLLM's: one token's logprob, its rank in the vocabulary (1: the most likely) and its
     text decoded alone."""
+
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -28,6 +30,7 @@ PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; None for t
 @dataclass(frozen=True)
 class RequestTimestamps:
     """Wall-clock times (time.time()) the core recorded for one request; None: not yet."""
+
     arrival: float
     first_scheduled: float | None = None
     first_token: float | None = None
@@ -46,12 +49,19 @@ class RequestMetrics:
     num_preemptions: int = 0
 
     @classmethod
-    def from_timestamps(cls, times: RequestTimestamps, num_prompt_tokens: int, num_output_tokens: int,
-                        num_preemptions: int) -> "RequestMetrics":
-        return cls(times.arrival, _since(times.arrival, times.first_scheduled),
-                   _since(times.arrival, times.first_token), _since(times.arrival, times.finished),
-                   _time_per_output_token(times, num_output_tokens),
-                   num_prompt_tokens, num_output_tokens, num_preemptions)
+    def from_timestamps(
+        cls, times: RequestTimestamps, num_prompt_tokens: int, num_output_tokens: int, num_preemptions: int
+    ) -> "RequestMetrics":
+        return cls(
+            times.arrival,
+            _since(times.arrival, times.first_scheduled),
+            _since(times.arrival, times.first_token),
+            _since(times.arrival, times.finished),
+            _time_per_output_token(times, num_output_tokens),
+            num_prompt_tokens,
+            num_output_tokens,
+            num_preemptions,
+        )
 
 
 def _since(start: float, moment: float | None) -> float | None:
@@ -68,6 +78,7 @@ def _time_per_output_token(times: RequestTimestamps, num_output_tokens: int) -> 
 @dataclass
 class CompletionOutput:
     """One sample of a request (vLLM's fields first, then this step's deltas)."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -84,9 +95,16 @@ class CompletionOutput:
 
     def without_deltas(self) -> "CompletionOutput":
         """The same output as of a step that did not advance it."""
-        return CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
-                                self.finish_reason, self.stop_reason,
-                                new_logprobs=None if self.new_logprobs is None else [])
+        return CompletionOutput(
+            self.index,
+            self.text,
+            self.token_ids,
+            self.cumulative_logprob,
+            self.logprobs,
+            self.finish_reason,
+            self.stop_reason,
+            new_logprobs=None if self.new_logprobs is None else [],
+        )
 
 
 @dataclass
@@ -98,6 +116,7 @@ class RequestOutput:
     read-only shortcuts to ``outputs[0]`` for a request with one output (n=1); with more
     they raise, so code written for one output cannot silently drop the others.
     """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -114,8 +133,9 @@ class RequestOutput:
         """Latency metrics of a finished request, computed here from the core's timestamps."""
         if not self.finished or self.timestamps is None:
             return None
-        metrics = RequestMetrics.from_timestamps(self.timestamps, len(self.prompt_token_ids), self.num_output_tokens,
-                                                 self.num_preemptions)
+        metrics = RequestMetrics.from_timestamps(
+            self.timestamps, len(self.prompt_token_ids), self.num_output_tokens, self.num_preemptions
+        )
         if len(self.outputs) > 1:  # n samples decode side by side: per token of the longest one
             metrics.tpot = _time_per_output_token(self.timestamps, max(len(o.token_ids) for o in self.outputs))
         return metrics
@@ -131,8 +151,9 @@ class RequestOutput:
 
     def _only(self, name: str) -> CompletionOutput:
         if len(self.outputs) != 1:
-            raise AttributeError(f"RequestOutput.{name}: this request has {len(self.outputs)} outputs "
-                                 f"(n > 1); read outputs[i].{name}")
+            raise AttributeError(
+                f"RequestOutput.{name}: this request has {len(self.outputs)} outputs (n > 1); read outputs[i].{name}"
+            )
         return self.outputs[0]
 
     text = property(lambda self: self._only("text").text)

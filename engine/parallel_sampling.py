@@ -14,6 +14,7 @@ samples with s + i, so the n outputs are the same run to run and whatever else i
 batch; without a seed each child draws from the engine's generator. Only the leader
 scores the prompt (``prompt_logprobs``): the followers keep the prefix cache.
 """
+
 import dataclasses
 
 from engine.outputs import CompletionOutput, RequestOutput, RequestTimestamps
@@ -43,9 +44,16 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 def make_children(seq: Sequence, share_prefix: bool) -> list[Sequence]:
     children = []
     for index in range(seq.params.n):
-        child = Sequence(child_id(seq.seq_id, index), list(seq.token_ids), child_params(seq.params, index),
-                         seq.max_tokens, seq.priority_class, seq.priority, seq.arrival_time,
-                         grammar=seq.grammar)  # compiled once; each child's runner row gets its own matcher
+        child = Sequence(
+            child_id(seq.seq_id, index),
+            list(seq.token_ids),
+            child_params(seq.params, index),
+            seq.max_tokens,
+            seq.priority_class,
+            seq.priority,
+            seq.arrival_time,
+            grammar=seq.grammar,
+        )  # compiled once; each child's runner row gets its own matcher
         child.sample_index = index
         child.lora_request = seq.lora_request
         child.leader = children[0] if index and share_prefix else None
@@ -73,12 +81,17 @@ class ParentRequest:
         finished = all(output is not None and output.finished for output in self.latest)
         leader = self.latest[0] or known[0]
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=leader.prompt_token_ids,
-            prompt_logprobs=self.latest[0].prompt_logprobs if self.latest[0] else None, outputs=completions,
-            finished=finished, num_cached_tokens=max(output.num_cached_tokens or 0 for output in known),
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=leader.prompt_token_ids,
+            prompt_logprobs=self.latest[0].prompt_logprobs if self.latest[0] else None,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=max(output.num_cached_tokens or 0 for output in known),
             timestamps=_combined([output.timestamps for output in self.latest]) if finished else None,
             num_preemptions=sum(output.num_preemptions for output in known),
-            error=next((output.error for output in known if output.error), None))
+            error=next((output.error for output in known if output.error), None),
+        )
 
     def _completion(self, index: int, fresh: bool) -> CompletionOutput:
         output = self.latest[index]
@@ -89,11 +102,17 @@ class ParentRequest:
 
 def _combined(times: list[RequestTimestamps]) -> RequestTimestamps:
     """The request's timestamps: its first child's first events, its last child's end."""
+
     def first(values):
         known = [value for value in values if value is not None]
         return min(known) if known else None
-    return RequestTimestamps(min(t.arrival for t in times), first([t.first_scheduled for t in times]),
-                             first([t.first_token for t in times]), max(t.finished for t in times))
+
+    return RequestTimestamps(
+        min(t.arrival for t in times),
+        first([t.first_scheduled for t in times]),
+        first([t.first_token for t in times]),
+        max(t.finished for t in times),
+    )
 
 
 class ParallelSampling:

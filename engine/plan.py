@@ -3,6 +3,7 @@
 The plan carries deltas: a sequence's tokens and parameters travel once (``new_seqs``);
 afterwards a scheduled sequence is a few integers and the block ids it just gained.
 """
+
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class StepResult:
     """One sampled token per sequence that completed its prompt or decoded this step; one
     that verified drafts may have more (``extra_token_ids``, the tokens after its first: the
     rest of its accepted drafts, then the bonus or correction token)."""
+
     seq_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

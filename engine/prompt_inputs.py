@@ -1,6 +1,7 @@
 """The prompt forms ``LLM.generate`` takes, as vLLM's: a string, a list of token ids,
 ``{"prompt": str}`` (TextPrompt), ``{"prompt_token_ids": [...]}`` (TokensPrompt, which may
 also carry the ``prompt`` text), or a list of any of these."""
+
 from engine.errors import InvalidRequest
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -20,8 +21,9 @@ def engine_prompt(prompt) -> tuple[object, str | None]:
         return prompt, prompt if isinstance(prompt, str) else None
     unsupported = sorted(str(key) for key in prompt if key not in PROMPT_KEYS)
     if unsupported:
-        raise InvalidRequest(f"prompt[{unsupported[0]!r}]", f"is not supported here (a prompt dict holds "
-                                                            f"{' and/or '.join(PROMPT_KEYS)})")
+        raise InvalidRequest(
+            f"prompt[{unsupported[0]!r}]", f"is not supported here (a prompt dict holds {' and/or '.join(PROMPT_KEYS)})"
+        )
     text = prompt.get("prompt")
     if "prompt_token_ids" in prompt:
         return prompt["prompt_token_ids"], text if isinstance(text, str) else None

@@ -7,6 +7,7 @@ serves such a prompt from the prefix cache (block_manager.reuse_cached_prefix): 
 position must be computed to be scored. Logits are made in slices of rows, so a long
 prefill chunk never holds a [chunk, vocab] tensor at once.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -30,16 +31,18 @@ def prompt_span(item: ScheduledSeq, offset: int, num_prompt_tokens: int) -> Prom
     return PromptSpan(item.seq_id, offset, item.num_computed, count) if count > 0 else None
 
 
-def score_prompt(hidden: torch.Tensor, compute_logits, span: PromptSpan, token_ids: list[int],
-                 num_top: int) -> list[TokenLogprobs]:
+def score_prompt(
+    hidden: torch.Tensor, compute_logits, span: PromptSpan, token_ids: list[int], num_top: int
+) -> list[TokenLogprobs]:
     """TokenLogprobs of prompt tokens span.start + 1 .. span.start + span.count."""
     scored = []
     for first in range(0, span.count, SLICE_ROWS):
-        rows = hidden[span.offset + first:span.offset + min(span.count, first + SLICE_ROWS)]
+        rows = hidden[span.offset + first : span.offset + min(span.count, first + SLICE_ROWS)]
         logprobs = compute_logits(rows).float().log_softmax(dim=-1)
         begin = span.start + first + 1
-        targets = torch.tensor(token_ids[begin:begin + rows.shape[0]], dtype=torch.long, device=rows.device)
+        targets = torch.tensor(token_ids[begin : begin + rows.shape[0]], dtype=torch.long, device=rows.device)
         ranks = token_ranks(logprobs, targets).tolist()
-        scored += [token_logprobs(row, target, num_top, rank)
-                   for row, target, rank in zip(logprobs, targets.tolist(), ranks)]
+        scored += [
+            token_logprobs(row, target, num_top, rank) for row, target, rank in zip(logprobs, targets.tolist(), ranks)
+        ]
     return scored

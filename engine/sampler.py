@@ -1,4 +1,5 @@
 """Turns a step's logits into one token per sequence, batched across the step."""
+
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_wi
 @dataclass
 class SamplingRow:
     """What the sampler needs of one sequence (owned by the model runner)."""
+
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
@@ -30,6 +32,7 @@ class Sampler:
         self.fused = None
         if fused:
             from kernels.triton import sampling
+
             self.fused = sampling
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]):
@@ -56,18 +59,25 @@ class Sampler:
         logits = logits / temperature[:, None]
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             logits = apply_top_k_top_p_min_p(
-                logits, self._column([p.top_k for p in params], torch.long),
-                self._column([p.top_p for p in params]), self._column([p.min_p for p in params]))
+                logits,
+                self._column([p.top_k for p in params], torch.long),
+                self._column([p.top_p for p in params]),
+                self._column([p.min_p for p in params]),
+            )
         probs = logits.softmax(dim=-1)
         return sample_with_noise(probs, self._exponential_noise(probs, rows))
 
     def _sample_fused(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         params = [r.params for r in rows]
         noise = self._exponential_noise(logits, rows)
-        return self.fused.sample(logits.contiguous(), self._column([0.0 if p.greedy else p.temperature for p in params]),
-                                 self._column([p.top_k for p in params], torch.long),
-                                 self._column([p.top_p for p in params]), self._column([p.min_p for p in params]),
-                                 noise)
+        return self.fused.sample(
+            logits.contiguous(),
+            self._column([0.0 if p.greedy else p.temperature for p in params]),
+            self._column([p.top_k for p in params], torch.long),
+            self._column([p.top_p for p in params]),
+            self._column([p.min_p for p in params]),
+            noise,
+        )
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -85,23 +95,26 @@ class Sampler:
 
     def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         vocab = logits.shape[-1]
-        output_counts = self._counts([r.token_ids[r.num_prompt_tokens:] for r in rows], vocab)
-        prompt_counts = self._counts([r.token_ids[:r.num_prompt_tokens] for r in rows], vocab)
+        output_counts = self._counts([r.token_ids[r.num_prompt_tokens :] for r in rows], vocab)
+        prompt_counts = self._counts([r.token_ids[: r.num_prompt_tokens] for r in rows], vocab)
         params = [r.params for r in rows]
         penalize = apply_penalties if self.fused is None else self.fused.apply_penalties_
-        return penalize(logits.contiguous(), (output_counts + prompt_counts) > 0, output_counts,
-                               self._column([p.repetition_penalty for p in params]),
-                               self._column([p.presence_penalty for p in params]),
-                               self._column([p.frequency_penalty for p in params]))
+        return penalize(
+            logits.contiguous(),
+            (output_counts + prompt_counts) > 0,
+            output_counts,
+            self._column([p.repetition_penalty for p in params]),
+            self._column([p.presence_penalty for p in params]),
+            self._column([p.frequency_penalty for p in params]),
+        )
 
     def _counts(self, token_lists: list[list[int]], vocab: int) -> torch.Tensor:
         width = max(1, max(len(t) for t in token_lists))
         padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
         for index, tokens in enumerate(token_lists):
-            padded[index, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            padded[index, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         counts = torch.zeros(len(token_lists), vocab + 1, device=self.device)
-        counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, dtype=counts.dtype,
-                                                                        device=self.device))
+        counts.scatter_add_(1, padded.to(self.device), torch.ones_like(padded, dtype=counts.dtype, device=self.device))
         return counts[:, :vocab]
 
     def _add_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -127,8 +140,10 @@ class Sampler:
             return {}
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         ranks = token_ranks(raw[wanted], self._column([tokens[i] for i in wanted], torch.long)).tolist()
-        return {index: token_logprobs(raw[index], tokens[index], rows[index].params.logprobs, rank)
-                for index, rank in zip(wanted, ranks)}
+        return {
+            index: token_logprobs(raw[index], tokens[index], rows[index].params.logprobs, rank)
+            for index, rank in zip(wanted, ranks)
+        }
 
     def _column(self, values: list, dtype=torch.float32) -> torch.Tensor:
         if self.device.type == "cuda":  # from pinned memory: the copy does not wait for the device

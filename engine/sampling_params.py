@@ -1,4 +1,5 @@
 """Per-request sampling parameters (vLLM names and defaults)."""
+
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ class SamplingParams:
     Validation happens when the engine accepts a request (``validate``), so one bad
     request in a batch fails alone instead of raising in the caller's loop.
     """
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -56,16 +58,19 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int) -> None:
         _number("temperature", self.temperature, low=0.0, high=limits.MAX_TEMPERATURE)
         _number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _integer("top_k", self.top_k, low=0)
         _number("min_p", self.min_p, low=0.0, high=1.0)
-        _number("repetition_penalty", self.repetition_penalty, low=limits.MIN_REPETITION_PENALTY,
-                high=limits.MAX_REPETITION_PENALTY)
+        _number(
+            "repetition_penalty",
+            self.repetition_penalty,
+            low=limits.MIN_REPETITION_PENALTY,
+            high=limits.MAX_REPETITION_PENALTY,
+        )
         _number("presence_penalty", self.presence_penalty, low=limits.MIN_PENALTY, high=limits.MAX_PENALTY)
         _number("frequency_penalty", self.frequency_penalty, low=limits.MIN_PENALTY, high=limits.MAX_PENALTY)
         if self.seed is not None:
@@ -90,8 +95,12 @@ class SamplingParams:
         _integer("n", self.n, low=1, high=MAX_N)
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
-        for name in ("include_stop_str_in_output", "spaces_between_special_tokens", "skip_special_tokens",
-                     "ignore_eos"):
+        for name in (
+            "include_stop_str_in_output",
+            "spaces_between_special_tokens",
+            "skip_special_tokens",
+            "ignore_eos",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(name, f"must be a bool, got {type(getattr(self, name)).__name__}")
         if self.logit_bias is not None:
@@ -117,12 +126,14 @@ def _stop_strings(stops: list) -> None:
         if not isinstance(stop, str) or not stop:
             raise InvalidRequest("stop", f"must be non-empty strings, got {stop!r}")
         if len(stop) > limits.MAX_STOP_STRING_CHARS:
-            raise InvalidRequest("stop", f"each stop string at most {limits.MAX_STOP_STRING_CHARS} characters, "
-                                         f"got {len(stop)}")
+            raise InvalidRequest(
+                "stop", f"each stop string at most {limits.MAX_STOP_STRING_CHARS} characters, got {len(stop)}"
+            )
     total = sum(len(stop) for stop in stops)
     if total > limits.MAX_STOP_TOTAL_CHARS:
-        raise InvalidRequest("stop", f"stop strings at most {limits.MAX_STOP_TOTAL_CHARS} characters in all, "
-                                     f"got {total}")
+        raise InvalidRequest(
+            "stop", f"stop strings at most {limits.MAX_STOP_TOTAL_CHARS} characters in all, got {total}"
+        )
 
 
 def _number(name, value, low=None, high=None, low_open=False):

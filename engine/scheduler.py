@@ -21,6 +21,7 @@ sequence (``append_token``) one at a time, after the stop checks of the one befo
 The scheduler never decides that a sequence is done: the engine's postprocess checks the
 stop conditions (engine/finishing.py) and calls ``finish``, the one way a sequence ends.
 """
+
 import itertools
 import time
 
@@ -233,9 +234,16 @@ class Scheduler:
         self.block_manager.grow(seq, start + num_new)
         new_block_ids = self._unsent_blocks(seq)
         if not seq.known_to_runner:
-            plan.new_seqs.append(NewSeqData(seq.seq_id, list(seq.token_ids), seq.params,
-                                            self.stop_rules.min_tokens_stop_ids(seq), seq.grammar,
-                                            seq.lora_request))
+            plan.new_seqs.append(
+                NewSeqData(
+                    seq.seq_id,
+                    list(seq.token_ids),
+                    seq.params,
+                    self.stop_rules.min_tokens_stop_ids(seq),
+                    seq.grammar,
+                    seq.lora_request,
+                )
+            )
             seq.known_to_runner = True
         seq.first_scheduled_time = seq.first_scheduled_time or now
         plan.scheduled.append(ScheduledSeq(seq.seq_id, start, num_new, new_block_ids))
@@ -247,7 +255,7 @@ class Scheduler:
     @staticmethod
     def _unsent_blocks(seq: Sequence) -> list[int]:
         """The block-table entries the runner does not have yet, now counted as sent."""
-        new_block_ids = seq.block_table[seq.num_blocks_sent:]
+        new_block_ids = seq.block_table[seq.num_blocks_sent :]
         seq.num_blocks_sent = len(seq.block_table)
         return new_block_ids
 

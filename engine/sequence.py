@@ -1,4 +1,5 @@
 """State of one request inside the engine (tokens, progress, KV block table, timestamps)."""
+
 import enum
 import itertools
 import time
@@ -63,11 +64,11 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def num_scheduled_tokens(self) -> int:

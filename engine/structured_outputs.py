@@ -5,6 +5,7 @@ Plain data, checked here for shape and size (``validate``, when the engine accep
 request); engine/grammar_compiler.py then compiles it, so a constraint that cannot be
 compiled fails that request alone.
 """
+
 import json
 from dataclasses import dataclass
 
@@ -31,8 +32,10 @@ class StructuredOutputsParams:
     def validate(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
-            raise InvalidRequest("structured_outputs", f"exactly one of {', '.join(CONSTRAINTS)} is required "
-                                                       f"(got {', '.join(given) or 'none'})")
+            raise InvalidRequest(
+                "structured_outputs",
+                f"exactly one of {', '.join(CONSTRAINTS)} is required (got {', '.join(given) or 'none'})",
+            )
         if not isinstance(self.disable_any_whitespace, bool):
             raise InvalidRequest("structured_outputs.disable_any_whitespace", "must be a boolean")
         if self.json_object is not None and self.json_object is not True:
@@ -58,8 +61,9 @@ class StructuredOutputsParams:
             schema = self.json
             _text(where, schema_text(schema))
         else:
-            raise InvalidRequest(where, f"must be a JSON schema (an object or its text), "
-                                        f"got {type(self.json).__name__}")
+            raise InvalidRequest(
+                where, f"must be a JSON schema (an object or its text), got {type(self.json).__name__}"
+            )
         if not isinstance(schema, dict):
             raise InvalidRequest(where, f"must be a JSON object, got {type(schema).__name__}")
         return schema

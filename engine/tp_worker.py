@@ -2,6 +2,7 @@
 engine/distributed/, whose pieces it runs): joins rank 0's group, builds its shard of the model and its KV
 cache (a ModelRunner of its own), then runs each step plan rank 0 sends until told to stop.
 It never samples: rank 0 sends the tokens it sampled along with the next plan."""
+
 import pickle
 import sys
 
@@ -29,5 +30,6 @@ def run_worker(config, rank: int, port: int, max_model_len: int, num_threads: in
 
 if __name__ == "__main__":  # started by engine/distributed/launcher.py, arguments pickled on stdin
     from engine.child_env import ignore_stop_signals
+
     ignore_stop_signals()  # a rank ends with rank 0, never by a Ctrl-C to the process group
     run_worker(**pickle.loads(sys.stdin.buffer.read()))

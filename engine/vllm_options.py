@@ -4,6 +4,7 @@ accepted (each with the reason it is a no-op), and the rest are refused with a m
 that names the option and why. Names with the same meaning in both (dtype, seed,
 max_model_len, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
 quantization, tensor_parallel_size, enforce_eager) pass through, with vLLM's spellings of their values normalised."""
+
 import logging
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ def translate(options: dict) -> dict:
 
 def _refuse_unsupported(options: dict) -> None:
     if options.get("trust_remote_code"):
-        raise ValueError("trust_remote_code=True: Conveyor never runs code shipped with a model; it builds "
-                         "the architectures it supports itself (pass False or leave it out)")
+        raise ValueError(
+            "trust_remote_code=True: Conveyor never runs code shipped with a model; it builds "
+            "the architectures it supports itself (pass False or leave it out)"
+        )
     options.pop("trust_remote_code", None)
 
 
@@ -45,6 +48,8 @@ def kv_budget_from_utilization(utilization: float, total_bytes: int, free_bytes:
     budget = int(utilization * total_bytes) - (total_bytes - free_bytes)
     if budget <= 0:
         used = (total_bytes - free_bytes) / total_bytes
-        raise ValueError(f"gpu_memory_utilization={utilization}: {used:.0%} of the device is already in use "
-                         f"(weights and other processes), which leaves no room for the KV cache")
+        raise ValueError(
+            f"gpu_memory_utilization={utilization}: {used:.0%} of the device is already in use "
+            f"(weights and other processes), which leaves no room for the KV cache"
+        )
     return budget

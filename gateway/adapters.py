@@ -1,6 +1,7 @@
 """LoRA adapters by model name: a request's `model` may be a published model, `base:adapter`,
 or an adapter's own name (as vLLM lists them); the job then names the base model (its
 streams) and the adapter in `lora`. /v1/models lists each adapter with its `parent`."""
+
 from __future__ import annotations
 
 from gateway.tenants import ServedModel, Tenant
@@ -21,6 +22,16 @@ async def resolve_model(tenant: Tenant, fields: dict) -> ServedModel:
 
 
 def adapter_objects(models: list[ServedModel]) -> list[dict]:
-    return [{"id": adapter, "object": "model", "created": int(model.published_at), "owned_by": "conveyor",
-             "parent": model.name, "root": model.name, "max_model_len": model.max_model_len}
-            for model in models for adapter in model.adapters]  # fmt: skip
+    return [
+        {
+            "id": adapter,
+            "object": "model",
+            "created": int(model.published_at),
+            "owned_by": "conveyor",
+            "parent": model.name,
+            "root": model.name,
+            "max_model_len": model.max_model_len,
+        }
+        for model in models
+        for adapter in model.adapters
+    ]

@@ -10,6 +10,7 @@ Request headers of our own (all optional):
   X-Conveyor-Timeout-S               seconds, below the gateway's --timeout-s: the job's deadline
 Every generation response carries `X-Conveyor-Job-Id` (also the tail of the response `id`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,26 +26,33 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from redis.exceptions import RedisError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clients.async_client import AsyncJob
 from clients.errors import ConveyorError
 from clients.event_reader import outcome
 from clients.events import Event, TokenEvent
-from gateway.adapters import adapter_objects, resolve_model
 from clients.openai_api.batch_store import MAX_UPLOAD_BYTES
-from gateway.body_limit import BodyLimit, read_json
 from clients.openai_api.errors import OpenAIError, from_conveyor, invalid
+from clients.openai_api.tool_requests import counted_messages, reads_tools
+from clients.openai_api.translate import (
+    chat_body,
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    job_from_chat,
+    job_from_completion,
+    stream_flags,
+)
+from clients.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
+from gateway.adapters import adapter_objects, resolve_model
+from gateway.body_limit import BodyLimit, read_json
 from gateway.settings import GatewaySettings
 from gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
 from gateway.tenant_share import TenantShare
-from clients.openai_api.tool_requests import counted_messages, reads_tools
-from gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 from gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
-from clients.openai_api.translate import (chat_body, chat_logprobs, completion_body, completion_logprobs, job_from_chat,
-                                       job_from_completion, stream_flags)  # fmt: skip
-from clients.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
+from gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 
 log = logging.getLogger("conveyor.gateway")
 DEADLINE_GRACE_S = 2.0  # past a job's deadline, wait this long for the replica to report it
@@ -60,8 +68,11 @@ def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[
     app.state.keyring = KeyRing(load_grants(settings.keys_file, settings.api_keys))
     app.state.metrics = Metrics()
     app.add_middleware(BodyLimit, limit_of=_body_limit_of(settings), timeout_s=settings.body_timeout_s)
-    app.add_middleware(TenantShare, tenant_of_key=_namespace_of_key(app.state.keyring, settings),
-                       limit=settings.max_requests_per_tenant)
+    app.add_middleware(
+        TenantShare,
+        tenant_of_key=_namespace_of_key(app.state.keyring, settings),
+        limit=settings.max_requests_per_tenant,
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     _add_error_handlers(app)
     app.include_router(router)
@@ -91,11 +102,14 @@ def _namespace_of_key(keyring: KeyRing, settings: GatewaySettings) -> Callable[[
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: GatewaySettings = app.state.settings
     redis = settings.redis.async_client(socket_connect_timeout=5)
-    app.state.namespaces = Namespaces(redis, settings.replica_idle_s, settings.model_cache_s,
-                                      settings.redis.partitions)
-    log.info("gateway on Redis %s, %s", settings.redis.describe(),
-             f"{len(app.state.keyring)} API keys" if app.state.keyring.enabled
-             else f"no API keys: every request uses namespace {settings.namespace!r}")
+    app.state.namespaces = Namespaces(redis, settings.replica_idle_s, settings.model_cache_s, settings.redis.partitions)
+    log.info(
+        "gateway on Redis %s, %s",
+        settings.redis.describe(),
+        f"{len(app.state.keyring)} API keys"
+        if app.state.keyring.enabled
+        else f"no API keys: every request uses namespace {settings.namespace!r}",
+    )
     try:
         yield
     finally:
@@ -110,14 +124,22 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("conveyor_gateway_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=self.registry)
-        self.latency = Histogram("conveyor_gateway_request_duration_seconds",
-                                 "Request start to the last byte of the response (streams included)", ["route"],
-                                 buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-                                 registry=self.registry)
-        self.in_flight = Gauge("conveyor_gateway_requests_in_flight", "HTTP requests being served",
-                               registry=self.registry)
+        self.requests = Counter(
+            "conveyor_gateway_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "conveyor_gateway_request_duration_seconds",
+            "Request start to the last byte of the response (streams included)",
+            ["route"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "conveyor_gateway_requests_in_flight", "HTTP requests being served", registry=self.registry
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -216,8 +238,13 @@ async def retrieve_model(model_id: str, tenant: Tenant = Depends(tenant_of)) -> 
 
 
 def _model_object(model: ServedModel) -> dict:
-    return {"id": model.name, "object": "model", "created": int(model.published_at), "owned_by": "conveyor",
-            "max_model_len": model.max_model_len}  # fmt: skip
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": int(model.published_at),
+        "owned_by": "conveyor",
+        "max_model_len": model.max_model_len,
+    }
 
 
 @router.post("/v1/completions")
@@ -259,8 +286,11 @@ class RequestOptions:
         if keep not in TRUE + FALSE:
             raise invalid("X-Conveyor-Keep-On-Disconnect must be true or false", param="X-Conveyor-Keep-On-Disconnect")
         priority_class = headers.get("x-conveyor-priority-class")
-        return cls(priority_class and priority_class.strip().lower(), keep in TRUE,
-                   _timeout(headers.get("x-conveyor-timeout-s"), settings.timeout_s))
+        return cls(
+            priority_class and priority_class.strip().lower(),
+            keep in TRUE,
+            _timeout(headers.get("x-conveyor-timeout-s"), settings.timeout_s),
+        )
 
 
 def _timeout(header: str | None, limit: float) -> float:
@@ -318,8 +348,15 @@ async def generate(request: Request, tenant: Tenant, endpoint: Endpoint) -> Resp
     plan = await _plan(request, tenant, endpoint, settings)
     job = await _submit(tenant, plan.fields, settings, time.time() + plan.options.timeout_s)
     run = JobRun(job, plan.options.keep_on_disconnect)
-    writer = ChunkWriter(endpoint.chat, endpoint.id_prefix + job.job_id, plan.fields["model"], int(time.time()),
-                         plan.include_usage, plan.vocab, plan.fields.get("n", 1))  # fmt: skip
+    writer = ChunkWriter(
+        endpoint.chat,
+        endpoint.id_prefix + job.job_id,
+        plan.fields["model"],
+        int(time.time()),
+        plan.include_usage,
+        plan.vocab,
+        plan.fields.get("n", 1),
+    )
     if endpoint.chat and reads_tools(plan.fields):
         writer = ToolChunkWriter(**vars(writer), job_id=job.job_id, named=named_function(plan.fields))
     events = job.events(timeout=plan.options.timeout_s + DEADLINE_GRACE_S, idle=False)
@@ -367,12 +404,17 @@ async def _streamed(request: Request, run: JobRun, events: AsyncIterator[Event],
     headers = {"X-Conveyor-Job-Id": run.job.job_id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     # the background task runs after the stream ends or the client left, even when the
     # body never started (the generator's own cleanup then never runs): no job left behind
-    return StreamingResponse(sse_events(first, events, writer, run.end, run.abandon), media_type="text/event-stream",
-                             headers=headers, background=BackgroundTask(run.abandon))
+    return StreamingResponse(
+        sse_events(first, events, writer, run.end, run.abandon),
+        media_type="text/event-stream",
+        headers=headers,
+        background=BackgroundTask(run.abandon),
+    )
 
 
-def _response_body(endpoint: Endpoint, result: Any, writer: ChunkWriter, logprobs: dict[int, list[dict]],
-                   fields: dict) -> dict:  # fmt: skip
+def _response_body(
+    endpoint: Endpoint, result: Any, writer: ChunkWriter, logprobs: dict[int, list[dict]], fields: dict
+) -> dict:
     common = dict(request_id=writer.request_id, model=writer.model, created=writer.created)
     indices = [output.index for output in result.outputs]
     if endpoint.chat:
@@ -416,8 +458,9 @@ async def _disconnect(request: Request) -> None:
 
 async def _submit(tenant: Tenant, fields: dict, settings: GatewaySettings, deadline: float) -> AsyncJob:
     try:
-        return await tenant.client.submit(**fields, deadline=deadline, result_ttl=settings.result_ttl,
-                                          max_queue_len=settings.max_queue_len or None)  # fmt: skip
+        return await tenant.client.submit(
+            **fields, deadline=deadline, result_ttl=settings.result_ttl, max_queue_len=settings.max_queue_len or None
+        )
     except ConveyorError as exc:  # InvalidJob, QueueFull, JobConflict
         raise from_conveyor(exc) from None
 
@@ -426,5 +469,6 @@ async def _vocabulary(tenant: Tenant, model: ServedModel) -> Any:
     try:
         return await tenant.models.token_counter(model)
     except ConveyorError:
-        raise invalid(f"logprobs are not available for model `{model.name}` (no tokenizer published)",
-                      param="logprobs") from None
+        raise invalid(
+            f"logprobs are not available for model `{model.name}` (no tokenizer published)", param="logprobs"
+        ) from None

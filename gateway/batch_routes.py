@@ -32,26 +32,43 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
 from clients.openai_api.batch_runner import BatchRunners, RunnerSettings
 from clients.openai_api.batch_store import (
-    COMPLETION_WINDOWS, ENDPOINTS, MAX_FILE_BYTES, MAX_UPLOAD_BYTES, BatchStore, FileInUse, FileTooLarge,
-    check_jsonl, check_metadata,
-)  # fmt: skip
-from gateway.body_limit import read_json
+    COMPLETION_WINDOWS,
+    ENDPOINTS,
+    MAX_FILE_BYTES,
+    MAX_UPLOAD_BYTES,
+    BatchStore,
+    FileInUse,
+    FileTooLarge,
+    check_jsonl,
+    check_metadata,
+)
 from clients.openai_api.errors import OpenAIError, invalid
 from clients.openai_api.work_caps import WorkCaps
+from gateway.body_limit import read_json
 from gateway.tenants import load_grants, tenant_of
 
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
 MAX_FILES_LIMIT = 10_000  # OpenAI's bound and default for files.list
 ORDERS = ("asc", "desc")
 STOP_WAIT_S = 5.0  # shutdown: how long the runner loop gets to see it is closed
-ENV_SETTINGS = {"lease_s": float, "max_in_flight": int, "poll_s": float, "scan_s": float, "max_batches": int,
-                "max_batches_per_tenant": int, "cancel_wait_s": float}  # fmt: skip
+ENV_SETTINGS = {
+    "lease_s": float,
+    "max_in_flight": int,
+    "poll_s": float,
+    "scan_s": float,
+    "max_batches": int,
+    "max_batches_per_tenant": int,
+    "cancel_wait_s": float,
+}
 
 
 def settings_from_env(env: dict[str, str] | None = None) -> RunnerSettings:
     env = os.environ if env is None else env
-    values = {name: kind(env[f"CONVEYOR_BATCH_{name.upper()}"]) for name, kind in ENV_SETTINGS.items()
-              if env.get(f"CONVEYOR_BATCH_{name.upper()}")}  # fmt: skip
+    values = {
+        name: kind(env[f"CONVEYOR_BATCH_{name.upper()}"])
+        for name, kind in ENV_SETTINGS.items()
+        if env.get(f"CONVEYOR_BATCH_{name.upper()}")
+    }
     return RunnerSettings(**values)
 
 
@@ -113,15 +130,25 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
         return await store.put_file(content, filename=filename, purpose=purpose, lines=lines)
 
     @router.get("/v1/files")
-    async def list_files(limit: int = MAX_FILES_LIMIT, after: str | None = None, order: str = "desc",
-                         purpose: str | None = None, store: BatchStore = Depends(store_of)) -> dict[str, Any]:  # fmt: skip
+    async def list_files(
+        limit: int = MAX_FILES_LIMIT,
+        after: str | None = None,
+        order: str = "desc",
+        purpose: str | None = None,
+        store: BatchStore = Depends(store_of),
+    ) -> dict[str, Any]:
         if not 1 <= limit <= MAX_FILES_LIMIT:
             raise invalid(f"limit must be 1..{MAX_FILES_LIMIT}, got {limit}", "limit")
         if order not in ORDERS:
             raise invalid(f"order must be asc or desc, got {order[:32]!r}", "order")
         files, has_more = await store.list_files(limit, after, order, purpose)
-        return {"object": "list", "data": files, "first_id": files[0]["id"] if files else None,
-                "last_id": files[-1]["id"] if files else None, "has_more": has_more}  # fmt: skip
+        return {
+            "object": "list",
+            "data": files,
+            "first_id": files[0]["id"] if files else None,
+            "last_id": files[-1]["id"] if files else None,
+            "has_more": has_more,
+        }
 
     @router.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, store: BatchStore = Depends(store_of)) -> dict[str, Any]:
@@ -145,9 +172,12 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
     async def create_batch(request: Request, store: BatchStore = Depends(store_of)) -> dict[str, Any]:
         body = await _json_object(request)  # bounded in bytes and depth: a 400 or 413, never a 500
         input_file_id = await _input_file(store, body.get("input_file_id"))
-        batch, _ = await store.create_batch(input_file_id=input_file_id, endpoint=_endpoint(body.get("endpoint")),
-                                            completion_window=_window(body.get("completion_window")),
-                                            metadata=_metadata(body.get("metadata")))  # fmt: skip
+        batch, _ = await store.create_batch(
+            input_file_id=input_file_id,
+            endpoint=_endpoint(body.get("endpoint")),
+            completion_window=_window(body.get("completion_window")),
+            metadata=_metadata(body.get("metadata")),
+        )
         runners = getattr(request.app.state, "batch_runners", None)
         if runners is not None:
             runners.wake()
@@ -158,13 +188,19 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
         return _found(await store.get_batch(batch_id), "Batch", batch_id)
 
     @router.get("/v1/batches")
-    async def list_batches(limit: int = DEFAULT_LIST_LIMIT, after: str | None = None,
-                           store: BatchStore = Depends(store_of)) -> dict[str, Any]:  # fmt: skip
+    async def list_batches(
+        limit: int = DEFAULT_LIST_LIMIT, after: str | None = None, store: BatchStore = Depends(store_of)
+    ) -> dict[str, Any]:
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise invalid(f"limit must be 1..{MAX_LIST_LIMIT}, got {limit}", "limit")
         batches, has_more = await store.list_batches(limit, after)
-        return {"object": "list", "data": batches, "first_id": batches[0]["id"] if batches else None,
-                "last_id": batches[-1]["id"] if batches else None, "has_more": has_more}  # fmt: skip
+        return {
+            "object": "list",
+            "data": batches,
+            "first_id": batches[0]["id"] if batches else None,
+            "last_id": batches[-1]["id"] if batches else None,
+            "has_more": has_more,
+        }
 
     @router.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, store: BatchStore = Depends(store_of)) -> dict[str, Any]:
@@ -183,8 +219,7 @@ def make_router(tenant_dependency: Callable) -> APIRouter:
 async def _read_upload(request: Request) -> tuple[bytes, str, str]:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
-        raise OpenAIError(413, f"file is over the limit of {MAX_FILE_BYTES} bytes", param="file",
-                          code="file_too_large")  # fmt: skip
+        raise OpenAIError(413, f"file is over the limit of {MAX_FILE_BYTES} bytes", param="file", code="file_too_large")
     try:
         form = await request.form(max_files=1, max_fields=8)
     except OpenAIError:  # the body limit's 413 or timeout's 408 (body_limit.BodyLimit counts as it arrives)
@@ -199,8 +234,7 @@ async def _read_upload(request: Request) -> tuple[bytes, str, str]:
     content = await upload.read(MAX_FILE_BYTES + 1)
     await form.close()
     if len(content) > MAX_FILE_BYTES:
-        raise OpenAIError(413, f"file is over the limit of {MAX_FILE_BYTES} bytes", param="file",
-                          code="file_too_large")  # fmt: skip
+        raise OpenAIError(413, f"file is over the limit of {MAX_FILE_BYTES} bytes", param="file", code="file_too_large")
     return content, (upload.filename or "upload.jsonl")[:256], purpose
 
 
@@ -227,8 +261,9 @@ def _endpoint(value: Any) -> str:
 
 def _window(value: Any) -> str:
     if value not in COMPLETION_WINDOWS:
-        raise invalid(f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}, got {value!r}",
-                      "completion_window")  # fmt: skip
+        raise invalid(
+            f"completion_window must be one of {', '.join(COMPLETION_WINDOWS)}, got {value!r}", "completion_window"
+        )
     return value
 
 

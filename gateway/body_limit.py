@@ -2,6 +2,7 @@
 they arrive (Content-Length or chunked alike) and cuts a body at its route's limit or when
 it has not all arrived within the body timeout; `read_json` parses a bounded body into an
 object no deeper than MAX_JSON_DEPTH (a 400, never a RecursionError's 500)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,6 @@ from clients.openai_api.errors import OpenAIError, invalid
 from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over, parse_object, too_deep  # noqa: F401
 
 
-
 class BodyTooLarge(OpenAIError):
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request body over the limit of {limit} bytes", code="body_too_large")
@@ -23,8 +23,9 @@ class BodyTooLarge(OpenAIError):
 
 class BodyTooSlow(OpenAIError):
     def __init__(self, timeout_s: float) -> None:
-        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s (body timeout)",
-                         code="body_timeout")  # fmt: skip
+        super().__init__(
+            408, f"the request body did not arrive within {timeout_s:g} s (body timeout)", code="body_timeout"
+        )
 
 
 class BodyLimit:
@@ -87,9 +88,17 @@ def _content_length(scope: dict) -> int | None:
 
 async def _reply(send: Callable, error: OpenAIError) -> None:
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -1,5 +1,6 @@
 """`conveyor gateway` (``python -m gateway``): the OpenAI-compatible HTTP gateway's program.
 Parsing its flags imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,52 +18,118 @@ from gateway.settings import GatewaySettings
 OPTIONS = [
     ("--host", "host", str, "address to bind (env CONVEYOR_GATEWAY_HOST, default 127.0.0.1: loopback only)"),
     ("--port", "port", int, "port (env CONVEYOR_GATEWAY_PORT, default 8000)"),
-    ("--keys-file", "keys_file", str, "JSON/YAML file of API keys: {key: {namespace, priority_class}} "
-                                      "(env CONVEYOR_GATEWAY_KEYS_FILE; also env CONVEYOR_GATEWAY_API_KEYS="
-                                      "'key=ns[:class],...'); without keys: no auth, one namespace"),
-    ("--timeout-s", "timeout_s", float, "deadline of every job, seconds (env CONVEYOR_GATEWAY_TIMEOUT_S, "
-                                        "default 600); a request may ask for less with X-Conveyor-Timeout-S"),
-    ("--max-queue-len", "max_queue_len", int, "refuse (429) when a request stream holds this many jobs "
-                                              "(env CONVEYOR_GATEWAY_MAX_QUEUE_LEN, default 0 = only the "
-                                              "replicas' bound)"),
-    ("--replica-idle-s", "replica_idle_s", float, "a model is served while a replica of it was seen this "
-                                                  "recently (env CONVEYOR_GATEWAY_REPLICA_IDLE_S, default 60)"),
-    ("--result-ttl", "result_ttl", int, "seconds jobs' results stay in Redis (env CONVEYOR_GATEWAY_RESULT_TTL, "
-                                        "default 3600)"),
+    (
+        "--keys-file",
+        "keys_file",
+        str,
+        "JSON/YAML file of API keys: {key: {namespace, priority_class}} "
+        "(env CONVEYOR_GATEWAY_KEYS_FILE; also env CONVEYOR_GATEWAY_API_KEYS="
+        "'key=ns[:class],...'); without keys: no auth, one namespace",
+    ),
+    (
+        "--timeout-s",
+        "timeout_s",
+        float,
+        "deadline of every job, seconds (env CONVEYOR_GATEWAY_TIMEOUT_S, "
+        "default 600); a request may ask for less with X-Conveyor-Timeout-S",
+    ),
+    (
+        "--max-queue-len",
+        "max_queue_len",
+        int,
+        "refuse (429) when a request stream holds this many jobs "
+        "(env CONVEYOR_GATEWAY_MAX_QUEUE_LEN, default 0 = only the "
+        "replicas' bound)",
+    ),
+    (
+        "--replica-idle-s",
+        "replica_idle_s",
+        float,
+        "a model is served while a replica of it was seen this "
+        "recently (env CONVEYOR_GATEWAY_REPLICA_IDLE_S, default 60)",
+    ),
+    (
+        "--result-ttl",
+        "result_ttl",
+        int,
+        "seconds jobs' results stay in Redis (env CONVEYOR_GATEWAY_RESULT_TTL, default 3600)",
+    ),
     ("--log-level", "log_level", str, "uvicorn's log level (env CONVEYOR_LOG_LEVEL, default info)"),
-    ("--max-body-bytes", "max_body_bytes", int, "largest request body but uploads (env "
-                                                "CONVEYOR_GATEWAY_MAX_BODY_BYTES, default 16 MiB)"),
-    ("--max-connections", "max_connections", int, "open connections at most; one more gets 503 and is closed "
-                                                  "(env CONVEYOR_GATEWAY_MAX_CONNECTIONS, default 1000)"),
-    ("--header-timeout-s", "header_timeout_s", float, "a request's headers must arrive within this (env "
-                                                      "CONVEYOR_GATEWAY_HEADER_TIMEOUT_S, default 10)"),
-    ("--body-timeout-s", "body_timeout_s", float, "a request's whole body must arrive within this, else 408 (env "
-                                                  "CONVEYOR_GATEWAY_BODY_TIMEOUT_S, default 60)"),
-    ("--keep-alive-s", "keep_alive_s", float, "idle keep-alive connections are closed after this (env "
-                                              "CONVEYOR_GATEWAY_KEEP_ALIVE_S, default 5)"),
-    ("--max-requests-per-tenant", "max_requests_per_tenant", int, "requests of one namespace in flight at once, "
-                                                                  "more get 429 (env CONVEYOR_GATEWAY_MAX_REQUESTS_"
-                                                                  "PER_TENANT, default 256)"),
-    ("--max-samples", "max_samples", int, "largest n (samples) of one request (env CONVEYOR_GATEWAY_MAX_SAMPLES, "
-                                          "default 16)"),
-    ("--max-total-tokens", "max_total_tokens", int, "largest n x max_tokens of one request (env "
-                                                    "CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS, default 32768)"),
-]  # fmt: skip
+    (
+        "--max-body-bytes",
+        "max_body_bytes",
+        int,
+        "largest request body but uploads (env CONVEYOR_GATEWAY_MAX_BODY_BYTES, default 16 MiB)",
+    ),
+    (
+        "--max-connections",
+        "max_connections",
+        int,
+        "open connections at most; one more gets 503 and is closed "
+        "(env CONVEYOR_GATEWAY_MAX_CONNECTIONS, default 1000)",
+    ),
+    (
+        "--header-timeout-s",
+        "header_timeout_s",
+        float,
+        "a request's headers must arrive within this (env CONVEYOR_GATEWAY_HEADER_TIMEOUT_S, default 10)",
+    ),
+    (
+        "--body-timeout-s",
+        "body_timeout_s",
+        float,
+        "a request's whole body must arrive within this, else 408 (env CONVEYOR_GATEWAY_BODY_TIMEOUT_S, default 60)",
+    ),
+    (
+        "--keep-alive-s",
+        "keep_alive_s",
+        float,
+        "idle keep-alive connections are closed after this (env CONVEYOR_GATEWAY_KEEP_ALIVE_S, default 5)",
+    ),
+    (
+        "--max-requests-per-tenant",
+        "max_requests_per_tenant",
+        int,
+        "requests of one namespace in flight at once, "
+        "more get 429 (env CONVEYOR_GATEWAY_MAX_REQUESTS_"
+        "PER_TENANT, default 256)",
+    ),
+    (
+        "--max-samples",
+        "max_samples",
+        int,
+        "largest n (samples) of one request (env CONVEYOR_GATEWAY_MAX_SAMPLES, default 16)",
+    ),
+    (
+        "--max-total-tokens",
+        "max_total_tokens",
+        int,
+        "largest n x max_tokens of one request (env CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS, default 32768)",
+    ),
+]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor gateway", parents=[connection_options()],
-                                     description="OpenAI-compatible HTTP gateway (/v1/completions, "
-                                                 "/v1/chat/completions, /v1/responses, Batch API) over the queue")
+    parser = argparse.ArgumentParser(
+        prog="conveyor gateway",
+        parents=[connection_options()],
+        description="OpenAI-compatible HTTP gateway (/v1/completions, "
+        "/v1/chat/completions, /v1/responses, Batch API) over the queue",
+    )
     for flag, name, kind, help_text in OPTIONS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
-    parser.add_argument("--allow-no-keys", action="store_true", default=bool(os.environ.get(
-        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS")), help="listen beyond loopback without API keys (env "
-        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS=1): anyone who reaches the port uses --namespace")
+    parser.add_argument(
+        "--allow-no-keys",
+        action="store_true",
+        default=bool(os.environ.get("CONVEYOR_GATEWAY_ALLOW_NO_KEYS")),
+        help="listen beyond loopback without API keys (env "
+        "CONVEYOR_GATEWAY_ALLOW_NO_KEYS=1): anyone who reaches the port uses --namespace",
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return run_gateway(args)
 
 
@@ -79,9 +146,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     except (ValueError, OSError, ConveyorError) as exc:  # ConveyorError: no server to connect to
         return _fail(str(exc), EXIT_USAGE)
     if not (settings.keys_file or settings.api_keys) and not _loopback(settings.host) and not args.allow_no_keys:
-        return _fail(f"--host {settings.host} reaches beyond this machine, and no API keys are set (--keys-file, "
-                     "CONVEYOR_GATEWAY_API_KEYS): every caller would get in; set keys, or --allow-no-keys",
-                     EXIT_USAGE)  # fmt: skip
+        return _fail(
+            f"--host {settings.host} reaches beyond this machine, and no API keys are set (--keys-file, "
+            "CONVEYOR_GATEWAY_API_KEYS): every caller would get in; set keys, or --allow-no-keys",
+            EXIT_USAGE,
+        )
     problem = check_credentials(settings.redis)
     if problem:
         return _fail(problem, EXIT_FAILED)

@@ -4,6 +4,7 @@ within `header_timeout_s` of the connection opening or of the previous response:
 connections are closed). Bodies have their own deadline (body_limit.BodyLimit); idle
 keep-alive connections uvicorn's `timeout_keep_alive`; header size h11's
 `h11_max_incomplete_event_size`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,10 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-BUSY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 37\r\n" \
-       b"connection: close\r\n\r\ntoo many open connections, try later\n"  # fmt: skip
+BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 37\r\n"
+    b"connection: close\r\n\r\ntoo many open connections, try later\n"
+)
 
 
 def limited_protocol(max_connections: int, header_timeout_s: float) -> type[H11Protocol]:

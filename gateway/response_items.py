@@ -8,6 +8,7 @@ message (not carried over to the next response, as OpenAI's), function `tools` a
 `max_output_tokens` -> `max_tokens`. A job's result becomes the response's `output`
 items: one assistant `message` with its `output_text`, and one `function_call` per call.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,12 +17,40 @@ from clients.event_reader import JobResult
 from clients.openai_api.errors import invalid
 from gateway.tools import openai_calls
 
-PASSED_ON = ("model", "temperature", "top_p", "parallel_tool_calls", "metadata", "user", "service_tier", "stream",
-             "ignore_eos", "seed", "top_k", "min_p", "repetition_penalty", "stop", "presence_penalty",
-             "frequency_penalty")  # fmt: skip
-OWN = ("input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "previous_response_id",
-       "store", "background", "truncation", "reasoning", "include", "prompt_cache_key",
-       "safety_identifier")  # fmt: skip
+PASSED_ON = (
+    "model",
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "metadata",
+    "user",
+    "service_tier",
+    "stream",
+    "ignore_eos",
+    "seed",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+)
+OWN = (
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "text",
+    "max_output_tokens",
+    "previous_response_id",
+    "store",
+    "background",
+    "truncation",
+    "reasoning",
+    "include",
+    "prompt_cache_key",
+    "safety_identifier",
+)
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_INPUT_ITEMS = 4096
@@ -79,18 +108,25 @@ def _add_item(messages: list[dict], where: str, item: Any) -> None:
     if kind == "message":
         messages.append(_message(where, item))
     elif kind == "function_call":
-        call = {"id": _text(item, "call_id", where), "type": "function",
-                "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where)}}
+        call = {
+            "id": _text(item, "call_id", where),
+            "type": "function",
+            "function": {"name": _text(item, "name", where), "arguments": _text(item, "arguments", where)},
+        }
         if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
             messages[-1]["tool_calls"].append(call)
         else:
             messages.append({"role": "assistant", "tool_calls": [call]})
     elif kind == "function_call_output":
-        messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", where),
-                         "content": _text(item, "output", where)})
+        messages.append(
+            {"role": "tool", "tool_call_id": _text(item, "call_id", where), "content": _text(item, "output", where)}
+        )
     else:
-        raise invalid(f"{where}.type must be message, function_call or function_call_output, got {kind!r}",
-                      param=f"{where}.type", code="unsupported_value")
+        raise invalid(
+            f"{where}.type must be message, function_call or function_call_output, got {kind!r}",
+            param=f"{where}.type",
+            code="unsupported_value",
+        )
 
 
 def _message(where: str, item: dict) -> dict:
@@ -137,8 +173,11 @@ def _tools(body: dict) -> dict:
 def _chat_tool(where: str, tool: Any) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
-        raise invalid(f"{where}.type: only function tools are supported, got {kind!r}", param=f"{where}.type",
-                      code="unsupported_value")
+        raise invalid(
+            f"{where}.type: only function tools are supported, got {kind!r}",
+            param=f"{where}.type",
+            code="unsupported_value",
+        )
     function = {name: tool[name] for name in ("name", "description", "parameters", "strict") if name in tool}
     return {"type": "function", "function": function}
 
@@ -170,24 +209,36 @@ def output_items(result: JobResult, response_id: str) -> list[dict]:
 
 def message_item(response_id: str, text: str | None, status: str = "completed") -> dict:
     parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
-    return {"type": "message", "id": "msg_" + response_id.removeprefix("resp_"), "status": status,
-            "role": "assistant", "content": parts}  # fmt: skip
+    return {
+        "type": "message",
+        "id": "msg_" + response_id.removeprefix("resp_"),
+        "status": status,
+        "role": "assistant",
+        "content": parts,
+    }
 
 
 def function_call_item(response_id: str, number: int, call: dict, arguments: str | None = None) -> dict:
     function = call["function"]
-    return {"type": "function_call", "id": f"fc_{response_id.removeprefix('resp_')}_{number}", "call_id": call["id"],
-            "name": function["name"], "status": "completed",
-            "arguments": function["arguments"] if arguments is None else arguments}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": f"fc_{response_id.removeprefix('resp_')}_{number}",
+        "call_id": call["id"],
+        "name": function["name"],
+        "status": "completed",
+        "arguments": function["arguments"] if arguments is None else arguments,
+    }
 
 
 def history_of(messages: list[dict], output: list[dict]) -> list[dict]:
     """The chat history a next response continues: this one's messages (its instructions
     left out) and its output as an assistant message."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
-    calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in output if item["type"] == "function_call"]  # fmt: skip
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in output
+        if item["type"] == "function_call"
+    ]
     reply = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
     return messages + [reply]
 
@@ -196,6 +247,10 @@ def usage(result: JobResult | None) -> dict | None:
     if result is None:
         return None
     used = result.usage
-    return {"input_tokens": used.prompt_tokens, "output_tokens": used.completion_tokens,
-            "total_tokens": used.total_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+    return {
+        "input_tokens": used.prompt_tokens,
+        "output_tokens": used.completion_tokens,
+        "total_tokens": used.total_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }

@@ -2,6 +2,7 @@
 response at `<ns>:response:<id>` with a TTL, holding the response object and the chat
 history a next response continues (its messages without the instructions, and its output).
 One key per command: the same in cluster mode."""
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,12 @@ class ResponseStore:
             record = json.loads(raw)
         except ValueError:
             return None
-        valid = isinstance(record, dict) and isinstance(record.get("response"), dict) \
-            and isinstance(record.get("messages"), list) and isinstance(record.get("job_id"), str)
+        valid = (
+            isinstance(record, dict)
+            and isinstance(record.get("response"), dict)
+            and isinstance(record.get("messages"), list)
+            and isinstance(record.get("job_id"), str)
+        )
         return record if valid else None
 
     async def delete(self, response_id: str) -> bool:

@@ -12,6 +12,7 @@ gateway's --result-ttl (response_store.py), so `previous_response_id` continues 
 room) and answers at once with status `queued`; GET polls it. What a body may hold, and
 how it becomes the job: response_items.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
 
@@ -29,17 +30,24 @@ from clients.async_client import AsyncJob
 from clients.errors import ConveyorError, JobCancelled, JobFailed
 from clients.event_reader import JobResult, outcome
 from clients.events import TokenEvent
-from gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
-from gateway.adapters import resolve_model
+from clients.job_record import FINAL_STATUSES
 from clients.openai_api.errors import OpenAIError, from_conveyor, invalid
-from gateway.response_items import (chat_body, check_fields, history_of, input_messages, message_item,
-                                            output_items, usage)  # fmt: skip
+from clients.openai_api.tool_requests import counted_messages, reads_tools
+from clients.openai_api.translate import job_from_chat
+from gateway.adapters import resolve_model
+from gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
+from gateway.response_items import (
+    chat_body,
+    check_fields,
+    history_of,
+    input_messages,
+    message_item,
+    output_items,
+    usage,
+)
 from gateway.response_store import ResponseStore
 from gateway.streaming import Relay, StreamDiverged
 from gateway.tenants import Tenant, tenant_of
-from clients.openai_api.tool_requests import counted_messages, reads_tools
-from clients.openai_api.translate import job_from_chat
-from clients.job_record import FINAL_STATUSES
 
 router = APIRouter()
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for the job to end before answering
@@ -60,9 +68,12 @@ async def create_response(request: Request, tenant: Tenant = Depends(tenant_of))
     run = JobRun(job, draft.options.keep_on_disconnect)
     events = job.events(timeout=draft.options.timeout_s + DEADLINE_GRACE_S, idle=False)
     if body.get("stream"):
-        return StreamingResponse(_stream(draft, run, events), media_type="text/event-stream",
-                                 headers={"X-Conveyor-Job-Id": job.job_id, "Cache-Control": "no-cache"},
-                                 background=BackgroundTask(run.abandon))  # fmt: skip
+        return StreamingResponse(
+            _stream(draft, run, events),
+            media_type="text/event-stream",
+            headers={"X-Conveyor-Job-Id": job.job_id, "Cache-Control": "no-cache"},
+            background=BackgroundTask(run.abandon),
+        )
     try:
         terminal = await _terminal(events)
         await run.end()
@@ -125,20 +136,34 @@ class Draft:
     def reads_tools(self) -> bool:
         return reads_tools(self.fields)
 
-    def object(self, status: str, output: list[dict] | None = None, result: JobResult | None = None,
-               error: dict | None = None) -> dict:  # fmt: skip
+    def object(
+        self, status: str, output: list[dict] | None = None, result: JobResult | None = None, error: dict | None = None
+    ) -> dict:
         body = self.body
-        return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.fields["model"], "output": output or [], "usage": usage(result), "error": error,
-                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
-                "parallel_tool_calls": body.get("parallel_tool_calls", True),
-                "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-                "previous_response_id": body.get("previous_response_id"),
-                "text": body.get("text") or {"format": {"type": "text"}}, "background": self.background,
-                "store": body.get("store", True), "max_output_tokens": body.get("max_output_tokens"),
-                "truncation": "disabled"}  # fmt: skip
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.fields["model"],
+            "output": output or [],
+            "usage": usage(result),
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.get("instructions"),
+            "metadata": body.get("metadata") or {},
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "previous_response_id": body.get("previous_response_id"),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "background": self.background,
+            "store": body.get("store", True),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "truncation": "disabled",
+        }
 
     async def finish(self, result: JobResult) -> dict:
         """The completed (or incomplete) response, stored when asked."""
@@ -180,8 +205,10 @@ async def _history(store: ResponseStore, tenant: Tenant, previous: Any) -> list[
         raise invalid("previous_response_id must be a string", param="previous_response_id")
     record = await _refreshed(store, tenant, await _record(store, previous, "previous_response_id"))
     if record["response"]["status"] not in ("completed", "incomplete"):
-        raise invalid(f"previous response {previous!r} is {record['response']['status']}, not completed",
-                      param="previous_response_id")
+        raise invalid(
+            f"previous response {previous!r} is {record['response']['status']}, not completed",
+            param="previous_response_id",
+        )
     return record["messages"]
 
 
@@ -222,8 +249,9 @@ def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:
 
 async def _submit(tenant: Tenant, fields: dict, settings: Any, deadline: float | None) -> AsyncJob:
     try:
-        return await tenant.client.submit(**fields, deadline=deadline, result_ttl=settings.result_ttl,
-                                          max_queue_len=settings.max_queue_len or None)  # fmt: skip
+        return await tenant.client.submit(
+            **fields, deadline=deadline, result_ttl=settings.result_ttl, max_queue_len=settings.max_queue_len or None
+        )
     except ConveyorError as exc:
         raise from_conveyor(exc) from None
 
@@ -273,12 +301,20 @@ async def _stream(draft: Draft, run: JobRun, events: AsyncIterator) -> AsyncIter
                 opened = True
                 for line in _open_message(send, draft.response_id):
                     yield line
-            yield send("response.output_text.delta", item_id=_msg_id(draft), output_index=0, content_index=0,
-                       delta=delta, logprobs=[])
+            yield send(
+                "response.output_text.delta",
+                item_id=_msg_id(draft),
+                output_index=0,
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
     except (ConveyorError, StreamDiverged, RedisError) as exc:
         error = from_conveyor(exc) if isinstance(exc, ConveyorError) else OpenAIError(500, str(exc))
-        yield send("response.failed", response=draft.object("failed", error={"code": error.code or "server_error",
-                                                                              "message": error.message}))
+        yield send(
+            "response.failed",
+            response=draft.object("failed", error={"code": error.code or "server_error", "message": error.message}),
+        )
     finally:
         await run.abandon()  # a no-op once the job ended
 
@@ -289,9 +325,16 @@ def _msg_id(draft: Draft) -> str:
 
 def _open_message(send: EventWriter, response_id: str) -> list[str]:
     item = message_item(response_id, None, status="in_progress")
-    return [send("response.output_item.added", output_index=0, item=item),
-            send("response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
-                 part={"type": "output_text", "text": "", "annotations": []})]
+    return [
+        send("response.output_item.added", output_index=0, item=item),
+        send(
+            "response.content_part.added",
+            item_id=item["id"],
+            output_index=0,
+            content_index=0,
+            part={"type": "output_text", "text": "", "annotations": []},
+        ),
+    ]
 
 
 def _closing(send: EventWriter, draft: Draft, final: dict, rest: str, opened: bool) -> list[str]:
@@ -303,13 +346,28 @@ def _closing(send: EventWriter, draft: Draft, final: dict, rest: str, opened: bo
             lines += [] if was_open else _open_message(send, draft.response_id)
             pending = rest if was_open else text
             if pending:
-                lines.append(send("response.output_text.delta", item_id=item["id"], output_index=index,
-                                  content_index=0, delta=pending, logprobs=[]))
+                lines.append(
+                    send(
+                        "response.output_text.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        delta=pending,
+                        logprobs=[],
+                    )
+                )
             part = {"type": "output_text", "text": text, "annotations": []}
-            lines += [send("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=text, logprobs=[]),
-                      send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                           part=part)]
+            lines += [
+                send(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part),
+            ]
         else:
             lines += _function_call_events(send, index, item)
         lines.append(send("response.output_item.done", output_index=index, item=item))
@@ -319,8 +377,14 @@ def _closing(send: EventWriter, draft: Draft, final: dict, rest: str, opened: bo
 
 def _function_call_events(send: EventWriter, index: int, item: dict) -> list[str]:
     opening = {**item, "status": "in_progress", "arguments": ""}
-    return [send("response.output_item.added", output_index=index, item=opening),
-            send("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                 delta=item["arguments"]),
-            send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                 arguments=item["arguments"], name=item["name"])]
+    return [
+        send("response.output_item.added", output_index=index, item=opening),
+        send("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]),
+        send(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=index,
+            arguments=item["arguments"],
+            name=item["name"],
+        ),
+    ]

@@ -1,4 +1,5 @@
 """Runs the gateway app under uvicorn (`conveyor gateway`, or a test's thread)."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -16,11 +17,19 @@ GRACEFUL_SHUTDOWN_S = 10  # open streams get this long after SIGTERM; then their
 
 def make_server(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = (), **options: Any) -> uvicorn.Server:
     """A uvicorn Server of the app on settings.host:settings.port (`options` go to uvicorn.Config)."""
-    config = uvicorn.Config(create_app(settings, extra_routers), host=settings.host, port=settings.port,
-                            log_level=settings.log_level, lifespan="on", server_header=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=settings.keep_alive_s,
-                            http=limited_protocol(settings.max_connections, settings.header_timeout_s),
-                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(settings, extra_routers),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        lifespan="on",
+        server_header=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=settings.keep_alive_s,
+        http=limited_protocol(settings.max_connections, settings.header_timeout_s),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        **options,
+    )
     return uvicorn.Server(config)
 
 

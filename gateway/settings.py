@@ -1,5 +1,6 @@
 """Options of one gateway. Each has a flag of `conveyor gateway` and an environment variable;
 defaults are safe on a laptop (loopback address, no key means one local namespace)."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,9 @@ class GatewaySettings:
     body_timeout_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_BODY_TIMEOUT_S", 60.0))
     keep_alive_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_KEEP_ALIVE_S", 5.0))
     # requests of one namespace in flight on this gateway at once (tenant_share.TenantShare)
-    max_requests_per_tenant: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_REQUESTS_PER_TENANT",
-                                                                          256))
+    max_requests_per_tenant: int = field(
+        default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_REQUESTS_PER_TENANT", 256)
+    )
     # work one request may ask for: n (samples), and n x max_tokens
     max_samples: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_SAMPLES", MAX_N))
     max_total_tokens: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS", 32768))
@@ -62,9 +64,18 @@ class GatewaySettings:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         if self.model_cache_s < 0:
             raise ValueError(f"model_cache_s must be >= 0, got {self.model_cache_s}")
-        for name in ("timeout_s", "replica_idle_s", "result_ttl", "max_body_bytes", "max_connections",
-                     "header_timeout_s", "body_timeout_s", "keep_alive_s", "max_total_tokens",
-                     "max_requests_per_tenant"):
+        for name in (
+            "timeout_s",
+            "replica_idle_s",
+            "result_ttl",
+            "max_body_bytes",
+            "max_connections",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keep_alive_s",
+            "max_total_tokens",
+            "max_requests_per_tenant",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 1 <= self.max_samples <= MAX_N:

@@ -11,6 +11,7 @@ differ, the stream ends with an error event rather than with inconsistent text. 
 after the stream started is sent as vLLM sends it: `data: {"error": {...}}`, then
 `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,15 @@ from clients.errors import ConveyorError, JobFailed
 from clients.event_reader import outcome
 from clients.events import DoneEvent, Event, TokenEvent
 from clients.openai_api.errors import OpenAIError, from_conveyor
-from clients.openai_api.translate import (Vocabulary, chat_chunk, chat_logprobs, completion_chunk, completion_logprobs,
-                                       finish_reason, usage_chunk)  # fmt: skip
+from clients.openai_api.translate import (
+    Vocabulary,
+    chat_chunk,
+    chat_logprobs,
+    completion_chunk,
+    completion_logprobs,
+    finish_reason,
+    usage_chunk,
+)
 
 DONE_LINE = "data: [DONE]\n\n"
 log = logging.getLogger(__name__)
@@ -44,8 +52,9 @@ def checked_logprobs(event: TokenEvent) -> list[dict]:
     never pass on numbers that belong to other tokens)."""
     entries = event.logprobs or []
     if entries and [entry.get("token_id") for entry in entries] != event.token_ids:
-        raise BadLogprobs(f"the replica sent logprobs of tokens {[e.get('token_id') for e in entries]} "
-                          f"with tokens {event.token_ids}")
+        raise BadLogprobs(
+            f"the replica sent logprobs of tokens {[e.get('token_id') for e in entries]} with tokens {event.token_ids}"
+        )
     return entries
 
 
@@ -87,8 +96,8 @@ class Relay:
     def _advance(self) -> tuple[str, list[dict]]:
         if not (_agree(self.text, self.sent_text) and _agree(self.ids, self.sent_ids)):
             raise StreamDiverged("the rerun of the job produced different output than what was already sent")
-        new_text = self.text[len(self.sent_text):]
-        new_logprobs = self.logprobs[len(self.sent_ids):len(self.ids)]
+        new_text = self.text[len(self.sent_text) :]
+        new_logprobs = self.logprobs[len(self.sent_ids) : len(self.ids)]
         if len(self.text) > len(self.sent_text):
             self.sent_text = self.text
         if len(self.ids) > len(self.sent_ids):
@@ -125,15 +134,21 @@ class ChunkWriter:
             return None
         rendered = self._logprobs(logprobs, index)
         if self.chat:
-            return chat_chunk(self.base, {"content": text} if text else {}, logprobs=rendered, finish=finish,
-                              index=index)
+            return chat_chunk(
+                self.base, {"content": text} if text else {}, logprobs=rendered, finish=finish, index=index
+            )
         return completion_chunk(self.base, text, logprobs=rendered, finish=finish, index=index)
 
     def closing(self, done: DoneEvent, relays: dict[int, "Relay"]) -> list[dict]:
         """Each choice's last chunk (what remains of its output, its finish reason), then usage."""
-        chunks = [self.delta(*relays.setdefault(output.index, Relay()).finish(output.text, output.token_ids),
-                             finish_reason(output.finish_reason), index=output.index)
-                  for output in done.all_outputs()]
+        chunks = [
+            self.delta(
+                *relays.setdefault(output.index, Relay()).finish(output.text, output.token_ids),
+                finish_reason(output.finish_reason),
+                index=output.index,
+            )
+            for output in done.all_outputs()
+        ]
         return chunks + ([usage_chunk(self.base, done.usage)] if self.include_usage else [])
 
     def _logprobs(self, entries: list[dict], index: int) -> Any:
@@ -150,9 +165,13 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def sse_events(first: Event, events: AsyncIterator[Event], writer: ChunkWriter,
-                     finished: Callable[[], Awaitable[None]], abandon: Callable[[], Awaitable[None]]
-                     ) -> AsyncIterator[str]:  # fmt: skip
+async def sse_events(
+    first: Event,
+    events: AsyncIterator[Event],
+    writer: ChunkWriter,
+    finished: Callable[[], Awaitable[None]],
+    abandon: Callable[[], Awaitable[None]],
+) -> AsyncIterator[str]:
     """The response body: chunks of `first` and then of the rest of `events`.
 
     `finished` runs when the job reached its end; `abandon` when the stream stops before

@@ -2,6 +2,7 @@
 at once (its keys together; unknown keys share one more bucket), from the first byte read
 to the last byte of the response, streams included. Past it: 429 at once, before the body
 is read, so one tenant's flood of slow or long requests leaves the others their share."""
+
 from __future__ import annotations
 
 import json
@@ -45,9 +46,18 @@ def _bearer(scope: dict) -> str | None:
 
 
 async def _too_many(send: Callable, limit: int) -> None:
-    error = OpenAIError(429, f"this tenant has {limit} requests in flight on this gateway, the limit "
-                        "(--max-requests-per-tenant): try again when one has finished", code="tenant_busy")  # fmt: skip
+    error = OpenAIError(
+        429,
+        f"this tenant has {limit} requests in flight on this gateway, the limit "
+        "(--max-requests-per-tenant): try again when one has finished",
+        code="tenant_busy",
+    )
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": 429,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 429,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -11,6 +11,7 @@ A key's class caps what its requests get: a `batch` key always submits batch job
 `interactive` key (the default) may ask for batch with `service_tier: "flex"` or the
 header `X-Conveyor-Priority-Class: batch`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,9 @@ from fastapi import Request
 
 from clients.async_client import AsyncClient
 from clients.errors import ConveyorError
-from clients.openai_api.errors import OpenAIError
 from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
 from clients.model_info import adapter_names, fetch_model_info_async
+from clients.openai_api.errors import OpenAIError
 
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")
@@ -94,7 +95,7 @@ def load_grants(keys_file: str | None, api_keys: str | None) -> dict[str, Grant]
 
 
 def parse_key_list(text: str) -> dict[str, Grant]:
-    """"key1=ns1,key2=ns2:batch" -> grants. Errors never quote a key."""
+    """ "key1=ns1,key2=ns2:batch" -> grants. Errors never quote a key."""
     grants = {}
     for number, item in enumerate(filter(None, (part.strip() for part in text.split(","))), 1):
         key, sep, target = item.partition("=")
@@ -109,8 +110,10 @@ def read_keys_file(path: str | Path) -> dict[str, Grant]:
     data = _parse_yaml(text) if str(path).endswith((".yaml", ".yml")) else json.loads(text)
     if not isinstance(data, dict):
         raise ValueError(f"keys file {path}: expected a mapping of key -> {{namespace, priority_class}}")
-    return {str(key): _grant(value, f"keys file {path}, entry {number}")
-            for number, (key, value) in enumerate(data.items(), 1)}  # fmt: skip
+    return {
+        str(key): _grant(value, f"keys file {path}, entry {number}")
+        for number, (key, value) in enumerate(data.items(), 1)
+    }
 
 
 def _parse_yaml(text: str) -> Any:
@@ -192,15 +195,24 @@ class ModelDirectory:
         models = await self.published()
         model = models.get(name)
         if model is None and models:
-            raise OpenAIError(404, f"The model `{name}` does not exist (served here: {', '.join(sorted(models))})",
-                              param="model", code="model_not_found")
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist (served here: {', '.join(sorted(models))})",
+                param="model",
+                code="model_not_found",
+            )
         if model is None:
-            raise OpenAIError(503, f"no replica serves model `{name}`: none has published a model in this "
-                              "namespace", param="model", code="no_replica")
+            raise OpenAIError(
+                503,
+                f"no replica serves model `{name}`: none has published a model in this namespace",
+                param="model",
+                code="no_replica",
+            )
         if not model.live(self.replica_idle_s):
             seen = "never" if model.idle_s is None else f"{model.idle_s:.0f} s ago"
-            raise OpenAIError(503, f"no live replica serves model `{name}` (last seen {seen})", param="model",
-                              code="no_replica")
+            raise OpenAIError(
+                503, f"no live replica serves model `{name}` (last seen {seen})", param="model", code="no_replica"
+            )
         return model
 
     async def token_counter(self, model: ServedModel) -> Any:
@@ -250,8 +262,9 @@ class ModelDirectory:
         names = sorted({n for n in (m.decode("utf-8", "replace") for m in members) if 0 < len(n) <= 256})
         sizes = await _field_sizes(redis, [keys.model_info(name) for name in names])
         # an oversized field (junk a producer wrote) is never read: it counts as missing
-        reads = [(i, field) for i, size in enumerate(sizes) for field in SMALL_FIELDS
-                 if size[field] <= MAX_SMALL_FIELD_BYTES]
+        reads = [
+            (i, field) for i, size in enumerate(sizes) for field in SMALL_FIELDS if size[field] <= MAX_SMALL_FIELD_BYTES
+        ]
         pipe = redis.pipeline(transaction=False)
         for i, field in reads:
             pipe.hget(keys.model_info(names[i]), field)
@@ -262,10 +275,15 @@ class ModelDirectory:
         infos = [dict.fromkeys(SMALL_FIELDS) for _ in names]
         for (i, field), value in zip(reads, replies):
             infos[i][field] = value if isinstance(value, bytes) else None
-        consumers = dict(zip(streams, replies[len(reads):]))
-        return {model.name: model for model in (
-            _served(keys, name, info, size["chat_template"], consumers)
-            for name, info, size in zip(names, infos, sizes)) if model}
+        consumers = dict(zip(streams, replies[len(reads) :]))
+        return {
+            model.name: model
+            for model in (
+                _served(keys, name, info, size["chat_template"], consumers)
+                for name, info, size in zip(names, infos, sizes)
+            )
+            if model
+        }
 
 
 SMALL_FIELDS = ("max_model_len", "published_at", "tokenizer_sha256", "lora_adapters")
@@ -281,11 +299,12 @@ async def _field_sizes(redis, model_keys: list[str]) -> list[dict[str, int]]:
             pipe.hstrlen(key, field)
     replies = await pipe.execute(raise_on_error=False)
     sizes = [v if isinstance(v, int) else 0 for v in replies]
-    return [dict(zip(measured, sizes[i * len(measured):(i + 1) * len(measured)])) for i in range(len(model_keys))]
+    return [dict(zip(measured, sizes[i * len(measured) : (i + 1) * len(measured)])) for i in range(len(model_keys))]
 
 
-def _served(keys: Keys, name: str, info: dict[str, bytes | None], template_bytes: int,
-            consumers: dict[str, Any]) -> ServedModel | None:
+def _served(
+    keys: Keys, name: str, info: dict[str, bytes | None], template_bytes: int, consumers: dict[str, Any]
+) -> ServedModel | None:
     if info["max_model_len"] is None:
         return None  # expired (or never a hash, or junk): not published
     try:
@@ -293,8 +312,15 @@ def _served(keys: Keys, name: str, info: dict[str, bytes | None], template_bytes
     except ValueError:
         return None  # unreadable model info: as good as none
     sha = info["tokenizer_sha256"].decode("ascii", "replace") if info["tokenizer_sha256"] else None
-    return ServedModel(name, max_model_len, published_at, sha, _idle_s(keys, name, consumers), template_bytes,
-                       adapter_names(info["lora_adapters"]))
+    return ServedModel(
+        name,
+        max_model_len,
+        published_at,
+        sha,
+        _idle_s(keys, name, consumers),
+        template_bytes,
+        adapter_names(info["lora_adapters"]),
+    )
 
 
 def _idle_s(keys: Keys, name: str, consumers: dict[str, Any]) -> float | None:
@@ -326,8 +352,9 @@ class Namespaces:
 
     def client(self, namespace: str) -> AsyncClient:
         if namespace not in self._clients:
-            self._clients[namespace] = AsyncClient(namespace=namespace, redis_client=self.redis,
-                                                     partitions=self.partitions)
+            self._clients[namespace] = AsyncClient(
+                namespace=namespace, redis_client=self.redis, partitions=self.partitions
+            )
         return self._clients[namespace]
 
     def models(self, namespace: str) -> ModelDirectory:
@@ -355,8 +382,12 @@ class Tenant:
     def priority_for(self, requested: str | None) -> str:
         """The class a job gets: what was asked for (default interactive), capped by the key's."""
         if requested is not None and requested not in PRIORITY_CLASSES:
-            raise OpenAIError(400, f"priority class must be one of {PRIORITY_CLASSES}, got {requested!r}",
-                              param="priority_class", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"priority class must be one of {PRIORITY_CLASSES}, got {requested!r}",
+                param="priority_class",
+                code="invalid_value",
+            )
         return BATCH if BATCH in (requested, self.priority_class) else INTERACTIVE
 
 
@@ -368,8 +399,9 @@ def tenant_of(request: Request) -> Tenant:
         return Tenant(state.settings.namespace, INTERACTIVE, state.namespaces)
     key = bearer_token(request.headers.get("authorization"))
     if key is None:
-        raise OpenAIError(401, "You didn't provide an API key: send it as 'Authorization: Bearer <key>'",
-                          code="missing_api_key")
+        raise OpenAIError(
+            401, "You didn't provide an API key: send it as 'Authorization: Bearer <key>'", code="missing_api_key"
+        )
     grant = state.keyring.grant_for(key)
     if grant is None:
         raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
@@ -381,4 +413,3 @@ def bearer_token(header: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
-

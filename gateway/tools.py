@@ -12,15 +12,16 @@ as it comes. With `auto` or `required` the gateway cannot tell calls from conten
 the output ends, so it holds the output back and sends it at the end: the content, then
 per call one delta with its id and name and then its arguments in pieces.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from clients.events import DoneEvent, OutputChoice
-from gateway.streaming import ChunkWriter, Relay
 from clients.openai_api.translate import chat_chunk, finish_reason, usage_chunk
 from clients.tool_parsers import call_id
+from gateway.streaming import ChunkWriter, Relay
 
 ARGUMENT_PIECE_CHARS = 32
 
@@ -31,8 +32,10 @@ def named_function(fields: dict) -> str | None:
 
 
 def openai_calls(output: OutputChoice) -> list[dict]:
-    return [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            for call in output.tool_calls or []]
+    return [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        for call in output.tool_calls or []
+    ]
 
 
 def tool_finish(output: OutputChoice) -> str | None:
@@ -50,8 +53,11 @@ def with_tool_calls(body: dict, outputs: list[OutputChoice]) -> dict:
         output = by_index[choice["index"]]
         calls = openai_calls(output)
         content = output.content if output.tool_calls or output.tool_call_error else output.text
-        choice["message"] = {"role": "assistant", "content": content or (None if calls else ""),
-                             **({"tool_calls": calls} if calls else {})}  # fmt: skip
+        choice["message"] = {
+            "role": "assistant",
+            "content": content or (None if calls else ""),
+            **({"tool_calls": calls} if calls else {}),
+        }
         choice["finish_reason"] = tool_finish(output)
     return body
 
@@ -95,9 +101,20 @@ def _held_back(output: OutputChoice) -> list[dict]:
     content = output.content if output.tool_calls or output.tool_call_error else output.text
     deltas = [{"content": content}] if content else []
     for number, call in enumerate(output.tool_calls or []):
-        deltas.append({"tool_calls": [{"index": number, "id": call.id, "type": "function",
-                                       "function": {"name": call.name, "arguments": ""}}]})
-        pieces = [call.arguments[at:at + ARGUMENT_PIECE_CHARS] for at in range(0, len(call.arguments),
-                                                                               ARGUMENT_PIECE_CHARS)]
+        deltas.append(
+            {
+                "tool_calls": [
+                    {
+                        "index": number,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                ]
+            }
+        )
+        pieces = [
+            call.arguments[at : at + ARGUMENT_PIECE_CHARS] for at in range(0, len(call.arguments), ARGUMENT_PIECE_CHARS)
+        ]
         deltas += [{"tool_calls": [{"index": number, "function": {"arguments": piece}}]} for piece in pieces]
     return deltas

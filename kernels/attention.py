@@ -6,14 +6,16 @@ gather of whole blocks come out as ``[H_kv, B, L, D]``, which batched matmuls co
 without another copy. These torch reference implementations run anywhere (CPU included)
 and read only the blocks a step needs.
 """
+
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu.extension import for_tensors
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store ``key``/``value`` ``[T, H_kv, D]`` at flat slots ``slot_mapping`` ``[T]``."""
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
@@ -27,21 +29,30 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
     return cache[:, block_tables].view(num_kv_heads, batch, max_blocks * block_size, head_dim)
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Decode attention on the fastest path for the device (the fused CPU kernel reads the
     blocks in place; elsewhere the reference path)."""
     kernels = for_tensors(query)
     if kernels is not None:
-        return kernels.paged_decode_attention(query.contiguous(), k_cache, v_cache,
-                                              block_tables, context_lens, scale)
+        return kernels.paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def paged_decode_attention_reference(query: torch.Tensor, k_cache: torch.Tensor,
-                                     v_cache: torch.Tensor, block_tables: torch.Tensor,
-                                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One new token per sequence. ``query`` ``[B, H_q, D]`` -> ``[B, H_q, D]``.
 
     ``block_tables`` ``[B, max_blocks]`` (padding entries may hold any valid block id) and
@@ -62,9 +73,16 @@ def paged_decode_attention_reference(query: torch.Tensor, k_cache: torch.Tensor,
     return out.permute(1, 0, 2, 3).reshape(batch, num_heads, head_dim)
 
 
-def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      prefix_len: int, scale: float) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+) -> torch.Tensor:
     """Causal attention of one sequence's new tokens ``[n, H, D]`` over its cached prefix
     (``prefix_len`` tokens, already in the cache) plus themselves (also already written)."""
     # 4-D ([1, H, n, D]) inputs: torch only takes its fused (flash) CPU kernel for those; on
@@ -72,8 +90,9 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     n = query.shape[0]
     q = query.transpose(0, 1)[None]
     if prefix_len == 0:  # nothing cached before: attend to the new keys directly
-        out = F.scaled_dot_product_attention(q, key.transpose(0, 1)[None], value.transpose(0, 1)[None],
-                                             is_causal=True, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, key.transpose(0, 1)[None], value.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True
+        )
         return out[0].transpose(0, 1)
     total = prefix_len + n
     keys = gather_blocks(k_cache, block_table[None])[:, 0, :total]
@@ -81,6 +100,5 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q_pos = torch.arange(prefix_len, total, device=query.device)
     k_pos = torch.arange(total, device=query.device)
     mask = k_pos[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -5,11 +5,12 @@ Each has a torch reference (any device, any dtype; the op order transformers use
 float32 results match it bit for bit) and, for CPU float32, one compiled call in place of
 the several torch ops whose dispatch dominates a decode step.
 """
+
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.extension import for_tensors as _compiled
 from kernels.attention import write_kv_cache
+from kernels.cpu.extension import for_tensors as _compiled
 
 _triton = None  # kernels.triton.layer_ops once a CUDA engine chose the Triton backend
 
@@ -19,6 +20,7 @@ def use_triton_on_cuda() -> None:
     the kernels are exact stand-ins for the reference, so sharing the switch is harmless)."""
     global _triton
     from kernels.triton import layer_ops
+
     _triton = layer_ops
 
 
@@ -43,8 +45,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * x.to(dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual + x`` (the new residual stream) and its RMSNorm. May reuse the storage of
     both inputs, which the caller must not read again."""
     if _fused(x) and residual.stride(-1) == 1:
@@ -68,16 +71,23 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of ``q``/``k`` ``[T, heads, D]``, then ``k``/``v`` stored at
     ``slot_mapping``. Returns the rotated ``q`` and ``k`` (rotated in place where compiled)."""
     cos, sin = cos_sin
     kernels = _compiled(q, k, v, cos, k_cache)
     if kernels is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
-        kernels.rotary_and_cache_(q, k, v, cos.reshape(q.shape[0], -1), sin.reshape(q.shape[0], -1),
-                                  k_cache, v_cache, slot_mapping)
+        kernels.rotary_and_cache_(
+            q, k, v, cos.reshape(q.shape[0], -1), sin.reshape(q.shape[0], -1), k_cache, v_cache, slot_mapping
+        )
         return q, k
     q, k = apply_rotary(q, k, cos_sin)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)

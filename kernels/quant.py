@@ -14,6 +14,7 @@ llama.cpp's q/k row permutation is a row gather. ``dequantize`` reproduces gguf-
 float32 dequantization (what transformers loads) exactly: ``d * q`` is exact in float32,
 so the one rounding left is the add of ``m``, the same as numpy's.
 """
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -68,9 +69,9 @@ def dequantize(weight: torch.Tensor, rows: torch.Tensor | slice | None = None) -
     raw = weight.view(torch.uint8)
     four_bit = weight.dtype == torch.uint8
     values = in_features // 2 if four_bit else in_features
-    d = raw[:, values:values + 4 * blocks].contiguous().view(torch.float32)[..., None]
+    d = raw[:, values : values + 4 * blocks].contiguous().view(torch.float32)[..., None]
     if four_bit:
-        m = raw[:, values + 4 * blocks:].contiguous().view(torch.float32)[..., None]
+        m = raw[:, values + 4 * blocks :].contiguous().view(torch.float32)[..., None]
         nibbles = raw[:, :values].reshape(n, blocks, 16)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
         return (d * q + m).reshape(n, in_features)

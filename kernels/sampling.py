@@ -1,11 +1,17 @@
 """Batched sampling helpers: every function works on a whole step's logits ``[B, V]``
 with per-row parameters ``[B]``, so a step costs one call, not a Python loop per row."""
+
 import torch
 
 
-def apply_penalties(logits: torch.Tensor, seen_mask: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor,
+    seen_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """vLLM/OpenAI semantics. ``seen_mask`` ``[B, V]``: token in prompt or output (repetition
     penalty); ``output_counts`` ``[B, V]``: occurrences in the output (presence, frequency)."""
     rep = repetition[:, None].expand_as(logits)
@@ -15,8 +21,9 @@ def apply_penalties(logits: torch.Tensor, seen_mask: torch.Tensor, output_counts
     return logits - presence[:, None] * (output_counts > 0).to(logits.dtype)
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            min_p: torch.Tensor) -> torch.Tensor:
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
     """Mask filtered-out tokens with -inf. ``top_k`` 0 = off; ``top_p`` 1 = off; ``min_p`` 0 = off."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)

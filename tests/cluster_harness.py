@@ -38,17 +38,24 @@ class ValkeyCluster:
         return live.url
 
     def start(self, timeout: float = 30.0) -> ValkeyCluster:
-        args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--cluster-config-file", "nodes.conf", "--appendfsync", "always")
+        args = (
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            str(self.node_timeout_ms),
+            "--cluster-config-file",
+            "nodes.conf",
+            "--appendfsync",
+            "always",
+        )
         for index in range(2 * self.masters_count):
-            node = EmbeddedValkey(self.directory / f"node{index}", port=_cluster_port(), password=None,
-                                  extra_args=args)
+            node = EmbeddedValkey(self.directory / f"node{index}", port=_cluster_port(), password=None, extra_args=args)
             self.nodes.append(node.start())
         self.masters = self.nodes[: self.masters_count]
         self._assign_slots()
         self._meet()
         self._wait(lambda: all(self._knows_all(n) for n in self.nodes), timeout, "nodes to meet")
-        for master, replica in zip(self.masters, self.nodes[self.masters_count:]):
+        for master, replica in zip(self.masters, self.nodes[self.masters_count :]):
             master_id = _client(master).cluster("myid").decode()
             self._wait(lambda: _replicate(replica, master_id), timeout, "CLUSTER REPLICATE to succeed")
         self.wait_ok(timeout)
@@ -72,8 +79,11 @@ class ValkeyCluster:
         names the dead one as a master any more) and cluster_state:ok."""
         dead_port = node.port
         node.kill()
-        self._wait(lambda: all(dead_port not in _master_ports(n) for n in self.nodes if n.is_running()),
-                   timeout, f"a replica to take over the slots of {dead_port}")
+        self._wait(
+            lambda: all(dead_port not in _master_ports(n) for n in self.nodes if n.is_running()),
+            timeout,
+            f"a replica to take over the slots of {dead_port}",
+        )
         self.wait_ok(timeout)
 
     def stop(self) -> None:
@@ -104,7 +114,7 @@ class ValkeyCluster:
         return len(lines) == len(self.nodes) and all("handshake" not in line for line in lines)
 
     def _replicas_synced(self) -> bool:
-        for replica in self.nodes[self.masters_count:]:
+        for replica in self.nodes[self.masters_count :]:
             info = _client(replica).info("replication")
             if info.get("master_link_status") != "up":
                 return False
@@ -147,6 +157,7 @@ def _cluster_port() -> int:
     a cluster node above 55535, which a port the kernel picks at random can be."""
     import random
     import socket
+
     while True:
         port = random.randint(20000, 55535)
         with socket.socket() as probe, socket.socket() as bus:

@@ -62,6 +62,7 @@ def tiny_model(tmp_path_factory):
     """The tiny random Llama that the replica, fault and front-door tests run, built once
     per session (nothing writes to it). test_exactness.py overrides it with every arch."""
     from model_factory import build_tiny_model
+
     return build_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama"))
 
 
@@ -70,6 +71,7 @@ def one_torch_thread():
     """For modules of tiny-model engines: their ops are far too small for intra-op threads, and
     on a shared 2-core box two OpenMP threads spin against each other (0.4 s vs 5-60 s measured)."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -79,12 +81,14 @@ def one_torch_thread():
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the run's own process, not a pytest-xdist worker
         import fault_harness
+
         config.reliability_start = fault_harness.start_reliability_file()
 
 
 def pytest_terminal_summary(terminalreporter):
     """The reliability figures of this run (all test workers'), before pytest's closing line."""
     import fault_harness
+
     table = fault_harness.recorded_table(getattr(terminalreporter.config, "reliability_start", 0))
     if table:
         terminalreporter.write_sep("-", f"reliability figures ({fault_harness.reliability_file()})")

@@ -66,10 +66,22 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
 class ServeProcess:
     """One `conveyor serve` replica in its own process (and process group)."""
 
-    def __init__(self, model: str, redis_url: str, namespace: str, consumer: str, log_dir: Path, *,
-                 lease_s: float | None = None, grace_s: float | None = None,
-                 max_deliveries: int | None = None, num_kv_blocks: int = 256,
-                 args: Iterable[str] = (), env: dict[str, str] | None = None, keys: Keys | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        redis_url: str,
+        namespace: str,
+        consumer: str,
+        log_dir: Path,
+        *,
+        lease_s: float | None = None,
+        grace_s: float | None = None,
+        max_deliveries: int | None = None,
+        num_kv_blocks: int = 256,
+        args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+        keys: Keys | None = None,
+    ) -> None:
         self.keys = keys or Keys(namespace)  # a cluster layout: the replica runs with --redis-cluster
         self.model = model
         self.redis_url = redis_url
@@ -102,24 +114,29 @@ class ServeProcess:
     def start(self) -> ServeProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            cwd=REPO_ROOT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT, start_new_session=True
+            )
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> ServeProcess:
         """Ready = registered as a consumer of the interactive stream (it has issued XREADGROUP)."""
         client = (RedisCluster if self.keys.cluster else redis.Redis).from_url(self.redis_url)
         try:
-            wait_until(lambda: self._check_alive() and self.consumer in consumers(client, self.namespace, self.keys),
-                       timeout, f"replica {self.consumer} to start reading")
+            wait_until(
+                lambda: self._check_alive() and self.consumer in consumers(client, self.namespace, self.keys),
+                timeout,
+                f"replica {self.consumer} to start reading",
+            )
         finally:
             client.close()
         return self
 
     def _check_alive(self) -> bool:
         if not self.alive():
-            raise AssertionError(f"replica {self.consumer} exited with {self.returncode} during startup:\n"
-                                 f"{self.log_tail()}")
+            raise AssertionError(
+                f"replica {self.consumer} exited with {self.returncode} during startup:\n{self.log_tail()}"
+            )
         return True
 
     @property
@@ -164,6 +181,7 @@ class ServeProcess:
     # ---- observation -----------------------------------------------------------------
     def rss_bytes(self) -> int:
         import psutil
+
         return psutil.Process(self.pid).memory_info().rss
 
     def log_text(self) -> str:
@@ -227,6 +245,7 @@ def pending_details(client: redis.Redis, stream: str) -> list[dict]:
 def private_server(data_dir: Path):
     """A private embedded Valkey with AOF, for tests that stop or restart the server."""
     from actors.embedded_valkey import EmbeddedValkey
+
     return EmbeddedValkey(data_dir, port=0, appendonly=True, password=None).start()  # loopback, temp dir
 
 
@@ -236,6 +255,7 @@ def private_server(data_dir: Path):
 @dataclass
 class JobRecord:
     """Everything a job left in Redis: its events (decoded, in stream order) and its hash."""
+
     job_id: str
     events: list = field(default_factory=list)
     hash: dict = field(default_factory=dict)
@@ -279,6 +299,7 @@ class JobLedger:
     def wait_finished(self, job_ids: list[str], timeout: float, what: str = "jobs") -> None:
         def finished():
             return all(s in TERMINAL for s in self.statuses(job_ids))
+
         wait_until(finished, timeout, f"{len(job_ids)} {what} to finish", interval=0.25)
 
     def records(self, job_ids: list[str]) -> dict[str, JobRecord]:
@@ -298,16 +319,22 @@ class JobLedger:
         return self.records([job_id])[job_id]
 
     def dead_letters(self) -> list[dict]:
-        return [{_text(k): v for k, v in fields.items()} | {"id": _text(entry_id)}
-                for entry_id, fields in self.redis.xrange(self.keys.dead)]
+        return [
+            {_text(k): v for k, v in fields.items()} | {"id": _text(entry_id)}
+            for entry_id, fields in self.redis.xrange(self.keys.dead)
+        ]
 
     def summary(self, job_ids: list[str]) -> dict[str, int]:
         """completed: exactly one terminal event; lost: none; duplicates: terminal events beyond one."""
         records = self.records(job_ids)
         completed = sum(1 for r in records.values() if r.terminals)
         duplicates = sum(max(0, len(r.terminals) - 1) for r in records.values())
-        return {"submitted": len(job_ids), "completed": completed, "lost": len(job_ids) - completed,
-                "duplicates": duplicates}
+        return {
+            "submitted": len(job_ids),
+            "completed": completed,
+            "lost": len(job_ids) - completed,
+            "duplicates": duplicates,
+        }
 
 
 def check_attempt_sequences(record: JobRecord) -> None:
@@ -319,8 +346,9 @@ def check_attempt_sequences(record: JobRecord) -> None:
     for attempt, seqs in by_attempt.items():
         assert seqs == list(range(len(seqs))), f"{record.job_id} attempt {attempt}: seqs {seqs[:20]}..."
     terminal_attempts = [e.attempt for e in record.terminals]
-    assert len(terminal_attempts) == len(set(terminal_attempts)), \
+    assert len(terminal_attempts) == len(set(terminal_attempts)), (
         f"{record.job_id}: two terminal events for one attempt: {terminal_attempts}"
+    )
 
 
 def raw_job(job: dict) -> dict[str, bytes]:
@@ -331,8 +359,6 @@ def raw_job(job: dict) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- reliability table
 
 
-
-
 def reliability_file() -> Path:
     """$CONVEYOR_RELIABILITY_FILE (appended to), else a temp file rewritten by each test run
     (conftest's ``start_reliability_file``, once per run, before any test worker starts)."""
@@ -340,6 +366,7 @@ def reliability_file() -> Path:
     if path:
         return Path(path)
     import tempfile
+
     return Path(tempfile.gettempdir()) / "conveyor-reliability.jsonl"
 
 
@@ -355,11 +382,20 @@ def start_reliability_file() -> int:
 
 def record(fault: str, *, submitted: int, completed: int, lost: int, duplicates: int, **extra) -> dict:
     """One row of docs/reliability.md's table: printed and appended to reliability_file()."""
-    row = {"fault": fault, "submitted": submitted, "completed": completed, "lost": lost,
-           "duplicates": duplicates, **extra}
+    row = {
+        "fault": fault,
+        "submitted": submitted,
+        "completed": completed,
+        "lost": lost,
+        "duplicates": duplicates,
+        **extra,
+    }
     details = "".join(f", {k}={v}" for k, v in extra.items())
-    print(f"\nRELIABILITY: fault={fault}, submitted={submitted}, completed={completed}, lost={lost}, "
-          f"duplicates={duplicates}{details}", flush=True)
+    print(
+        f"\nRELIABILITY: fault={fault}, submitted={submitted}, completed={completed}, lost={lost}, "
+        f"duplicates={duplicates}{details}",
+        flush=True,
+    )
     with open(reliability_file(), "a") as out:
         out.write(json.dumps(row) + "\n")
     return row
@@ -378,16 +414,23 @@ def recorded_table(start: int) -> str | None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| fault injected | jobs submitted | jobs completed | jobs lost | duplicate final results | notes |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| fault injected | jobs submitted | jobs completed | jobs lost | duplicate final results | notes |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for row in rows:
-        notes = ", ".join(f"{k}={v}" for k, v in row.items()
-                          if k not in ("fault", "submitted", "completed", "lost", "duplicates"))
-        lines.append(f"| {row['fault']} | {row['submitted']} | {row['completed']} | {row['lost']} | "
-                     f"{row['duplicates']} | {notes} |")
+        notes = ", ".join(
+            f"{k}={v}" for k, v in row.items() if k not in ("fault", "submitted", "completed", "lost", "duplicates")
+        )
+        lines.append(
+            f"| {row['fault']} | {row['submitted']} | {row['completed']} | {row['lost']} | "
+            f"{row['duplicates']} | {notes} |"
+        )
     total = {k: sum(r[k] for r in rows) for k in ("submitted", "completed", "lost", "duplicates")}
-    lines.append(f"| **total** | **{total['submitted']}** | **{total['completed']}** | **{total['lost']}** | "
-                 f"**{total['duplicates']}** | |")
+    lines.append(
+        f"| **total** | **{total['submitted']}** | **{total['completed']}** | **{total['lost']}** | "
+        f"**{total['duplicates']}** | |"
+    )
     return "\n".join(lines)
 
 
@@ -396,7 +439,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def _chunks(items: list, size: int):
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 def _text(value):
@@ -431,8 +474,10 @@ def stop_all(made: list[ServeProcess], show_logs: bool = False) -> None:
         replica.stop()
     if show_logs:
         for replica in made:
-            print(f"----- log of {replica.consumer} (exit code before teardown: {codes[replica.consumer]}) -----\n"
-                  f"{replica.log_tail(3000)}")
+            print(
+                f"----- log of {replica.consumer} (exit code before teardown: {codes[replica.consumer]}) -----\n"
+                f"{replica.log_tail(3000)}"
+            )
 
 
 def spawner_fixture(request, log_dir: Path, redis_url: str):

@@ -10,6 +10,7 @@
 Both gateways speak to the Redis at `redis_url`; API keys are given as {key: "namespace" or
 "namespace:batch"} (the CONVEYOR_GATEWAY_API_KEYS form) or as a keys file.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,16 @@ class _Gateway:
 class GatewayThread(_Gateway):
     """uvicorn + create_app in a daemon thread; `settings` are GatewaySettings fields."""
 
-    def __init__(self, redis_url: str, namespace: str | None = None, *, keys: dict[str, str] | None = None,
-                 extra_routers: Iterable[Any] = (), connection: Any = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str | None = None,
+        *,
+        keys: dict[str, str] | None = None,
+        extra_routers: Iterable[Any] = (),
+        connection: Any = None,
+        **settings: Any,
+    ) -> None:
         from clients.connection import resolve_settings
         from gateway.server import make_server
         from gateway.settings import GatewaySettings
@@ -87,12 +96,20 @@ class GatewayThread(_Gateway):
         self.port = self._socket.getsockname()[1]
         options = {"namespace": namespace} if namespace else {}
         redis = connection or resolve_settings(redis_url)  # connection: a RedisSettings (e.g. cluster=True)
-        self.settings = GatewaySettings(redis=redis, host="127.0.0.1", port=self.port,
-                                        api_keys=key_list(keys), keys_file=None, log_level="warning",
-                                        **options, **settings)  # fmt: skip
+        self.settings = GatewaySettings(
+            redis=redis,
+            host="127.0.0.1",
+            port=self.port,
+            api_keys=key_list(keys),
+            keys_file=None,
+            log_level="warning",
+            **options,
+            **settings,
+        )
         self.server = make_server(self.settings, extra_routers)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]},
-                                        name=f"gateway-{self.port}", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, name=f"gateway-{self.port}", daemon=True
+        )
 
     def start(self) -> GatewayThread:
         self._thread.start()
@@ -113,10 +130,19 @@ class GatewayThread(_Gateway):
 class GatewayProcess(_Gateway):
     """`conveyor gateway` in its own process (and process group), logging to a file."""
 
-    def __init__(self, redis_url: str, log_dir: Path, namespace: str | None = None, *,
-                 keys: dict[str, str] | None = None, keys_file: str | Path | None = None, args: Iterable[str] = (),
-                 env: dict[str, str] | None = None, name: str = "gateway",
-                 entry: Iterable[str] = CONVEYOR_GATEWAY) -> None:  # fmt: skip
+    def __init__(
+        self,
+        redis_url: str,
+        log_dir: Path,
+        namespace: str | None = None,
+        *,
+        keys: dict[str, str] | None = None,
+        keys_file: str | Path | None = None,
+        args: Iterable[str] = (),
+        env: dict[str, str] | None = None,
+        name: str = "gateway",
+        entry: Iterable[str] = CONVEYOR_GATEWAY,
+    ) -> None:
         self.port = free_port()
         self.log_path = Path(log_dir) / f"{name}.log"
         flags = ["--redis-url", redis_url, "--host", "127.0.0.1", "--port", str(self.port)]
@@ -132,8 +158,9 @@ class GatewayProcess(_Gateway):
     def start(self) -> GatewayProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            cwd=REPO_ROOT, start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT, start_new_session=True
+            )
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> GatewayProcess:
@@ -170,12 +197,14 @@ class GatewayProcess(_Gateway):
 def openai_client(gateway: _Gateway, api_key: str = "unused", **options: Any):
     import openai
 
-    return openai.OpenAI(base_url=gateway.base_url, api_key=api_key, max_retries=0,
-                         timeout=options.pop("timeout", 120), **options)  # fmt: skip
+    return openai.OpenAI(
+        base_url=gateway.base_url, api_key=api_key, max_retries=0, timeout=options.pop("timeout", 120), **options
+    )
 
 
 def async_openai_client(gateway: _Gateway, api_key: str = "unused", **options: Any):
     import openai
 
-    return openai.AsyncOpenAI(base_url=gateway.base_url, api_key=api_key, max_retries=0,
-                              timeout=options.pop("timeout", 120), **options)  # fmt: skip
+    return openai.AsyncOpenAI(
+        base_url=gateway.base_url, api_key=api_key, max_retries=0, timeout=options.pop("timeout", 120), **options
+    )

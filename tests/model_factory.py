@@ -198,14 +198,15 @@ def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int, ignore_eos:
             do_sample=False,
             **extra,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 # --------------------------------------------------------------------------- workloads
 
 
-def mixed_prompts(tokenizer_or_vocab_size, n: int = 12, seed: int = 0,
-                  min_len: int = 1, max_len: int = 200) -> list[list[int]]:
+def mixed_prompts(
+    tokenizer_or_vocab_size, n: int = 12, seed: int = 0, min_len: int = 1, max_len: int = 200
+) -> list[list[int]]:
     """`n` deterministic random prompts without special ids; lengths include min_len and max_len."""
     if isinstance(tokenizer_or_vocab_size, int):
         vocab, special = tokenizer_or_vocab_size, set(range(len(SPECIAL_TOKENS)))

@@ -1,4 +1,5 @@
 """Runs a real replica (engine core on a thread + actors) on its own event loop in a background thread."""
+
 import asyncio
 import threading
 
@@ -9,12 +10,26 @@ from engine import EngineConfig, LLMEngine
 
 
 class ReplicaThread:
-    def __init__(self, model: str, redis_url: str, namespace: str, consumer: str = "replica-a",
-                 lease_s: float = 30.0, served_model_name: str | None = None, **engine_options):
+    def __init__(
+        self,
+        model: str,
+        redis_url: str,
+        namespace: str,
+        consumer: str = "replica-a",
+        lease_s: float = 30.0,
+        served_model_name: str | None = None,
+        **engine_options,
+    ):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
-        self.config = ReplicaConfig(redis_url=redis_url, namespace=namespace, consumer=consumer,
-                                    lease_s=lease_s, grace_s=10.0, read_block_ms=100,
-                                    served_model_name=served_model_name)
+        self.config = ReplicaConfig(
+            redis_url=redis_url,
+            namespace=namespace,
+            consumer=consumer,
+            lease_s=lease_s,
+            grace_s=10.0,
+            read_block_ms=100,
+            served_model_name=served_model_name,
+        )
         self.loop = asyncio.new_event_loop()
         self.replica: Replica | None = None
         self.exit_code: int | None = None

@@ -1,4 +1,5 @@
 """A throwaway key namespace on the test server, deleted afterwards."""
+
 import uuid
 from contextlib import contextmanager
 

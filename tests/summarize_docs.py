@@ -9,19 +9,28 @@ import zipfile
 import zlib
 
 PAGES = [
-    ("Queues", "Producers put generation jobs on a Redis stream. Each job waits in the stream until a replica "
-               "reads it. The stream keeps jobs safe while replicas restart."),
-    ("Batching", "Replicas batch jobs at the level of single decoding steps. Finished sequences leave the batch "
-                 "and waiting ones join it at every step."),
-    ("Caching", "The key value cache is a pool of fixed blocks. Each sequence maps its logical blocks to "
-                "physical blocks, so memory is not fragmented."),
-]  # fmt: skip
+    (
+        "Queues",
+        "Producers put generation jobs on a Redis stream. Each job waits in the stream until a replica "
+        "reads it. The stream keeps jobs safe while replicas restart.",
+    ),
+    (
+        "Batching",
+        "Replicas batch jobs at the level of single decoding steps. Finished sequences leave the batch "
+        "and waiting ones join it at every step.",
+    ),
+    (
+        "Caching",
+        "The key value cache is a pool of fixed blocks. Each sequence maps its logical blocks to "
+        "physical blocks, so memory is not fragmented.",
+    ),
+]
 SECTIONS = [
     ("1 Introduction", 1, "Conveyor serves language models from a message queue."),
     ("2 Methods", 1, "We measured throughput on two processor cores."),
     ("2.1 Results", 2, "Continuous batching doubled the tokens per second of dynamic batching."),
     ("3 Discussion", 1, "Small models repeat themselves when their input is long."),
-]  # fmt: skip
+]
 TABLE = [["model", "tokens per second"], ["SmolLM2", "41"], ["Llama", "12"]]
 
 
@@ -93,9 +102,14 @@ def deflated_spaces(mib: int) -> bytes:
 def pdf_stream_bomb(mib: int = 512) -> bytes:
     """One page whose content stream inflates to `mib` MiB."""
     data = deflated_spaces(mib)
-    return raw_pdf([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-                    b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R >>",
-                    b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(data), data)])  # fmt: skip
+    return raw_pdf(
+        [
+            b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R >>",
+            b"<< /Length %d /Filter /FlateDecode >>\nstream\n%s\nendstream" % (len(data), data),
+        ]
+    )
 
 
 def pdf_page_tree_bomb(depth: int = 20, declared: int | None = None) -> bytes:

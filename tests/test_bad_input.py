@@ -13,8 +13,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, however pytest is run
 
-from engine import LLM, InvalidRequest, ModelLoadError, SamplingParams  # noqa: E402
 from model_factory import VOCAB_SIZE, build_tiny_model, build_tokenizer, hf_greedy, mixed_prompts  # noqa: E402
+
+from engine import LLM, InvalidRequest, ModelLoadError, SamplingParams  # noqa: E402
 
 MAX_MODEL_LEN = 64
 KV = "64MiB"  # KV cache pool per engine: plenty for the tiny model, far below the 1 GiB default
@@ -91,9 +92,15 @@ GOOD = [
 
 def test_bad_requests_fail_alone_in_one_batch(llm, model_dir):
     # interleave: good ones at the start, the end and in between
-    plan = [("good", GOOD[0])] + [("bad", b) for b in BAD[:10]] + [("good", GOOD[1])] \
-        + [("bad", b) for b in BAD[10:20]] + [("good", GOOD[2]), ("good", GOOD[3])] \
-        + [("bad", b) for b in BAD[20:]] + [("good", GOOD[4])]
+    plan = (
+        [("good", GOOD[0])]
+        + [("bad", b) for b in BAD[:10]]
+        + [("good", GOOD[1])]
+        + [("bad", b) for b in BAD[10:20]]
+        + [("good", GOOD[2]), ("good", GOOD[3])]
+        + [("bad", b) for b in BAD[20:]]
+        + [("good", GOOD[4])]
+    )
     prompts = [case[0] for _, case in plan]
     params = [case[1] for _, case in plan]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -146,8 +153,7 @@ def test_bad_chat_messages_fail_alone(llm, model_dir):
     good = [{"role": "user", "content": "def f():"}]
     conversations = [good, [{"role": "user"}], [{"role": 1, "content": "x"}], ["not a dict"], good]
     outs = llm.chat(conversations, greedy(5), use_tqdm=False)
-    expected_ids = llm.tokenizer.apply_chat_template(good, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+    expected_ids = llm.tokenizer.apply_chat_template(good, add_generation_prompt=True, tokenize=True, return_dict=False)
     for index in (0, 4):
         assert outs[index].finish_reason == "length" and outs[index].error is None
         assert outs[index].prompt_token_ids == list(expected_ids)
@@ -168,6 +174,7 @@ def _edit_config(path: Path, **changes) -> None:
 
 def _drop_tensor(path: Path, name: str) -> None:
     from safetensors.torch import load_file, save_file
+
     file = path / "model.safetensors"
     tensors = load_file(str(file))
     del tensors[name]
@@ -176,9 +183,11 @@ def _drop_tensor(path: Path, name: str) -> None:
 
 def _save_foreign(path: Path, config_cls_name: str) -> None:
     import transformers
+
     cls = getattr(transformers, config_cls_name)
-    cls(vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64).save_pretrained(str(path))
+    cls(
+        vocab_size=VOCAB_SIZE, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(str(path))
     build_tokenizer(path)
 
 
@@ -186,17 +195,40 @@ SUPPORTED_NAMES = ["Llama", "Mistral", "Qwen2", "Qwen3", "GPT-2"]
 
 # (name, how to break a copy of the good model dir, extra LLM options, fragments of the message)
 BROKEN = [
-    ("unknown architecture bert", lambda d: (shutil.rmtree(d), d.mkdir(), _save_foreign(d, "BertConfig")), {},
-     ["'bert'", "not supported", *SUPPORTED_NAMES]),
-    ("unknown architecture gpt_neox", lambda d: (shutil.rmtree(d), d.mkdir(), _save_foreign(d, "GPTNeoXConfig")),
-     {}, ["'gpt_neox'", "not supported", *SUPPORTED_NAMES]),
-    ("rope dynamic", lambda d: _edit_config(d, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                                "rope_theta": 10000.0}),
-     {}, ["rope", "'dynamic'", "llama3", "yarn"]),
-    ("rope longrope", lambda d: _edit_config(d, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "short_factor": [1.0] * 8,
-        "long_factor": [2.0] * 8, "original_max_position_embeddings": 256}),
-     {}, ["rope", "'longrope'", "llama3"]),
+    (
+        "unknown architecture bert",
+        lambda d: (shutil.rmtree(d), d.mkdir(), _save_foreign(d, "BertConfig")),
+        {},
+        ["'bert'", "not supported", *SUPPORTED_NAMES],
+    ),
+    (
+        "unknown architecture gpt_neox",
+        lambda d: (shutil.rmtree(d), d.mkdir(), _save_foreign(d, "GPTNeoXConfig")),
+        {},
+        ["'gpt_neox'", "not supported", *SUPPORTED_NAMES],
+    ),
+    (
+        "rope dynamic",
+        lambda d: _edit_config(d, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        {},
+        ["rope", "'dynamic'", "llama3", "yarn"],
+    ),
+    (
+        "rope longrope",
+        lambda d: _edit_config(
+            d,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+        {},
+        ["rope", "'longrope'", "llama3"],
+    ),
     ("hidden_act", lambda d: _edit_config(d, hidden_act="gelu"), {}, ["hidden_act", "'gelu'", "silu"]),
     ("no weights", lambda d: (d / "model.safetensors").unlink(), {}, ["safetensors", str("{dir}")]),
     ("wrong shape", lambda d: _edit_config(d, intermediate_size=128), {}, ["shape", "160", "128"]),
@@ -209,13 +241,18 @@ LOADER_FAULTS = [  # once loader bugs: a fused weight missing a part, unchecked 
     ("missing up_proj", lambda d: _drop_tensor(d, "model.layers.1.mlp.up_proj.weight"), {}, ["up_proj"]),
     ("kv heads mismatch", lambda d: _edit_config(d, num_key_value_heads=4), {}, ["k_proj", "shape"]),
     ("corrupt config.json", lambda d: (d / "config.json").write_text("{not json"), {}, ["config"]),
-    ("truncated weights", lambda d: (d / "model.safetensors").write_bytes(
-        (d / "model.safetensors").read_bytes()[:1000]), {}, ["safetensors"]),
+    (
+        "truncated weights",
+        lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
+        {},
+        ["safetensors"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("name, breaker, options, fragments",
-                         [pytest.param(*case, id=case[0]) for case in BROKEN + LOADER_FAULTS])
+@pytest.mark.parametrize(
+    "name, breaker, options, fragments", [pytest.param(*case, id=case[0]) for case in BROKEN + LOADER_FAULTS]
+)
 def test_unservable_model_raises_model_load_error(model_dir, tmp_path, name, breaker, options, fragments):
     broken = tmp_path / "model"
     shutil.copytree(model_dir, broken)
@@ -266,12 +303,11 @@ def test_abort_running_request_others_continue(model_dir):
     assert aborted.finished and aborted.finish_reason == "abort"
     reference = hf_greedy(model_dir, prompts["r1"], 20, ignore_eos=True)
     assert 3 <= len(aborted.token_ids) < 20
-    assert aborted.token_ids == reference[:len(aborted.token_ids)] == streamed["r1"]
+    assert aborted.token_ids == reference[: len(aborted.token_ids)] == streamed["r1"]
     for request_id in ("r0", "r2", "r3"):
         out = finals[request_id]
         assert out.finish_reason == "length"
-        assert out.token_ids == streamed[request_id] == hf_greedy(model_dir, prompts[request_id], 20,
-                                                                  ignore_eos=True)
+        assert out.token_ids == streamed[request_id] == hf_greedy(model_dir, prompts[request_id], 20, ignore_eos=True)
     manager = engine.scheduler.block_manager
     assert manager.num_free_blocks == manager.num_blocks  # the aborted one's blocks came back
 

@@ -17,27 +17,33 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-
-from clients.batch_cli import _ids as cli_batch_ids
-from gateway import batch_routes
-from clients.openai_api.batch_runner import BatchRun, Lease, RunnerSettings, default_endpoints
-from clients.openai_api.batch_store import BatchKeys, BatchStore
-from clients.keys import Keys
 from fault_harness import JobLedger, wait_until
 from gateway_harness import GatewayProcess, GatewayThread, openai_client
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
+from clients.batch_cli import _ids as cli_batch_ids
+from clients.keys import Keys
+from clients.openai_api.batch_runner import BatchRun, Lease, RunnerSettings, default_endpoints
+from clients.openai_api.batch_store import BatchKeys, BatchStore
+from gateway import batch_routes
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
 FAST = RunnerSettings(lease_s=2.0, poll_s=0.05, scan_s=0.1, cancel_wait_s=5.0)
-FAST_ENV = {"CONVEYOR_BATCH_LEASE_S": "2", "CONVEYOR_BATCH_POLL_S": "0.05", "CONVEYOR_BATCH_SCAN_S": "0.1",
-            "CONVEYOR_BATCH_MAX_IN_FLIGHT": "1"}  # fmt: skip
+FAST_ENV = {
+    "CONVEYOR_BATCH_LEASE_S": "2",
+    "CONVEYOR_BATCH_POLL_S": "0.05",
+    "CONVEYOR_BATCH_SCAN_S": "0.1",
+    "CONVEYOR_BATCH_MAX_IN_FLIGHT": "1",
+}
 DONE = ("completed", "failed", "cancelled", "expired")
 # `conveyor gateway` with the batch router mounted (as the lead mounts it in the command)
-GATEWAY_WITH_BATCH = ("import sys\nfrom gateway import server, batch_routes\nserve = server.serve\n"
-                      "server.serve = lambda settings, extra_routers=(): serve(settings, (batch_routes.router,))\n"
-                      "from clients.cli import main\nsys.exit(main(['gateway', *sys.argv[1:]]))")  # fmt: skip
+GATEWAY_WITH_BATCH = (
+    "import sys\nfrom gateway import server, batch_routes\nserve = server.serve\n"
+    "server.serve = lambda settings, extra_routers=(): serve(settings, (batch_routes.router,))\n"
+    "from clients.cli import main\nsys.exit(main(['gateway', *sys.argv[1:]]))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +54,15 @@ def ns(redis_url):
 
 @pytest.fixture(scope="module")
 def replica(tiny_model, redis_url, ns, one_torch_thread):
-    with ReplicaThread(tiny_model, redis_url, ns, consumer="batch-replica", served_model_name=MODEL,
-                       max_num_seqs=8, kv_cache_memory="64MiB") as running:  # fmt: skip
+    with ReplicaThread(
+        tiny_model,
+        redis_url,
+        ns,
+        consumer="batch-replica",
+        served_model_name=MODEL,
+        max_num_seqs=8,
+        kv_cache_memory="64MiB",
+    ) as running:
         wait_until(lambda: redis.Redis.from_url(redis_url).exists(Keys(ns).model_info(MODEL)), 30, "model info")
         yield running
 
@@ -66,6 +79,7 @@ def reference(tiny_model, one_torch_thread):
         if "messages" in body:
             return llm.chat(body["messages"], params, use_tqdm=False)[0].text
         return llm.generate([body["prompt"]], params, use_tqdm=False)[0].text
+
     return text_of
 
 
@@ -87,8 +101,13 @@ def raw(redis_url):
 
 
 def chat_line(i: int, max_tokens: int = 12, **extra) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"def f{i}(x):"}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"def f{i}(x):"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
     return {"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
@@ -107,8 +126,12 @@ def submit_batch(client: openai.OpenAI, lines: list, endpoint: str = "/v1/chat/c
 
 
 def wait_batch(client: openai.OpenAI, batch_id: str, statuses=DONE, timeout: float = 60.0):
-    return wait_until(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b, timeout,
-                      f"batch {batch_id} to reach {statuses}", interval=0.1)  # fmt: skip
+    return wait_until(
+        lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
+        timeout,
+        f"batch {batch_id} to reach {statuses}",
+        interval=0.1,
+    )
 
 
 def lines_of(client: openai.OpenAI, file_id: str | None) -> dict[str, dict]:
@@ -182,8 +205,11 @@ def test_junk_in_the_batch_records_costs_only_itself(gateway, reference, redis_u
     texts = {cid: output_text(line) for cid, line in lines_of(client, batch.output_file_id).items()}
     assert texts == {line["custom_id"]: reference(line["body"]) for line in lines}
     # each scan samples the set and forgets the junk it sees: gone within a few scans
-    wait_until(lambda: not any(m.startswith(b"junk:") or m in (b"\xff\xfe", b"batch_x\n")
-                               for m in store.smembers(active)), 30, "the runner to forget junk ids")
+    wait_until(
+        lambda: not any(m.startswith(b"junk:") or m in (b"\xff\xfe", b"batch_x\n") for m in store.smembers(active)),
+        30,
+        "the runner to forget junk ids",
+    )
     assert client.models.list().data, "the gateway stopped serving"
 
 
@@ -201,26 +227,43 @@ def test_files_and_batch_requests_are_checked(gateway):
         client.files.retrieve("file-nope")
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope:x")  # ids never reach a key name unchecked
-    for bad in ({"endpoint": "/v1/embeddings"}, {"completion_window": "1h"}, {"input_file_id": "file-nope"},
-                {"metadata": {"k": "v" * 513}}):  # fmt: skip
-        options = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
-                   **bad}  # fmt: skip
+    for bad in (
+        {"endpoint": "/v1/embeddings"},
+        {"completion_window": "1h"},
+        {"input_file_id": "file-nope"},
+        {"metadata": {"k": "v" * 513}},
+    ):
+        options = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **bad}
         with pytest.raises(openai.BadRequestError):
             client.batches.create(**options)
 
 
 def test_invalid_input_fails_the_batch_with_errors(gateway):
     client = openai_client(gateway)
-    lines = [chat_line(0), b"not json", chat_line(0), {**chat_line(1), "method": "GET"},
-             {**chat_line(2), "url": "/v1/completions"}, chat_line(3, frobnicate=1),
-             {**chat_line(4), "custom_id": None}, chat_line(5, model="no-such-model"), chat_line(6, logprobs=True)]
+    lines = [
+        chat_line(0),
+        b"not json",
+        chat_line(0),
+        {**chat_line(1), "method": "GET"},
+        {**chat_line(2), "url": "/v1/completions"},
+        chat_line(3, frobnicate=1),
+        {**chat_line(4), "custom_id": None},
+        chat_line(5, model="no-such-model"),
+        chat_line(6, logprobs=True),
+    ]
     batch = wait_batch(client, submit_batch(client, lines).id)
     assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
     errors = [(e.line, e.code, e.param) for e in batch.errors.data]
-    assert errors == [(2, "invalid_json_line", None), (3, "duplicate_custom_id", "custom_id"),
-                      (4, "invalid_method", "method"), (5, "invalid_url", "url"),
-                      (6, "unrecognized_argument", "body.frobnicate"), (7, "invalid_custom_id", "custom_id"),
-                      (8, "model_not_found", "body.model"), (9, "unsupported_value", "body.logprobs")]  # fmt: skip
+    assert errors == [
+        (2, "invalid_json_line", None),
+        (3, "duplicate_custom_id", "custom_id"),
+        (4, "invalid_method", "method"),
+        (5, "invalid_url", "url"),
+        (6, "unrecognized_argument", "body.frobnicate"),
+        (7, "invalid_custom_id", "custom_id"),
+        (8, "model_not_found", "body.model"),
+        (9, "unsupported_value", "body.logprobs"),
+    ]
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
 
@@ -267,8 +310,9 @@ async def _expire_a_batch(redis_url: str, ns: str):
     async with AsyncClient(redis_url, ns) as client:
         store = BatchStore(client.redis, ns)
         uploaded = await store.put_file(jsonl([chat_line(0), chat_line(1)]), filename="x.jsonl", purpose="batch")
-        batch, _ = await store.create_batch(input_file_id=uploaded["id"], endpoint="/v1/chat/completions",
-                                            completion_window="24h", metadata={})  # fmt: skip
+        batch, _ = await store.create_batch(
+            input_file_id=uploaded["id"], endpoint="/v1/chat/completions", completion_window="24h", metadata={}
+        )
         await client.redis.hset(BatchKeys(ns).batch(batch["id"]), "expires_at", int(time.time()) - 1)
         lease = Lease(store, batch["id"], "test", FAST)
         assert await lease.claim()
@@ -310,16 +354,32 @@ def test_killed_gateway_batch_is_finished_by_another(redis_url, ns, replica, ref
     check_ran_once(redis_url, ns, _job_ids(redis_url, ns, batch))
     content = raw(redis_url).get(BatchKeys(ns).file_content(batch.output_file_id)).decode().splitlines()
     outputs = {(line := json.loads(text))["custom_id"]: line for text in content}
-    assert {cid: output_text(o) for cid, o in outputs.items()} == \
-        {line["custom_id"]: reference(line["body"]) for line in lines}
+    assert {cid: output_text(o) for cid, o in outputs.items()} == {
+        line["custom_id"]: reference(line["body"]) for line in lines
+    }
 
 
 # ---------------------------------------------------------------- conveyor batch
 
 
 def conveyor_batch(redis_url: str, ns: str, source: Path, target: Path, *flags: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "clients.cli", "batch", str(source), str(target), "--redis-url", redis_url,
-               "--namespace", ns, "--lease-s", "2", "--wait-s", "10", *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "batch",
+        str(source),
+        str(target),
+        "--redis-url",
+        redis_url,
+        "--namespace",
+        ns,
+        "--lease-s",
+        "2",
+        "--wait-s",
+        "10",
+        *flags,
+    ]
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -331,8 +391,11 @@ def test_conveyor_batch_resumes_after_ctrl_c(redis_url, ns, replica, reference, 
     batch_key = BatchKeys(ns).batch(batch_id)
 
     first = conveyor_batch(redis_url, ns, source, target, "--max-in-flight", "1")
-    wait_until(lambda: int(raw(redis_url).hget(batch_key, "completed") or 0) >= 3 or first.poll() is not None,
-               60, "three lines")  # fmt: skip
+    wait_until(
+        lambda: int(raw(redis_url).hget(batch_key, "completed") or 0) >= 3 or first.poll() is not None,
+        60,
+        "three lines",
+    )
     first.send_signal(signal.SIGINT)
     _, stderr = first.communicate(timeout=30)
     assert first.returncode == 130, stderr

@@ -12,11 +12,11 @@ import json
 import openai
 import pytest
 import redis.asyncio as aioredis
-
-from gateway import batch_routes
-from clients.openai_api.batch_store import BatchStore
 from gateway_harness import GatewayThread, openai_client
 from scratch import scratch_namespace
+
+from clients.openai_api.batch_store import BatchStore
+from gateway import batch_routes
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
 
@@ -39,12 +39,14 @@ def upload(client: openai.OpenAI, name: str):
 
 def in_store(redis_url: str, ns: str, work):
     """Run `work(store)` on a BatchStore of `ns` (what another runner or `conveyor batch` writes)."""
+
     async def run():
         client = aioredis.Redis.from_url(redis_url)
         try:
             return await work(BatchStore(client, ns))
         finally:
             await client.aclose()
+
     return asyncio.run(run())
 
 
@@ -88,8 +90,9 @@ def test_a_file_that_an_unfinished_batch_reads_is_not_deleted(gateway, redis_url
 
     async def create_held(store: BatchStore):
         await store.claim(batch_id, "another-runner", 120_000)  # no runner of this gateway may run it
-        await store.create_batch(input_file_id=used.id, endpoint="/v1/completions", completion_window="24h",
-                                 metadata={}, batch_id=batch_id)  # fmt: skip
+        await store.create_batch(
+            input_file_id=used.id, endpoint="/v1/completions", completion_window="24h", metadata={}, batch_id=batch_id
+        )
 
     in_store(redis_url, tenants["key-a"], create_held)
     with pytest.raises(openai.ConflictError, match=batch_id) as refused:

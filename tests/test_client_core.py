@@ -33,8 +33,12 @@ def run(program, replies):
 
 
 def test_submit_asks_for_the_submit_script_and_builds_the_handle():
-    steps, _, handle = run(core.submit(FakeClient.keys, {"prompt": "hi", "job_id": "j1"}, None,
-                                       lambda job_id, enqueued: (job_id, enqueued)), [1])  # fmt: skip
+    steps, _, handle = run(
+        core.submit(
+            FakeClient.keys, {"prompt": "hi", "job_id": "j1"}, None, lambda job_id, enqueued: (job_id, enqueued)
+        ),
+        [1],
+    )
     assert [(s.name, s.keys[0]) for s in steps] == [("submit", "core-test:job:j1")]
     assert handle == ("j1", True)
 

@@ -27,10 +27,10 @@ from clients import (
     QueueFull,
     Timeout,
     TokenEvent,
+    cli,
     decode_job,
     encode_event,
 )
-from clients import cli
 from clients.protocol import encode_event_data
 
 
@@ -46,10 +46,15 @@ def token(seq: int, text: str, attempt: int = 1) -> TokenEvent:
 
 def done(text: str, attempt: int = 1, seq: int = 0, **extra) -> DoneEvent:
     return DoneEvent(
-        attempt=attempt, seq=seq, finish_reason="stop", text=text, token_ids=[1, 2],
+        attempt=attempt,
+        seq=seq,
+        finish_reason="stop",
+        text=text,
+        token_ids=[1, 2],
         usage={"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-        timings={"queue": 0.1, "ttft": 0.2, "tpot": 0.01, "e2e": 0.3}, **extra,
-    )  # fmt: skip
+        timings={"queue": 0.1, "ttft": 0.2, "tpot": 0.01, "e2e": 0.3},
+        **extra,
+    )
 
 
 def publish(client: Client, job_id: str, *events) -> list[str]:
@@ -112,6 +117,7 @@ def test_unknown_kwarg_suggests_the_right_name(client):
 
 def test_submit_is_idempotent_per_job_id(client):
     from clients import JobConflict
+
     first = client.submit("x", job_id="same")
     second = client.submit("x", job_id="same")
     assert first.job_id == second.job_id == "same" and first.enqueued and not second.enqueued
@@ -186,19 +192,24 @@ def test_stream_resumes_from_entry_id(client):
 def test_attempt_change_is_surfaced_and_stale_events_dropped(client):
     job = client.submit("Hi")
     publish(
-        client, job.job_id,
-        token(0, "x", attempt=1), token(1, "y", attempt=1),
+        client,
+        job.job_id,
+        token(0, "x", attempt=1),
+        token(1, "y", attempt=1),
         token(0, "A", attempt=2),
         token(2, "stale", attempt=1),  # the crashed owner's late write
         token(0, "A", attempt=2),  # duplicate write
         token(1, "B", attempt=2),
         ErrorEvent(attempt=1, code="stale", message="fenced"),
         done("AB", attempt=2, seq=2),
-    )  # fmt: skip
+    )
     events = list(job.stream())
     assert [(e.attempt, e.seq, e.text, e.reset) for e in events] == [
-        (1, 0, "x", False), (1, 1, "y", False), (2, 0, "A", True), (2, 1, "B", False),
-    ]  # fmt: skip
+        (1, 0, "x", False),
+        (1, 1, "y", False),
+        (2, 0, "A", True),
+        (2, 1, "B", False),
+    ]
     assert job.result().attempt == 2
 
 

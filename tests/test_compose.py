@@ -1,6 +1,7 @@
 """The compose deployment, checked without a Docker engine: parse the files and run the
 services' own commands (the redis start script, both healthchecks, the engine command)
 locally, with stand-ins for what only exists inside the containers."""
+
 import http.server
 import os
 import re
@@ -128,8 +129,9 @@ def test_no_service_publishes_a_port_beyond_loopback(compose):
             assert address in LOOPBACK, f"{name} publishes a port on {address or 'all interfaces'}"
     assert not compose["services"]["redis"].get("ports"), "redis is not published by default"
     text = (COMPOSE / "docker-compose.yml").read_text()
-    assert re.search(r'^\s*#\s*ports: \["127\.0\.0\.1:6379:6379"\]', text, re.M), \
+    assert re.search(r'^\s*#\s*ports: \["127\.0\.0\.1:6379:6379"\]', text, re.M), (
         "the commented way to open redis on loopback only"
+    )
 
 
 def test_redis_requires_a_password_read_from_a_secret(compose):
@@ -137,8 +139,9 @@ def test_redis_requires_a_password_read_from_a_secret(compose):
     script = shell_script(redis_service["command"])
     value = re.search(r"--requirepass\s+(\S+)", script)
     assert value, "redis-server is started with --requirepass"
-    assert value.group(1).lstrip('"').startswith("$"), \
+    assert value.group(1).lstrip('"').startswith("$"), (
         f"the password is a shell value read at start, not a literal: {value.group(1)}"
+    )
     assert SECRET_PATH in script
     assert "redis_password" in redis_service["secrets"]
     secret = compose["secrets"]["redis_password"]
@@ -147,8 +150,9 @@ def test_redis_requires_a_password_read_from_a_secret(compose):
     for literal in re.findall(r"requirepass[\s=]+(\S+)", text):
         assert literal.lstrip("\"'").startswith("$"), f"a literal password in the YAML: {literal}"
     if secret.get("file"):
-        assert (COMPOSE / (Path(secret["file"]).name + ".example")).is_file(), \
+        assert (COMPOSE / (Path(secret["file"]).name + ".example")).is_file(), (
             "an example next to the secret file, saying how to make one"
+        )
 
 
 @pytest.fixture
@@ -166,8 +170,13 @@ def run_redis_start_script(compose, tmp_path, secret_file):
     record = tmp_path / "entrypoint-args"
     fake_bin(bin_dir, "docker-entrypoint.sh", f'printf "%s\\n" "$@" > {record}\n')
     script = shell_script(compose["services"]["redis"]["command"]).replace(SECRET_PATH, str(secret_file))
-    done = subprocess.run(["sh", "-c", script], env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["sh", "-c", script],
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return done, (record.read_text().splitlines() if record.exists() else None)
 
 
@@ -194,10 +203,13 @@ def test_redis_healthcheck_authenticates_without_the_password_in_its_args(compos
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "redis-cli-args"
-    fake_bin(bin_dir, "redis-cli",
-             f'printf "%s\\n" "$@" > {record}\n'
-             f'if [ "$REDISCLI_AUTH" = "{password}" ]; then echo PONG; '
-             'else echo "NOAUTH Authentication required."; fi\n')
+    fake_bin(
+        bin_dir,
+        "redis-cli",
+        f'printf "%s\\n" "$@" > {record}\n'
+        f'if [ "$REDISCLI_AUTH" = "{password}" ]; then echo PONG; '
+        'else echo "NOAUTH Authentication required."; fi\n',
+    )
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     env.pop("REDISCLI_AUTH", None)
     argv = [arg.replace(SECRET_PATH, str(secret_file)) for arg in healthcheck_command(test)]
@@ -261,8 +273,9 @@ def test_engine_metrics_bind_inside_the_container_only(compose):
     assert flag_value(command, "--metrics-port") == "9400"
     assert all(address in LOOPBACK for address in published_host_ips(engine))
     text = (COMPOSE / "docker-compose.yml").read_text()
-    assert re.search(r'^\s*#\s*ports: \["127\.0\.0\.1:9400:9400"\]', text, re.M), \
+    assert re.search(r'^\s*#\s*ports: \["127\.0\.0\.1:9400:9400"\]', text, re.M), (
         "the commented way to publish metrics on loopback only"
+    )
 
 
 def test_engine_has_a_healthcheck_on_its_metrics_port(compose):
@@ -295,6 +308,7 @@ def password_flag():
 def password_server(tmp_path, secret_file, password_flag):
     """A Valkey of its own that requires the secret's password, as the redis service does."""
     import redis
+
     from actors.embedded_valkey import EmbeddedValkey
 
     password = secret_file.read_text().strip()
@@ -312,22 +326,38 @@ def test_engine_command_serves_jobs_and_exits_cleanly_on_sigterm(compose, passwo
     url, password = password_server
     engine = compose["services"]["engine"]
     metrics_port = str(free_port())
-    local = {"redis://redis:6379": url, OWN_SECRET_PATH: str(secret_file),
-             "0.0.0.0": "127.0.0.1"}  # here: loopback, not every interface of a shared box
+    local = {
+        "redis://redis:6379": url,
+        OWN_SECRET_PATH: str(secret_file),
+        "0.0.0.0": "127.0.0.1",
+    }  # here: loopback, not every interface of a shared box
     command = [local.get(arg, arg) for arg in engine["command"]]
     command[command.index("--metrics-port") + 1] = metrics_port
     assert password not in " ".join(command)
     namespace = f"compose-{uuid.uuid4().hex[:12]}"
     conveyor = Path(sys.executable).with_name("conveyor")
-    env = {**os.environ, **{k: str(v) for k, v in engine["environment"].items()},
-           "CONVEYOR_NAMESPACE": namespace, "CONVEYOR_MAX_NUM_SEQS": "8"}
-    for name in ("REDIS_URL", "REDIS_PASSWORD", "REDIS_PASSWORD_FILE", "REDIS_USERNAME",
-                 "CONVEYOR_METRICS_HOST", "CONVEYOR_METRICS_PORT"):
+    env = {
+        **os.environ,
+        **{k: str(v) for k, v in engine["environment"].items()},
+        "CONVEYOR_NAMESPACE": namespace,
+        "CONVEYOR_MAX_NUM_SEQS": "8",
+    }
+    for name in (
+        "REDIS_URL",
+        "REDIS_PASSWORD",
+        "REDIS_PASSWORD_FILE",
+        "REDIS_USERNAME",
+        "CONVEYOR_METRICS_HOST",
+        "CONVEYOR_METRICS_PORT",
+    ):
         env.pop(name, None)
-    health = [sys.executable if arg == "python" else arg.replace(":9400/", f":{metrics_port}/")
-              for arg in healthcheck_command(engine["healthcheck"]["test"])]
-    process = subprocess.Popen([str(conveyor), *command], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    health = [
+        sys.executable if arg == "python" else arg.replace(":9400/", f":{metrics_port}/")
+        for arg in healthcheck_command(engine["healthcheck"]["test"])
+    ]
+    process = subprocess.Popen(
+        [str(conveyor), *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         host, port = urlsplit(url).hostname, urlsplit(url).port
         client = Client(f"redis://:{password}@{host}:{port}", namespace=namespace)
@@ -375,7 +405,7 @@ def test_gateway_binds_its_host_port_on_loopback_only(compose):
     assert published_host_ips(gateway) == ["127.0.0.1"]
     assert gateway["ports"] == [f"127.0.0.1:{port}:{port}"]
     text = (COMPOSE / "docker-compose.yml").read_text()
-    comment = text[text.index("\n  gateway:"):text.index("ports: [\"127.0.0.1:8000:8000\"]")]
+    comment = text[text.index("\n  gateway:") : text.index('ports: ["127.0.0.1:8000:8000"]')]
     for needed in ("CONVEYOR_GATEWAY_API_KEYS", "key=namespace", "CONVEYOR_GATEWAY_KEYS_FILE"):
         assert needed in comment, f"how to open it wider says to set API keys ({needed})"
     assert not re.search(r"^\s*CONVEYOR_GATEWAY_API_KEYS:", text, re.M), "no API key literal in the YAML"
@@ -398,14 +428,18 @@ class _StandInGateway(http.server.BaseHTTPRequestHandler):
 def test_gateway_healthcheck_asks_health_and_fails_on_an_error(compose):
     gateway = compose["services"]["gateway"]
     check = gateway["healthcheck"]
-    assert f"127.0.0.1:{flag_value(gateway['command'], '--port')}/health" in " ".join(healthcheck_command(check["test"]))
+    assert f"127.0.0.1:{flag_value(gateway['command'], '--port')}/health" in " ".join(
+        healthcheck_command(check["test"])
+    )
     assert seconds(check["timeout"]) < seconds(check["interval"])
     _StandInGateway.paths = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandInGateway)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
-    argv = [sys.executable if arg == "python" else arg.replace(":8000/", f":{port}/")
-            for arg in healthcheck_command(check["test"])]
+    argv = [
+        sys.executable if arg == "python" else arg.replace(":8000/", f":{port}/")
+        for arg in healthcheck_command(check["test"])
+    ]
     try:
         assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
         assert _StandInGateway.paths == ["/health"]
@@ -434,19 +468,38 @@ def test_gateway_command_passes_its_healthcheck_with_the_secret(compose, tmp_pat
     server = EmbeddedValkey(tmp_path / "valkey", password=password).start()
     gateway = compose["services"]["gateway"]
     port = str(free_port())
-    local = {"redis://redis:6379": server.url, OWN_SECRET_PATH: str(secret_file),
-             "0.0.0.0": "127.0.0.1"}  # here: loopback, not every interface of a shared box
+    local = {
+        "redis://redis:6379": server.url,
+        OWN_SECRET_PATH: str(secret_file),
+        "0.0.0.0": "127.0.0.1",
+    }  # here: loopback, not every interface of a shared box
     command = [local.get(arg, arg) for arg in gateway["command"]]
     command[command.index("--port") + 1] = port
-    env = {**os.environ, **{k: str(v) for k, v in gateway["environment"].items()},
-           "CONVEYOR_NAMESPACE": f"compose-{uuid.uuid4().hex[:12]}"}
-    for name in ("REDIS_URL", "REDIS_PASSWORD", "REDIS_PASSWORD_FILE", "REDIS_USERNAME",
-                 "CONVEYOR_GATEWAY_API_KEYS", "CONVEYOR_GATEWAY_KEYS_FILE"):
+    env = {
+        **os.environ,
+        **{k: str(v) for k, v in gateway["environment"].items()},
+        "CONVEYOR_NAMESPACE": f"compose-{uuid.uuid4().hex[:12]}",
+    }
+    for name in (
+        "REDIS_URL",
+        "REDIS_PASSWORD",
+        "REDIS_PASSWORD_FILE",
+        "REDIS_USERNAME",
+        "CONVEYOR_GATEWAY_API_KEYS",
+        "CONVEYOR_GATEWAY_KEYS_FILE",
+    ):
         env.pop(name, None)
-    health = [sys.executable if arg == "python" else arg.replace(":8000/", f":{port}/")
-              for arg in healthcheck_command(gateway["healthcheck"]["test"])]
-    process = subprocess.Popen([str(Path(sys.executable).with_name("conveyor")), *command], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    health = [
+        sys.executable if arg == "python" else arg.replace(":8000/", f":{port}/")
+        for arg in healthcheck_command(gateway["healthcheck"]["test"])
+    ]
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("conveyor")), *command],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while subprocess.run(health, capture_output=True, timeout=30).returncode != 0:
@@ -491,10 +544,21 @@ def sent_to_the_builder(path: str) -> bool:
 
 
 def test_the_build_context_leaves_out_the_venv_git_data_secrets_and_caches():
-    for path in (".venv/bin/python", ".git/HEAD", "conveyor-data/password", "conveyor-data/appendonlydir/x.aof",
-                 "compose/redis_password.txt", "compose/gateway_keys.json", "clients/__pycache__/cli.cpython-311.pyc",
-                 ".pytest_cache/v/x", "engine/.hypothesis/x", "conveyor.egg-info/PKG-INFO", "tests/test_compose.py",
-                 "benchmarks/results/x.json", "actors/conveyor-data/url"):  # fmt: skip
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "conveyor-data/password",
+        "conveyor-data/appendonlydir/x.aof",
+        "compose/redis_password.txt",
+        "compose/gateway_keys.json",
+        "clients/__pycache__/cli.cpython-311.pyc",
+        ".pytest_cache/v/x",
+        "engine/.hypothesis/x",
+        "conveyor.egg-info/PKG-INFO",
+        "tests/test_compose.py",
+        "benchmarks/results/x.json",
+        "actors/conveyor-data/url",
+    ):
         assert not sent_to_the_builder(path), f"{path} would be sent to the builder"
     dockerfile = (COMPOSE / "Dockerfile").read_text()
     for sources in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", dockerfile, re.M):
@@ -519,8 +583,12 @@ def run_entrypoint(work: Path, secrets_in: Path, *args: str, as_uid: int | None 
     record.write_text("")
     record.chmod(0o666)  # written by whoever the entrypoint runs conveyor as
     fake_bin(bin_dir, "conveyor", f'{{ id -u; id -G; printf "%s\\n" "$@"; }} > {record}\n')
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONVEYOR_SECRETS_IN": str(secrets_in),
-           "CONVEYOR_SECRETS_OUT": str(out)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "CONVEYOR_SECRETS_IN": str(secrets_in),
+        "CONVEYOR_SECRETS_OUT": str(out),
+    }
     argv = ["sh", str(COMPOSE / "entrypoint.sh"), *args]
     if as_uid is not None:
         argv = ["setpriv", f"--reuid={as_uid}", f"--regid={as_uid}", "--clear-groups", "--", *argv]
@@ -552,7 +620,9 @@ def test_gateway_needs_api_keys_from_a_secret(compose):
     from gateway.tenants import load_grants
 
     gateway = compose["services"]["gateway"]
-    assert gateway["environment"]["CONVEYOR_GATEWAY_KEYS_FILE"] == "/run/conveyor/secrets/gateway_keys"  # entrypoint's copy
+    assert (
+        gateway["environment"]["CONVEYOR_GATEWAY_KEYS_FILE"] == "/run/conveyor/secrets/gateway_keys"
+    )  # entrypoint's copy
     assert "gateway_keys" in gateway["secrets"]
     keys_file = Path(compose["secrets"]["gateway_keys"]["file"]).name
     assert f"compose/{keys_file}" in (COMPOSE.parent / ".gitignore").read_text().split(), "kept out of git"
@@ -560,6 +630,11 @@ def test_gateway_needs_api_keys_from_a_secret(compose):
         load_grants(str(COMPOSE / "gateway_keys.json.example"), None)
     conveyor = Path(sys.executable).with_name("conveyor")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_GATEWAY_")}
-    refused = subprocess.run([str(conveyor), "gateway", "--host", "0.0.0.0", "--redis-url", "redis://127.0.0.1:1"],
-                             capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    refused = subprocess.run(
+        [str(conveyor), "gateway", "--host", "0.0.0.0", "--redis-url", "redis://127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert refused.returncode == 2 and "no API keys" in refused.stderr, refused.stderr

@@ -1,4 +1,5 @@
 """The CPU path choices (kernels/cpu/dispatch.py) for every ISA combination, on any machine."""
+
 import itertools
 
 import pytest

@@ -1,15 +1,16 @@
 """Dead letters: parked with the reason and the original fields, listed, and requeued."""
+
 import json
 import time
 
 import pytest
 import redis
+from model_factory import build_tiny_model
+from replica_harness import ReplicaThread
 
 from clients import Client, JobFailed
 from clients.dead_letters import list_dead, requeue
 from clients.keys import Keys
-from model_factory import build_tiny_model
-from replica_harness import ReplicaThread
 
 
 def wait_for_status(raw, key, status, timeout=30.0):
@@ -26,8 +27,20 @@ def test_job_parked_after_max_deliveries_can_be_requeued(tmp_path, redis_url, na
     # as if three replicas had already died running it
     raw.hset(keys.job("unlucky"), mapping={"attempt": 3, "status": "queued"})
     raw.expire(keys.job("unlucky"), 600)
-    raw.xadd(keys.batch, {"json": json.dumps({"job_id": "unlucky", "prompt": "def f():", "max_tokens": 4,
-                                              "temperature": 0, "priority_class": "batch"})})
+    raw.xadd(
+        keys.batch,
+        {
+            "json": json.dumps(
+                {
+                    "job_id": "unlucky",
+                    "prompt": "def f():",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "priority_class": "batch",
+                }
+            )
+        },
+    )
     with ReplicaThread(model, redis_url, namespace, max_num_seqs=4) as running:
         running.config.max_deliveries = 3
         with pytest.raises(JobFailed) as parked:
@@ -44,10 +57,20 @@ def test_job_parked_after_max_deliveries_can_be_requeued(tmp_path, redis_url, na
 
 def test_dead_cli_lists_and_requeues(redis_url, namespace, capsys):
     from actors.cli import main
+
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
-    raw.xadd(keys.dead, {"stream": keys.interactive, "entry_id": "1-0", "reason": "invalid_job: prompt: missing",
-                         "at": "1700000000", "job_id": "j-dead", "field:json": '{"job_id": "j-dead"}'})
+    raw.xadd(
+        keys.dead,
+        {
+            "stream": keys.interactive,
+            "entry_id": "1-0",
+            "reason": "invalid_job: prompt: missing",
+            "at": "1700000000",
+            "job_id": "j-dead",
+            "field:json": '{"job_id": "j-dead"}',
+        },
+    )
     assert main(["dead", "list", "--redis-url", redis_url, "--namespace", namespace]) == 0
     listed = capsys.readouterr().out
     assert "job=j-dead" in listed and "invalid_job: prompt: missing" in listed
@@ -61,6 +84,7 @@ def test_hostile_dead_letters_fail_alone_and_touch_nothing_else(redis_url, names
     streams, a stream key that is not a stream, or more fields than a script can take
     fails with its reason; the good letter among them is requeued, nothing else is written."""
     from actors.cli import main
+
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     raw.set(keys.job("victim"), "a string")
@@ -102,5 +126,6 @@ def test_a_letter_on_another_partitions_stream_is_not_requeued(redis_url, namesp
     new_ids, skipped, failed = requeue(raw, keys)
     assert len(new_ids) == 1 and not skipped
     assert [(letter.dead_id, why) for letter, why in failed] == [
-        (wrong, f"stream: {wrong_stream!r} is not the partition of job {job_id!r}")]
+        (wrong, f"stream: {wrong_stream!r} is not the partition of job {job_id!r}")
+    ]
     assert raw.xlen(right_stream) == 1 and not raw.exists(wrong_stream)

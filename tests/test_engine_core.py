@@ -1,21 +1,22 @@
 """The engine core (engine/engine_core.py, actors/engine_client.py) in its own process: what
 `conveyor serve` runs by default. Real replicas on the session's Valkey; the core process is
 found as the replica's child and faults are real signals to it."""
+
 from __future__ import annotations
 
-import re
 import os
 import pickle
+import re
 import signal
 import time
 
 import psutil
 import pytest
+from fault_harness import JobLedger, spawner_fixture, start_all, wait_until
 
 from clients import Client
 from engine import LLM, SamplingParams
 from engine.errors import ModelLoadError
-from fault_harness import JobLedger, spawner_fixture, start_all, wait_until
 
 
 @pytest.fixture
@@ -25,15 +26,21 @@ def spawn(request, tmp_path, redis_url, namespace):
 
 def core_of(replica) -> psutil.Process:
     """The replica's engine core: its child running engine.engine_core."""
+
     def find():
         children = psutil.Process(replica.pid).children()
         return next((c for c in children if "engine.engine_core" in " ".join(c.cmdline())), None)
+
     return wait_until(find, 30, f"the engine core process of {replica.consumer}")
 
 
 def greedy(index: int, max_tokens: int = 24) -> dict:
-    return {"prompt_token_ids": [3 + index, 9, 4, 17 + index], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}
+    return {
+        "prompt_token_ids": [3 + index, 9, 4, 17 + index],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def test_jobs_through_the_core_process_match_the_offline_engine(spawn, tiny_model, redis_url, namespace):
@@ -42,19 +49,22 @@ def test_jobs_through_the_core_process_match_the_offline_engine(spawn, tiny_mode
     assert core.ppid() == replica.pid
     client = Client(redis_url, namespace=namespace)
     jobs = [client.submit(**greedy(i)) for i in range(6)]
-    structured = client.submit(prompt_token_ids=[5, 6, 7], max_tokens=40, temperature=0,
-                               structured_outputs={"regex": "(yes|no)-[ab]{3}"})
+    structured = client.submit(
+        prompt_token_ids=[5, 6, 7], max_tokens=40, temperature=0, structured_outputs={"regex": "(yes|no)-[ab]{3}"}
+    )
     results = [job.result(timeout=120) for job in jobs]
     with LLM(tiny_model, num_kv_blocks=256) as llm:
-        expected = llm.generate([greedy(i)["prompt_token_ids"] for i in range(6)],
-                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        expected = llm.generate(
+            [greedy(i)["prompt_token_ids"] for i in range(6)],
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            use_tqdm=False,
+        )
     assert [r.token_ids for r in results] == [list(o.token_ids) for o in expected]
     text = structured.result(timeout=120).text  # the grammar crossed to the core and held
     assert re.fullmatch("(yes|no)-[ab]{3}", text), text
 
 
-def test_a_dead_core_stops_its_replica_and_another_finishes_the_jobs(spawn, tiny_model, redis_url, namespace,
-                                                                     raw):
+def test_a_dead_core_stops_its_replica_and_another_finishes_the_jobs(spawn, tiny_model, redis_url, namespace, raw):
     victim, survivor = start_all([spawn(namespace, f"core-{n}", tiny_model, lease_s=2.0) for n in "ab"])
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     jobs = [client.submit(**greedy(i, max_tokens=400)) for i in range(4)]
@@ -78,8 +88,11 @@ def test_the_core_ignores_a_ctrl_c_and_dies_with_its_front_door(spawn, tiny_mode
     assert len(client.submit(**greedy(0)).result(timeout=60).token_ids) == 24
     assert core.is_running() and replica.alive()
     replica.kill9()
-    wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 10,
-               "the core to die with its front door")
+    wait_until(
+        lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE,
+        10,
+        "the core to die with its front door",
+    )
 
 
 def test_sigterm_drains_through_the_core_and_exits_cleanly(spawn, tiny_model, redis_url, namespace):
@@ -97,6 +110,7 @@ def test_sigterm_drains_through_the_core_and_exits_cleanly(spawn, tiny_model, re
 def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
     from actors.engine_client import EngineCoreClient
     from engine import EngineConfig
+
     started = time.monotonic()
     with pytest.raises(ModelLoadError, match="model") as in_core:
         EngineCoreClient.in_child_process(EngineConfig(model=str(tmp_path / "missing")))
@@ -109,9 +123,11 @@ def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
 
 
 def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
+    from transformers import AutoTokenizer
+
     from engine.grammar_compiler import GrammarCompiler
     from engine.structured_outputs import StructuredOutputsParams
-    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     sender = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id or 0})
     receiver = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id or 0})
@@ -127,6 +143,7 @@ def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
 def test_a_load_error_that_cannot_be_pickled_still_reaches_the_front_door():
     from engine.engine_core import portable
     from engine.errors import InvalidRequest
+
     unpicklable = InvalidRequest("model", "whatever went wrong")  # its __init__ takes two arguments
     with pytest.raises(TypeError):
         pickle.loads(pickle.dumps(unpicklable))

@@ -1,10 +1,11 @@
 """Greedy output must be token-identical to transformers' own generate (each prompt alone,
 float32) for every supported architecture, under every scheduling regime."""
+
 import pytest
+from model_factory import ARCHS, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 from engine import LLM, SamplingParams
 from engine.models.decoder_layout import decoder_layout
-from model_factory import ARCHS, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 NUM_PROMPTS = 12
 REGIMES = {
@@ -18,8 +19,14 @@ REGIMES = {
     "overlapped_preemption": dict(async_scheduling=True, num_kv_blocks=64, block_size=4),
     "overlapped_chunked_prefill": dict(async_scheduling=True, max_num_batched_tokens=16),
     # prompt-lookup drafts verified in one step (tests/test_spec_decode.py: accepted runs, stops, sampling)
-    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+    "speculative": dict(
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        }
+    ),
 }
 
 
@@ -41,8 +48,7 @@ def test_greedy_matches_transformers(tiny_model, workload, regime):
     prompts, max_tokens, expected = workload
     assert min(map(len, prompts)) == 1 and max(map(len, prompts)) >= 190
     llm = LLM(tiny_model, **REGIMES[regime])
-    outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
-                           use_tqdm=False)
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens], use_tqdm=False)
     for output, want in zip(outputs, expected):
         assert output.error is None
         assert output.token_ids == want, f"request {output.request_id} differs"
@@ -60,8 +66,7 @@ def test_greedy_matches_transformers(tiny_model, workload, regime):
 def test_ignore_eos_runs_to_max_tokens(tiny_model, workload):
     prompts, max_tokens, _ = workload
     llm = LLM(tiny_model)
-    outputs = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                           use_tqdm=False)
+    outputs = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         assert output.token_ids == hf_greedy(tiny_model, prompt, 30, ignore_eos=True)
         assert output.finish_reason == "length" and len(output.token_ids) == 30
@@ -73,8 +78,9 @@ def test_single_stream_decode_matches_transformers(tiny_model, workload):
     prompts, _, _ = workload
     llm = LLM(tiny_model)
     for prompt in prompts[:3]:
-        output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True),
-                              use_tqdm=False)[0]
+        output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=25, ignore_eos=True), use_tqdm=False)[
+            0
+        ]
         assert output.token_ids == hf_greedy(tiny_model, prompt, 25, ignore_eos=True)
     runner = llm.engine.runner
     if decoder_layout(runner.model) is not None:
@@ -83,19 +89,22 @@ def test_single_stream_decode_matches_transformers(tiny_model, workload):
 
 def test_sharded_checkpoint_loads(tmp_path):
     import transformers
+
     source = build_tiny_model("llama", tmp_path / "whole")
     model = transformers.AutoModelForCausalLM.from_pretrained(source)
     model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     transformers.AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path / "sharded")
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
     prompt = mixed_prompts(768, n=1, seed=3, min_len=20, max_len=20)[0]
-    output = LLM(str(tmp_path / "sharded")).generate([prompt], SamplingParams(temperature=0, max_tokens=12),
-                                                     use_tqdm=False)[0]
+    output = LLM(str(tmp_path / "sharded")).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+    )[0]
     assert output.token_ids == hf_greedy(source, prompt, 12)
 
 
-@pytest.mark.parametrize("options", [dict(block_size=4), dict(block_size=4, num_kv_blocks=90)],
-                         ids=["ample_kv", "preemption"])
+@pytest.mark.parametrize(
+    "options", [dict(block_size=4), dict(block_size=4, num_kv_blocks=90)], ids=["ample_kv", "preemption"]
+)
 def test_prefix_cache_hits_keep_outputs_exact(tiny_model, options):
     """Prompts sharing a long instruction prefix reuse its cached blocks, also after preemption."""
     prefix = mixed_prompts(768, n=1, seed=11, min_len=70, max_len=70)[0]

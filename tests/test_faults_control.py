@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
+from replica_harness import ReplicaThread
+from scratch import scratch_namespace
 
 from actors.messages import HeldJobs, ReadEntry, Reclaimed
 from clients import Client
 from clients.errors import ConveyorError, JobCancelled, JobFailed
-from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
-from replica_harness import ReplicaThread
-from scratch import scratch_namespace
 
 LONG = 1000  # tokens: ~2 s on the tiny model, long enough to act on a running job
 
@@ -34,8 +34,9 @@ def module_namespace(redis_url):
 
 @pytest.fixture(scope="module")
 def replica(tiny_model, redis_url, module_namespace):
-    running = ReplicaThread(tiny_model, redis_url, module_namespace, consumer="control",
-                            max_num_seqs=1, num_kv_blocks=256).start()
+    running = ReplicaThread(
+        tiny_model, redis_url, module_namespace, consumer="control", max_num_seqs=1, num_kv_blocks=256
+    ).start()
     yield running
     for job_id in running.call(held_jobs(running)):  # nothing should be left; don't wait for it
         Client(redis_url, namespace=module_namespace).job(job_id).cancel()
@@ -56,8 +57,13 @@ def ledger(redis_url, module_namespace):
 
 
 def long_job(tag: int, max_tokens: int = LONG, **extra) -> dict:
-    return {"prompt_token_ids": [5, 6, 7, tag % 700], "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, **extra}
+    return {
+        "prompt_token_ids": [5, 6, 7, tag % 700],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def held_jobs(replica: ReplicaThread) -> list[str]:
@@ -67,18 +73,29 @@ async def held_jobs(replica: ReplicaThread) -> list[str]:
 
 def replica_state(replica: ReplicaThread) -> dict:
     """The engine's KV stats and the replica's bookkeeping, read on the replica's own loop."""
+
     async def snapshot():
-        return {**replica.engine.stats(), "held": len(await held_jobs(replica)),
-                "scheduled_jobs": replica.replica.scheduler.num_jobs}
+        return {
+            **replica.engine.stats(),
+            "held": len(await held_jobs(replica)),
+            "scheduled_jobs": replica.replica.scheduler.num_jobs,
+        }
+
     return replica.call(snapshot())
 
 
 def assert_idle(replica: ReplicaThread) -> None:
     """No job left anywhere in the replica and every KV block back in the pool."""
+
     def idle():
         state = replica_state(replica)
-        return state if (state["held"], state["scheduled_jobs"], state["num_running"], state["num_waiting"],
-                         state["kv_usage"]) == (0, 0, 0, 0, 0.0) else None
+        return (
+            state
+            if (state["held"], state["scheduled_jobs"], state["num_running"], state["num_waiting"], state["kv_usage"])
+            == (0, 0, 0, 0, 0.0)
+            else None
+        )
+
     wait_until(idle, 30, f"the replica to be idle with its KV cache free (now {replica_state(replica)})")
 
 
@@ -220,8 +237,12 @@ def test_same_job_id_and_payload_submitted_twice_runs_once(replica, client, ledg
     assert rec.attempt == 1 and terminal_kinds(rec) == [("done", 1, None)]
     assert {e.attempt for e in rec.tokens} == {1}
     check_attempt_sequences(rec)
-    record("same job_id + payload submitted 3 times (2 racing)", submitted=1, **{
-        k: v for k, v in ledger.summary([spec["job_id"]]).items() if k != "submitted"}, submits=3)
+    record(
+        "same job_id + payload submitted 3 times (2 racing)",
+        submitted=1,
+        **{k: v for k, v in ledger.summary([spec["job_id"]]).items() if k != "submitted"},
+        submits=3,
+    )
 
 
 def test_same_job_id_with_a_different_payload_is_a_conflict(replica, client, ledger):
@@ -263,6 +284,7 @@ def test_reclaim_racing_the_previous_owners_finish_does_not_run_the_job_again(re
 
 def test_serve_num_kv_blocks_flag_reaches_the_engine_as_an_int(tiny_model):
     from actors.cli import _add_engine_options, build_engine
+
     parser = argparse.ArgumentParser()
     _add_engine_options(parser)
     engine = build_engine(parser.parse_args(["--model", tiny_model, "--num-kv-blocks", "64"]))

@@ -9,11 +9,18 @@ from __future__ import annotations
 import time
 
 import pytest
+from fault_harness import (
+    JobLedger,
+    check_attempt_sequences,
+    pending_owners,
+    record,
+    spawner_fixture,
+    start_all,
+    wait_until,
+)
+from model_factory import build_tiny_model
 
 from clients import Client
-from fault_harness import (JobLedger, check_attempt_sequences, pending_owners, record, spawner_fixture,
-                           start_all, wait_until)
-from model_factory import build_tiny_model
 
 LEASE_S = 2.0
 
@@ -21,9 +28,15 @@ LEASE_S = 2.0
 @pytest.fixture(scope="module")
 def slow_model(tmp_path_factory):
     """Still random and tiny, but ~5x the per-token cost of tiny_model: long jobs on CPU."""
-    return build_tiny_model("llama", tmp_path_factory.mktemp("faults_llama_slow"), hidden_size=384,
-                            intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
-                            num_key_value_heads=2)
+    return build_tiny_model(
+        "llama",
+        tmp_path_factory.mktemp("faults_llama_slow"),
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
 
 
 @pytest.fixture
@@ -33,8 +46,7 @@ def spawn(request, tmp_path, redis_url, namespace):
 
 
 def long_job(index: int = 0, max_tokens: int = 900) -> dict:
-    return {"prompt_token_ids": [5, 6, 7, 8 + index], "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}
+    return {"prompt_token_ids": [5, 6, 7, 8 + index], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
 
 
 def entry_key(event) -> tuple[int, int]:
@@ -86,7 +98,7 @@ def test_kill9_mid_generation_reclaimed_after_lease_and_completed_once(spawn, ti
     assert max(entry_key(e) for e in first) < min(entry_key(e) for e in second), "attempt 1 wrote after attempt 2"
     assert len(result.token_ids) == 900
     attempt1_ids = [t for e in first for t in e.token_ids]
-    assert result.token_ids[:len(attempt1_ids)] == attempt1_ids  # greedy: the rerun repeats the prefix
+    assert result.token_ids[: len(attempt1_ids)] == attempt1_ids  # greedy: the rerun repeats the prefix
     assert survivor.reclaimed_entries() == [entry_id]
     assert survivor.alive()
 
@@ -94,10 +106,14 @@ def test_kill9_mid_generation_reclaimed_after_lease_and_completed_once(spawn, ti
     streamed = list(client.job(job.job_id).stream(timeout=10))
     resets = [i for i, e in enumerate(streamed) if e.reset]
     assert len(resets) == 1 and streamed[resets[0]].attempt == 2 and streamed[resets[0]].seq == 0
-    assert "".join(e.text for e in streamed[resets[0]:]) == result.text
+    assert "".join(e.text for e in streamed[resets[0] :]) == result.text
     restarted_after_s = (entry_key(second[0])[0] - killed_ms) / 1000  # both on the server's clock
-    record("kill -9 of the replica running the job", **ledger.summary([job.job_id]),
-           attempts=rec.attempt, restarted_after_s=round(restarted_after_s, 1))
+    record(
+        "kill -9 of the replica running the job",
+        **ledger.summary([job.job_id]),
+        attempts=rec.attempt,
+        restarted_after_s=round(restarted_after_s, 1),
+    )
 
 
 @pytest.mark.slow
@@ -105,8 +121,9 @@ def test_healthy_jobs_longer_than_the_lease_are_never_reclaimed(spawn, slow_mode
     """Lease 1 s; each replica runs one sequence at a time and holds a second one waiting,
     so jobs stay leased for several leases. Their owners renew: nobody reclaims anything."""
     lease_s = 1.0
-    pair = start_all([spawn(namespace, f"long-{n}", slow_model, lease_s=lease_s, args=["--max-num-seqs", "1"])
-                      for n in "ab"])
+    pair = start_all(
+        [spawn(namespace, f"long-{n}", slow_model, lease_s=lease_s, args=["--max-num-seqs", "1"]) for n in "ab"]
+    )
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     jobs = client.submit_many([long_job(i, max_tokens=800) for i in range(4)], progress=False)
     results = [job.result(timeout=180) for job in jobs]
@@ -122,13 +139,18 @@ def test_healthy_jobs_longer_than_the_lease_are_never_reclaimed(spawn, slow_mode
         assert replica.alive()
     e2e = sorted(r.timings.e2e for r in results)
     assert e2e[-1] >= 4 * lease_s, f"jobs too short to mean anything: e2e {e2e}"
-    record("jobs leased for several leases (healthy, slow)", **ledger.summary([j.job_id for j in jobs]),
-           lease_s=lease_s, longest_job_s=round(e2e[-1], 1))
+    record(
+        "jobs leased for several leases (healthy, slow)",
+        **ledger.summary([j.job_id for j in jobs]),
+        lease_s=lease_s,
+        longest_job_s=round(e2e[-1], 1),
+    )
 
 
 @pytest.mark.slow
-def test_orphans_of_a_killed_replica_taken_once_by_three_reclaiming_survivors(spawn, tiny_model, redis_url,
-                                                                              namespace, raw):
+def test_orphans_of_a_killed_replica_taken_once_by_three_reclaiming_survivors(
+    spawn, tiny_model, redis_url, namespace, raw
+):
     victim = spawn(namespace, "orphan-victim", tiny_model, lease_s=LEASE_S).start().wait_ready()
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     jobs = client.submit_many([long_job(i, max_tokens=600) for i in range(9)], progress=False)
@@ -140,8 +162,9 @@ def test_orphans_of_a_killed_replica_taken_once_by_three_reclaiming_survivors(sp
     assert not any(r.terminals for r in ledger.records(ids).values()), "a job finished before the kill"
 
     # One sequence and two credits each: none of them can take every orphan in one go.
-    survivors = start_all([spawn(namespace, f"survivor-{n}", tiny_model, lease_s=LEASE_S,
-                                 args=["--max-num-seqs", "1"]) for n in range(3)])
+    survivors = start_all(
+        [spawn(namespace, f"survivor-{n}", tiny_model, lease_s=LEASE_S, args=["--max-num-seqs", "1"]) for n in range(3)]
+    )
     ledger.wait_finished(ids, 180, "orphans")
 
     taken = [entry for s in survivors for entry in s.reclaimed_entries()]
@@ -153,14 +176,18 @@ def test_orphans_of_a_killed_replica_taken_once_by_three_reclaiming_survivors(sp
         check_attempt_sequences(rec)
     assert all(s.alive() for s in survivors)
     summary = ledger.summary(ids)
-    record("kill -9 with 9 jobs in flight, 3 survivors reclaiming", **summary,
-           taken_per_survivor=[len(s.reclaimed_entries()) for s in survivors])
+    record(
+        "kill -9 with 9 jobs in flight, 3 survivors reclaiming",
+        **summary,
+        taken_per_survivor=[len(s.reclaimed_entries()) for s in survivors],
+    )
     assert summary["lost"] == 0 and summary["duplicates"] == 0
 
 
 @pytest.mark.slow
-def test_stale_owner_resuming_after_a_pause_cannot_overwrite_the_new_result(spawn, tiny_model, redis_url,
-                                                                            namespace, raw):
+def test_stale_owner_resuming_after_a_pause_cannot_overwrite_the_new_result(
+    spawn, tiny_model, redis_url, namespace, raw
+):
     """SIGSTOP the owner past its lease (a frozen VM, a long GC pause): the job is reclaimed and
     rerun as attempt 2. The old owner then wakes up and finishes attempt 1: fenced off."""
     pair = start_all([spawn(namespace, f"pause-{n}", tiny_model, lease_s=LEASE_S) for n in "ab"])
@@ -187,17 +214,18 @@ def test_stale_owner_resuming_after_a_pause_cannot_overwrite_the_new_result(spaw
 
 
 @pytest.mark.slow
-def test_intake_slower_than_the_lease_does_not_reclaim_its_own_entries(spawn, tiny_model, redis_url, namespace,
-                                                                       raw):
+def test_intake_slower_than_the_lease_does_not_reclaim_its_own_entries(spawn, tiny_model, redis_url, namespace, raw):
     replica = spawn(namespace, "slow-intake", tiny_model, lease_s=1.0).start().wait_ready()
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     # 66 KB prompts: ~50 ms of tokenization each, so a 128-entry read takes seconds to accept,
     # several leases (they then fail fast: longer than max_model_len)
-    jobs = client.submit_many([{"prompt": f"x = {i} + y\n" * 6000, "max_tokens": 1} for i in range(200)],
-                              progress=False)
+    jobs = client.submit_many(
+        [{"prompt": f"x = {i} + y\n" * 6000, "max_tokens": 1} for i in range(200)], progress=False
+    )
     ids = [job.job_id for job in jobs]
-    wait_until(lambda: not replica.alive() or all(s in ("done", "error") for s in ledger.statuses(ids)), 120,
-               "the jobs to end")
+    wait_until(
+        lambda: not replica.alive() or all(s in ("done", "error") for s in ledger.statuses(ids)), 120, "the jobs to end"
+    )
     time.sleep(1.0)
     assert replica.alive(), f"the replica crashed:\n{replica.log_tail(1500)}"
     summary = ledger.summary(ids)

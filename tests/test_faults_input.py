@@ -15,6 +15,7 @@ import time
 import msgpack
 import pytest
 import redis
+from fault_harness import JobLedger, check_attempt_sequences, record, spawner_fixture, wait_until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,6 @@ from clients import Client
 from clients.errors import ProtocolError, QueueFull
 from clients.keys import Keys
 from clients.protocol import JobRequest, decode_job
-from fault_harness import JobLedger, check_attempt_sequences, record, spawner_fixture, wait_until
 
 MB = 1024 * 1024
 
@@ -39,7 +39,10 @@ FIELDS = sorted(JobRequest.model_fields) + ["v", "colour"]
 _ids = itertools.count()
 
 hostile_scalars = st.one_of(
-    st.none(), st.booleans(), st.text(max_size=40), st.binary(max_size=40),
+    st.none(),
+    st.booleans(),
+    st.text(max_size=40),
+    st.binary(max_size=40),
     st.integers(min_value=-(2**63), max_value=2**64 - 1),
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([math.nan, math.inf, -math.inf, -1, -1.5, 0, -0.0, 2**31, 2**63 - 1, -(2**63), 1e308]),
@@ -49,8 +52,9 @@ hostile_values = st.recursive(
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
     max_leaves=25,
 )
-huge_strings = st.builds(lambda n, ch: ch * n, st.integers(100_000, 1_100_000),
-                         st.sampled_from(["x", "é", "\x00", "🙂", "{", " "]))
+huge_strings = st.builds(
+    lambda n, ch: ch * n, st.integers(100_000, 1_100_000), st.sampled_from(["x", "é", "\x00", "🙂", "{", " "])
+)
 
 
 def unique_job_id(payload: dict) -> dict:
@@ -85,17 +89,28 @@ def encode(payload, as_json: bool) -> dict:
 
 mutated_jobs = st.builds(
     lambda name, value, as_json: encode(runnable(unique_job_id({**GOOD, "job_id": "x", name: value})), as_json),
-    st.sampled_from(FIELDS), hostile_values | huge_strings, st.booleans())
+    st.sampled_from(FIELDS),
+    hostile_values | huge_strings,
+    st.booleans(),
+)
 random_maps = st.builds(
     lambda payload, as_json: encode(runnable(unique_job_id(payload)), as_json),
-    st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), hostile_values, max_size=8), st.booleans())
+    st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), hostile_values, max_size=8),
+    st.booleans(),
+)
 entries = st.one_of(
-    mutated_jobs, mutated_jobs, random_maps,
+    mutated_jobs,
+    mutated_jobs,
+    random_maps,
     st.binary(max_size=3000).map(lambda b: {"data": b}),
     st.binary(max_size=3000).map(lambda b: {"json": b}),
     st.text(max_size=300).map(lambda t: {"json": t}),
-    st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in ("data", "json")),
-                    st.binary(max_size=50), min_size=1, max_size=3),
+    st.dictionaries(
+        st.text(min_size=1, max_size=10).filter(lambda k: k not in ("data", "json")),
+        st.binary(max_size=50),
+        min_size=1,
+        max_size=3,
+    ),
     hostile_values.map(lambda v: {"data": msgpack.packb(v, use_bin_type=True)}),  # not a map
 )
 
@@ -113,15 +128,22 @@ def fixed_hostile_entries() -> list[dict]:
         {"json": '{"job_id": "fx-inf", "prompt": "hi", "top_p": -Infinity}'},
         {"data": msgpack.packb({**GOOD, "job_id": "fx-negative", "max_tokens": -5, "top_k": -7})},
         {"data": msgpack.packb({**GOOD, "job_id": "fx-types", "max_tokens": "5", "stop": {"a": 1}})},
-        {"data": msgpack.packb({"job_id": "fx-deep"})[:-0 or None].replace(b"\x81", b"\x82", 1)
-                 + b"\xa6prompt" + b"\x91" * 5000 + b"\x90"},  # arrays nested 5,000 deep
+        {
+            "data": msgpack.packb({"job_id": "fx-deep"})[: -0 or None].replace(b"\x81", b"\x82", 1)
+            + b"\xa6prompt"
+            + b"\x91" * 5000
+            + b"\x90"
+        },  # arrays nested 5,000 deep
         {"data": msgpack.packb([[]] * 300_000)},
         {"data": b"\xc1" * 64},
         {"data": msgpack.packb({**GOOD, "job_id": "fx-seed", "seed": -1})},
         {"data": msgpack.packb({**GOOD, "job_id": "fx-version", "v": 99})},
         {"data": msgpack.packb({**GOOD, "job_id": "fx-metadata", "metadata": {"k": "v" * 70_000}})},
-        {"json": json.dumps({**GOOD, "job_id": "fx-messages", "prompt": None,
-                             "messages": [{"role": "user", "content": 5}]})},
+        {
+            "json": json.dumps(
+                {**GOOD, "job_id": "fx-messages", "prompt": None, "messages": [{"role": "user", "content": 5}]}
+            )
+        },
     ]
 
 
@@ -134,8 +156,9 @@ def expected_job_id(fields: dict, entry_id: str) -> tuple[str | None, bool]:
 
 
 @pytest.mark.slow
-def test_fuzzed_hostile_entries_never_crash_the_replica_and_each_gets_an_answer(spawn, tiny_model, redis_url,
-                                                                               namespace, raw):
+def test_fuzzed_hostile_entries_never_crash_the_replica_and_each_gets_an_answer(
+    spawn, tiny_model, redis_url, namespace, raw
+):
     replica = spawn(namespace, "fuzz", tiny_model, lease_s=10).start().wait_ready()
     pid, stream = replica.pid, Keys(namespace).interactive
     written: list[tuple[str, dict]] = []
@@ -143,8 +166,9 @@ def test_fuzzed_hostile_entries_never_crash_the_replica_and_each_gets_an_answer(
     def xadd(fields: dict) -> None:
         written.append((raw.xadd(stream, fields).decode(), fields))
 
-    @settings(max_examples=100, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=100, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @given(entries)
     def feed(fields):
         xadd(fields)
@@ -181,9 +205,14 @@ def test_fuzzed_hostile_entries_never_crash_the_replica_and_each_gets_an_answer(
     assert good.result(timeout=60).token_ids
     assert replica.alive() and replica.pid == pid
     assert "crashed" not in replica.log_text() and "Traceback" not in replica.log_text()
-    record("hostile entries (hypothesis fuzz + 10 MB payloads)", submitted=len(written) + 1,
-           completed=len(written) + 1 - len(unanswered), lost=len(unanswered), duplicates=duplicates,
-           **{f"{k}s": v for k, v in counts.items()})
+    record(
+        "hostile entries (hypothesis fuzz + 10 MB payloads)",
+        submitted=len(written) + 1,
+        completed=len(written) + 1 - len(unanswered),
+        lost=len(unanswered),
+        duplicates=duplicates,
+        **{f"{k}s": v for k, v in counts.items()},
+    )
 
 
 def _short(fields: dict) -> dict:
@@ -222,15 +251,20 @@ class Sampler(threading.Thread):
 
 
 def tiny_jobs(count: int, offset: int) -> list[dict]:
-    return [{"prompt_token_ids": [5 + (offset + i) % 700, 6, 7], "max_tokens": 1, "temperature": 0}
-            for i in range(count)]
+    return [
+        {"prompt_token_ids": [5 + (offset + i) % 700, 6, 7], "max_tokens": 1, "temperature": 0} for i in range(count)
+    ]
 
 
 @pytest.mark.slow
-def test_flood_of_5000_jobs_waits_in_redis_and_every_accepted_job_completes(spawn, tiny_model, redis_url,
-                                                                            namespace, raw):
-    client, ledger, stream = Client(redis_url, namespace=namespace), JobLedger(raw, namespace), \
-        Keys(namespace).interactive
+def test_flood_of_5000_jobs_waits_in_redis_and_every_accepted_job_completes(
+    spawn, tiny_model, redis_url, namespace, raw
+):
+    client, ledger, stream = (
+        Client(redis_url, namespace=namespace),
+        JobLedger(raw, namespace),
+        Keys(namespace).interactive,
+    )
     # a bounded producer, before any replica runs: 100 accepted, then QueueFull
     with pytest.raises(QueueFull) as full:
         client.submit_many(tiny_jobs(150, 0), max_queue_len=100, progress=False)
@@ -270,6 +304,13 @@ def test_flood_of_5000_jobs_waits_in_redis_and_every_accepted_job_completes(spaw
     assert big.max_pending <= capacity, f"{big.max_pending} entries read at once; credits are {capacity}"
     assert growth_mb < 50, f"RSS grew {growth_mb:.0f} MB between 100 and 5,000 queued jobs"
     assert replica.alive()
-    record("flood of 5,000 jobs + bounded producer", **summary, rejected_queue_full=52,
-           max_queued=big.max_len, max_in_flight=big.max_pending, drain_s=round(drain_s),
-           rss_mb_100_queued=round(small.peak_rss / MB), rss_mb_5000_queued=round(big.peak_rss / MB))
+    record(
+        "flood of 5,000 jobs + bounded producer",
+        **summary,
+        rejected_queue_full=52,
+        max_queued=big.max_len,
+        max_in_flight=big.max_pending,
+        drain_s=round(drain_s),
+        rss_mb_100_queued=round(small.peak_rss / MB),
+        rss_mb_5000_queued=round(big.peak_rss / MB),
+    )

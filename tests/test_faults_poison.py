@@ -14,14 +14,13 @@ import threading
 import time
 
 import pytest
+from fault_harness import JobLedger, check_attempt_sequences, raw_job, record, spawner_fixture, start_all, wait_until
+from model_factory import build_tiny_model
+from scratch import scratch_namespace
 
 from clients import Client
 from clients.errors import JobCancelled, JobFailed
 from clients.keys import Keys
-from fault_harness import (JobLedger, check_attempt_sequences, raw_job, record, spawner_fixture, start_all,
-                           wait_until)
-from model_factory import build_tiny_model
-from scratch import scratch_namespace
 
 LEASE_S = 2.0
 MAX_DELIVERIES = 2
@@ -44,8 +43,9 @@ class Supervisor(threading.Thread):
                 if replica.returncode is not None and self.running:
                     self.exits.append((replica.consumer, replica.returncode))
                     base = replica.consumer.rsplit("-r", 1)[0]
-                    self.slots[index] = self.spawn(replica.namespace, f"{base}-r{len(self.exits)}", replica.model,
-                                                   **self.options).start()
+                    self.slots[index] = self.spawn(
+                        replica.namespace, f"{base}-r{len(self.exits)}", replica.model, **self.options
+                    ).start()
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -72,13 +72,14 @@ def cluster(request, tmp_path_factory, redis_url, namespace):
 
 
 def good_jobs(count: int, tag: int, max_tokens: int = 20) -> list[dict]:
-    return [{"prompt_token_ids": [5, 6, tag, i], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
-            for i in range(count)]
+    return [
+        {"prompt_token_ids": [5, 6, tag, i], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        for i in range(count)
+    ]
 
 
 @pytest.mark.slow
-def test_poison_job_crashes_each_replica_until_max_deliveries_then_is_dead_lettered(cluster, redis_url,
-                                                                                     namespace, raw):
+def test_poison_job_crashes_each_replica_until_max_deliveries_then_is_dead_lettered(cluster, redis_url, namespace, raw):
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     poison = client.submit(prompt="def boom():", max_tokens=5, metadata={"conveyor_fault": "crash"})
     with pytest.raises(JobFailed) as failure:
@@ -98,8 +99,12 @@ def test_poison_job_crashes_each_replica_until_max_deliveries_then_is_dead_lette
     jobs = client.submit_many(good_jobs(6, tag=1), progress=False)
     assert all(job.result(timeout=90).attempt == 1 for job in jobs)
     summary = ledger.summary([poison.job_id] + [j.job_id for j in jobs])
-    record(f"poison job (crashes its replica; max_deliveries={MAX_DELIVERIES})", **summary,
-           replica_crashes=len(cluster.exits), dead_lettered=1)
+    record(
+        f"poison job (crashes its replica; max_deliveries={MAX_DELIVERIES})",
+        **summary,
+        replica_crashes=len(cluster.exits),
+        dead_lettered=1,
+    )
     assert summary["lost"] == 0 and summary["duplicates"] == 0
 
 
@@ -117,8 +122,12 @@ def test_every_key_but_the_request_streams_has_a_ttl(cluster, redis_url, namespa
     wait_until(lambda: ledger.record(cancelled.job_id).tokens, 60, "the job to cancel to run")
     cancelled.cancel()
 
-    outcomes = {"raw-producer": None, "bad-field": "invalid_job", too_long.job_id: "invalid_request",
-                late.job_id: "deadline_exceeded"}
+    outcomes = {
+        "raw-producer": None,
+        "bad-field": "invalid_job",
+        too_long.job_id: "invalid_request",
+        late.job_id: "deadline_exceeded",
+    }
     for job in done:
         job.result(timeout=60)
     for job_id, code in outcomes.items():

@@ -8,12 +8,19 @@ import time
 
 import pytest
 import redis
+from fault_harness import (
+    JobLedger,
+    check_attempt_sequences,
+    private_server,
+    record,
+    spawner_fixture,
+    unique_namespace,
+    wait_until,
+)
+from model_factory import build_tiny_model
 
 from clients import Client
 from clients.keys import Keys
-from fault_harness import (JobLedger, check_attempt_sequences, private_server, record, spawner_fixture,
-                           unique_namespace, wait_until)
-from model_factory import build_tiny_model
 
 LEASE_S = 3.0
 
@@ -36,13 +43,16 @@ def replica(request, tmp_path_factory, server, namespace):
     burst of jobs waits in Redis (queued) while a few are in flight (pending)."""
     model = build_tiny_model("llama", tmp_path_factory.mktemp("server_llama"))
     for spawn in spawner_fixture(request, tmp_path_factory.mktemp("server_logs"), server.url):
-        yield spawn(namespace, "server-faults", model, lease_s=LEASE_S,
-                    args=["--max-num-seqs", "2"]).start().wait_ready()
+        yield (
+            spawn(namespace, "server-faults", model, lease_s=LEASE_S, args=["--max-num-seqs", "2"]).start().wait_ready()
+        )
 
 
 def jobs_of(count: int, tag: int, max_tokens: int = 60) -> list[dict]:
-    return [{"prompt_token_ids": [5, 6, tag % 700, i], "max_tokens": max_tokens, "ignore_eos": True,
-             "temperature": 0} for i in range(count)]
+    return [
+        {"prompt_token_ids": [5, 6, tag % 700, i], "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        for i in range(count)
+    ]
 
 
 def outcome(server, namespace, job_ids, timeout=120.0) -> dict:
@@ -52,8 +62,11 @@ def outcome(server, namespace, job_ids, timeout=120.0) -> dict:
         ledger = JobLedger(client, namespace)
         ledger.wait_finished(job_ids, timeout)
         for rec in ledger.records(job_ids).values():
-            assert [e.type for e in rec.terminals] == ["done"], \
-                (rec.job_id, [(e.type, e.attempt, e.entry_id) for e in rec.terminals], rec.hash.get(b"entry"))
+            assert [e.type for e in rec.terminals] == ["done"], (
+                rec.job_id,
+                [(e.type, e.attempt, e.entry_id) for e in rec.terminals],
+                rec.hash.get(b"entry"),
+            )
             check_attempt_sequences(rec)
         return ledger.summary(job_ids)
     finally:

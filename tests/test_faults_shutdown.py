@@ -9,11 +9,18 @@ import subprocess
 
 import pytest
 import redis
+from fault_harness import (
+    JobLedger,
+    check_attempt_sequences,
+    pending_details,
+    pending_owners,
+    record,
+    spawner_fixture,
+    wait_until,
+)
 
 from clients import Client
 from clients.keys import Keys
-from fault_harness import (JobLedger, check_attempt_sequences, pending_details, pending_owners, record,
-                           spawner_fixture, wait_until)
 
 GRACE_S = 2.0
 LEASE_S = 4.0
@@ -28,13 +35,20 @@ def spawn(request, tmp_path, redis_url, namespace):
 @pytest.mark.slow
 def test_sigterm_under_load_finishes_or_hands_back_every_job_and_exits_0(spawn, tiny_model, redis_url, namespace):
     raw = redis.Redis.from_url(redis_url)
-    client, ledger, stream = Client(redis_url, namespace=namespace), JobLedger(raw, namespace), \
-        Keys(namespace).interactive
+    client, ledger, stream = (
+        Client(redis_url, namespace=namespace),
+        JobLedger(raw, namespace),
+        Keys(namespace).interactive,
+    )
     leaving = spawn(namespace, "term-old", tiny_model, lease_s=LEASE_S, grace_s=GRACE_S).start().wait_ready()
-    short = client.submit_many([{"prompt_token_ids": [5, 6, i], "max_tokens": 30, "ignore_eos": True,
-                                 "temperature": 0} for i in range(20)], progress=False)
-    long = client.submit_many([{"prompt_token_ids": [5, 7, i], "max_tokens": 600, "ignore_eos": True,
-                                "temperature": 0} for i in range(20)], progress=False)
+    short = client.submit_many(
+        [{"prompt_token_ids": [5, 6, i], "max_tokens": 30, "ignore_eos": True, "temperature": 0} for i in range(20)],
+        progress=False,
+    )
+    long = client.submit_many(
+        [{"prompt_token_ids": [5, 7, i], "max_tokens": 600, "ignore_eos": True, "temperature": 0} for i in range(20)],
+        progress=False,
+    )
     ids = [job.job_id for job in short + long]
     long_ids = [job.job_id for job in long]
     wait_until(lambda: all(r.tokens for r in ledger.records(long_ids).values()), 60, "the replica to run the jobs")
@@ -48,8 +62,10 @@ def test_sigterm_under_load_finishes_or_hands_back_every_job_and_exits_0(spawn, 
         raise AssertionError("the SIGTERMed replica did not exit: an actor ignored its cancellation") from None
     assert code == 0, f"exit code of a SIGTERMed replica:\n{leaving.log_tail()}"
     left = {_text(p["message_id"]): p for p in pending_details(raw, stream)}
-    assert all(p["time_since_delivered"] >= HANDED_BACK_IDLE_MS or _text(p["consumer"]) == arriving.consumer
-               for p in left.values()), f"unfinished entries not handed back: {list(left.values())[:3]}"
+    assert all(
+        p["time_since_delivered"] >= HANDED_BACK_IDLE_MS or _text(p["consumer"]) == arriving.consumer
+        for p in left.values()
+    ), f"unfinished entries not handed back: {list(left.values())[:3]}"
     arriving.wait_ready()
     ledger.wait_finished(ids, 120)
 
@@ -66,8 +82,13 @@ def test_sigterm_under_load_finishes_or_hands_back_every_job_and_exits_0(spawn, 
     assert logged and int(logged.group(1)) >= len(handed_back) == len(left)
     assert sorted(arriving.reclaimed_entries()) == sorted(left), "the new replica takes what was handed back"
     summary = ledger.summary(ids)
-    record("SIGTERM under load (rolling update)", **summary, finished_within_grace=len(finished_in_grace),
-           handed_back=len(handed_back), exit_code=0)
+    record(
+        "SIGTERM under load (rolling update)",
+        **summary,
+        finished_within_grace=len(finished_in_grace),
+        handed_back=len(handed_back),
+        exit_code=0,
+    )
     assert summary["lost"] == 0 and summary["duplicates"] == 0
     raw.close()
 
@@ -83,7 +104,8 @@ def test_sigterm_during_an_intake_burst_hands_back_every_entry_it_read(spawn, ti
     replica = spawn(namespace, "term-burst", tiny_model, grace_s=1.0).start().wait_ready()  # default lease 30 s
     # prompts slow to tokenize, so the ingest actor is still accepting its first read when SIGTERM comes
     Client(redis_url, namespace=namespace).submit_many(
-        [{"prompt": f"def f(x): return x + {i}\n" * 300, "max_tokens": 2} for i in range(400)], progress=False)
+        [{"prompt": f"def f(x): return x + {i}\n" * 300, "max_tokens": 2} for i in range(400)], progress=False
+    )
     wait_until(lambda: raw.xpending(stream, "engines")["pending"] > 0, 30, "the first read", interval=0.005)
     replica.sigterm()
     try:
@@ -106,6 +128,7 @@ def test_actor_stop_stops_an_actor_that_is_talking_to_redis(redis_url):
 
     class Chatty(Actor):
         """An actor whose loop is all Redis round trips, like the ingest and lease actors."""
+
         name = "chatty"
 
         def __init__(self, client) -> None:

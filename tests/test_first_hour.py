@@ -7,6 +7,7 @@ One serve for the module (the tiny random Llama, served as `smollm2` so the READ
 model name works), its data folder under a temporary $XDG_DATA_HOME: real processes, a
 real embedded Valkey, the real openai SDK.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,25 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from fault_harness import CONVEYOR, REPO_ROOT, wait_until
 from gateway_harness import free_port
 
 READY_S = 240.0  # a replica imports torch and loads its model: slow on a loaded 2-core box
 COMMAND_S = 180.0
 ANSWER_AGAIN_S = 10.0  # the acceptance bound: the gateway answers this soon after serve is back
-CLEARED = ("REDIS_URL", "REDIS_PASSWORD", "REDIS_PASSWORD_FILE", "REDIS_USERNAME", "REDIS_CLUSTER",
-           "CONVEYOR_DATA_DIR", "CONVEYOR_NAMESPACE", "CONVEYOR_PARTITIONS", "CONVEYOR_GATEWAY_API_KEYS",
-           "CONVEYOR_GATEWAY_KEYS_FILE", "CONVEYOR_GATEWAY_PORT")  # fmt: skip
+CLEARED = (
+    "REDIS_URL",
+    "REDIS_PASSWORD",
+    "REDIS_PASSWORD_FILE",
+    "REDIS_USERNAME",
+    "REDIS_CLUSTER",
+    "CONVEYOR_DATA_DIR",
+    "CONVEYOR_NAMESPACE",
+    "CONVEYOR_PARTITIONS",
+    "CONVEYOR_GATEWAY_API_KEYS",
+    "CONVEYOR_GATEWAY_KEYS_FILE",
+    "CONVEYOR_GATEWAY_PORT",
+)
 
 
 class Walk:
@@ -44,9 +54,14 @@ class Walk:
             folder.mkdir()
         (self.user_dir / ".venv").symlink_to(REPO_ROOT / ".venv")  # as in a checkout: `.venv/bin/conveyor`
         self.env = {name: value for name, value in os.environ.items() if name not in CLEARED}
-        self.env.update(XDG_DATA_HOME=str(self.data_home), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-                        CONVEYOR_NUM_KV_BLOCKS="64", CONVEYOR_LOG_LEVEL="INFO",
-                        PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))))
+        self.env.update(
+            XDG_DATA_HOME=str(self.data_home),
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            CONVEYOR_NUM_KV_BLOCKS="64",
+            CONVEYOR_LOG_LEVEL="INFO",
+            PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
+        )
         self.serve: subprocess.Popen | None = None
         self.serve_log = root / "serve.log"
         self.gateway: subprocess.Popen | None = None
@@ -59,9 +74,14 @@ class Walk:
         """`conveyor serve --model ...` with no URL and no data dir; back once it serves."""
         start = len(self.serve_log.read_text()) if self.serve_log.exists() else 0
         with open(self.serve_log, "ab") as log:
-            self.serve = subprocess.Popen([str(CONVEYOR), "serve", "--model", self.model, "--served-model-name",
-                                           "smollm2", "--grace-s", "1"], stdout=log, stderr=subprocess.STDOUT,
-                                          env=self.env, cwd=self.serve_dir, start_new_session=True)  # fmt: skip
+            self.serve = subprocess.Popen(
+                [str(CONVEYOR), "serve", "--model", self.model, "--served-model-name", "smollm2", "--grace-s", "1"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.serve_dir,
+                start_new_session=True,
+            )
         wait_until(lambda: self._serving_since(start), READY_S, "conveyor serve to start serving")
 
     def _serving_since(self, offset: int) -> bool:
@@ -84,14 +104,25 @@ class Walk:
 
     def conveyor(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """A `conveyor` command run from the other folder, as typed."""
-        return subprocess.run([str(CONVEYOR), *args], cwd=self.user_dir, env=env or self.env, capture_output=True,
-                              text=True, timeout=COMMAND_S)  # fmt: skip
+        return subprocess.run(
+            [str(CONVEYOR), *args],
+            cwd=self.user_dir,
+            env=env or self.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_S,
+        )
 
     def start_gateway(self, port: int) -> None:
         log = open(self.root / "gateway.log", "ab")
-        self.gateway = subprocess.Popen([str(CONVEYOR), "gateway", "--port", str(port), "--log-level", "warning"],
-                                        stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.user_dir,
-                                        start_new_session=True)  # fmt: skip
+        self.gateway = subprocess.Popen(
+            [str(CONVEYOR), "gateway", "--port", str(port), "--log-level", "warning"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.user_dir,
+            start_new_session=True,
+        )
         log.close()
 
     def stop_gateway(self) -> None:
@@ -147,9 +178,15 @@ def test_status_and_batch_from_another_folder(walk):
     status = walk.conveyor("status")
     assert status.returncode == 0, status.stderr
     assert "model smollm2 (published" in status.stdout, status.stdout
-    requests = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"model": "smollm2", "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 3}}
-                for i in range(2)]  # fmt: skip
+    requests = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "smollm2", "messages": [{"role": "user", "content": f"Hi {i}"}], "max_tokens": 3},
+        }
+        for i in range(2)
+    ]
     (walk.user_dir / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     batch = walk.conveyor("batch", "in.jsonl", "out.jsonl", "--quiet")
     assert batch.returncode == 0, batch.stderr
@@ -218,12 +255,24 @@ def test_the_readme_shell_and_python_snippets_that_use_the_local_server_run_as_w
     shell, python = local_shell_blocks(), local_python_blocks()
     assert shell and python, "the README shows no local-server snippet"
     for block in shell:
-        run = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=walk.user_dir, env=walk.env,
-                             capture_output=True, text=True, timeout=COMMAND_S)  # fmt: skip
+        run = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block],
+            cwd=walk.user_dir,
+            env=walk.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_S,
+        )
         assert run.returncode == 0, f"README block failed:\n{block}\n--- stderr:\n{run.stderr[-3000:]}"
     for block in python:
-        run = subprocess.run([sys.executable, "-c", block], cwd=walk.user_dir, env=walk.env, capture_output=True,
-                             text=True, timeout=COMMAND_S)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, "-c", block],
+            cwd=walk.user_dir,
+            env=walk.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_S,
+        )
         assert run.returncode == 0, f"README block failed:\n{block}\n--- stderr:\n{run.stderr[-3000:]}"
 
 
@@ -241,19 +290,37 @@ def test_the_readme_gateway_snippets_run_as_written_on_a_free_port(walk):
     line = GATEWAY_LINE.search(blocks[0]).group(0)
     assert f"--port {README_PORT}" in line
     argv = shlex.split(line.replace(f"--port {README_PORT}", f"--port {port}"))
-    gateway = subprocess.Popen(argv, cwd=walk.user_dir, env=walk.env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    gateway = subprocess.Popen(
+        argv,
+        cwd=walk.user_dir,
+        env=walk.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_until(lambda: healthy(port), READY_S, "the README's gateway to listen", interval=0.2)
         rest = "\n".join(text for text in blocks[0].splitlines() if not GATEWAY_LINE.match(text))
         curl = rest.replace(f"127.0.0.1:{README_PORT}", f"127.0.0.1:{port}")
-        run = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], cwd=walk.user_dir, env=walk.env,
-                             capture_output=True, text=True, timeout=COMMAND_S)  # fmt: skip
+        run = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", curl],
+            cwd=walk.user_dir,
+            env=walk.env,
+            capture_output=True,
+            text=True,
+            timeout=COMMAND_S,
+        )
         assert run.returncode == 0 and json.loads(run.stdout)["choices"], f"{curl}\n{run.stdout}{run.stderr}"
         for block in python:
             code = block.replace(f"127.0.0.1:{README_PORT}", f"127.0.0.1:{port}")
-            run = subprocess.run([sys.executable, "-c", code], cwd=walk.user_dir, env=walk.env,
-                                 capture_output=True, text=True, timeout=COMMAND_S)  # fmt: skip
+            run = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=walk.user_dir,
+                env=walk.env,
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_S,
+            )
             assert run.returncode == 0, f"README block failed:\n{block}\n--- stderr:\n{run.stderr[-3000:]}"
     finally:
         gateway.terminate()

@@ -5,6 +5,7 @@ official `openai` SDK (sync and async) over loopback HTTP.
 Greedy outputs through the gateway equal the offline engine's `LLM.generate`; errors come
 back as the SDK's exceptions; a client that goes away cancels its job; and a stream
 survives kill -9 of the replica running its job (the last test: it kills one replica)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,15 @@ import httpx
 import openai
 import pytest
 import redis
+from fault_harness import JobLedger, ServeProcess, check_attempt_sequences, wait_until
+from gateway_harness import LIGHT_GATEWAY, REPO_ROOT, GatewayProcess, GatewayThread, async_openai_client, openai_client
+from model_factory import build_tiny_model
 
 from clients import Client
 from clients.events import TokenEvent
+from clients.keys import GROUP, Keys
 from gateway.streaming import BadLogprobs, Relay, StreamDiverged, checked_logprobs
 from gateway.tenants import KeyRing, load_grants, parse_key_list, read_keys_file
-from clients.keys import GROUP, Keys
-from fault_harness import JobLedger, ServeProcess, check_attempt_sequences, wait_until
-from gateway_harness import (LIGHT_GATEWAY, REPO_ROOT, GatewayProcess, GatewayThread, async_openai_client,
-                             openai_client)
-from model_factory import build_tiny_model
 
 MODEL = "tiny"
 MAIN_KEY, BATCH_KEY, EMPTY_KEY = "sk-main-0123", "sk-batch-4567", "sk-empty-89ab"
@@ -42,10 +42,21 @@ def stack(tmp_path_factory, redis_url):
     ns, empty_ns = f"gw-{uuid.uuid4().hex[:10]}", f"gw-empty-{uuid.uuid4().hex[:8]}"
     model_dir = build_tiny_model("llama", tmp_path_factory.mktemp("gateway_llama"))
     keys_file = log_dir / "keys.json"
-    keys_file.write_text(json.dumps({MAIN_KEY: {"namespace": ns}, BATCH_KEY: f"{ns}:batch",
-                                     EMPTY_KEY: {"namespace": empty_ns, "priority_class": "interactive"}}))
-    replicas = [ServeProcess(model_dir, redis_url, ns, f"gw-replica-{n}", log_dir, lease_s=LEASE_S,
-                             args=["--served-model-name", MODEL]).start() for n in "ab"]  # fmt: skip
+    keys_file.write_text(
+        json.dumps(
+            {
+                MAIN_KEY: {"namespace": ns},
+                BATCH_KEY: f"{ns}:batch",
+                EMPTY_KEY: {"namespace": empty_ns, "priority_class": "interactive"},
+            }
+        )
+    )
+    replicas = [
+        ServeProcess(
+            model_dir, redis_url, ns, f"gw-replica-{n}", log_dir, lease_s=LEASE_S, args=["--served-model-name", MODEL]
+        ).start()
+        for n in "ab"
+    ]
     gateway = GatewayProcess(redis_url, log_dir, keys_file=keys_file, args=["--replica-idle-s", "20"]).start()
     try:
         offline = _offline_engine(model_dir)
@@ -76,6 +87,7 @@ class Stack:
     def expected(self, prompt, **sampling):
         """The offline engine's output for a prompt (text, or token ids)."""
         from engine import SamplingParams
+
         params = SamplingParams(**{"temperature": 0.0, **sampling})
         return self.offline.generate([prompt], params, use_tqdm=False)[0]
 
@@ -90,12 +102,14 @@ class Stack:
 
     def job_ids(self) -> set[str]:
         prefix = f"{self.ns}:job:"
-        return {key.decode()[len(prefix):] for key in self.raw.scan_iter(match=f"{prefix}*", count=1000)}
+        return {key.decode()[len(prefix) :] for key in self.raw.scan_iter(match=f"{prefix}*", count=1000)}
 
 
 def _offline_engine(model_dir):
     import torch
+
     from engine import LLM
+
     torch.set_num_threads(1)
     return LLM(model_dir)
 
@@ -109,8 +123,15 @@ def _delete_namespace(redis_url: str, ns: str) -> None:
 
 
 def long_request(**extra) -> dict:
-    return {"model": MODEL, "prompt": "def main():", "max_tokens": 900, "temperature": 0, "stream": True,
-            "extra_body": {"ignore_eos": True}, **extra}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": "def main():",
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "extra_body": {"ignore_eos": True},
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------- pure pieces (no servers)
@@ -138,7 +159,10 @@ def test_api_keys_from_file_and_env_are_compared_by_digest(tmp_path):
     (tmp_path / "keys.yaml").write_text("k1: {namespace: team-a}\nk2: team-b:batch\n")
     grants = load_grants(str(tmp_path / "keys.yaml"), "k3=team-c, k2=team-b")
     assert {k: (g.namespace, g.priority_class) for k, g in grants.items()} == {
-        "k1": ("team-a", "interactive"), "k2": ("team-b", "interactive"), "k3": ("team-c", "interactive")}
+        "k1": ("team-a", "interactive"),
+        "k2": ("team-b", "interactive"),
+        "k3": ("team-c", "interactive"),
+    }
     ring = KeyRing(grants)
     assert ring.grant_for("k3").namespace == "team-c" and ring.grant_for("k4") is None
     assert "secret-key" not in repr(vars(ring))  # only digests are kept
@@ -155,8 +179,11 @@ def test_logprobs_that_name_other_tokens_are_refused():
     good = TokenEvent(attempt=1, seq=0, text="a", token_ids=[7], logprobs=[{"token_id": 7, "logprob": -1.0, "top": []}])
     assert checked_logprobs(good) == good.logprobs
     with pytest.raises(BadLogprobs):
-        checked_logprobs(TokenEvent(attempt=1, seq=1, text="b", token_ids=[8],
-                                    logprobs=[{"token_id": 9, "logprob": -1.0, "top": []}]))
+        checked_logprobs(
+            TokenEvent(
+                attempt=1, seq=1, text="b", token_ids=[8], logprobs=[{"token_id": 9, "logprob": -1.0, "top": []}]
+            )
+        )
 
 
 # ---------------------------------------------------------------- models, health, auth
@@ -223,11 +250,14 @@ def test_completions_greedy_equal_offline_streamed_or_not(stack):
         reply = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=12 + index, temperature=0)
         assert reply.choices[0].text == expected.text
         assert reply.choices[0].finish_reason == expected.finish_reason
-        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == \
-            (len(expected.prompt_token_ids), len(expected.token_ids))
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+            len(expected.prompt_token_ids),
+            len(expected.token_ids),
+        )
         assert reply.id.startswith("cmpl-") and reply.object == "text_completion" and reply.model == MODEL
-        chunks = list(sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=12 + index, temperature=0,
-                                             stream=True))  # fmt: skip
+        chunks = list(
+            sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=12 + index, temperature=0, stream=True)
+        )
         assert "".join(c.choices[0].text for c in chunks) == expected.text
         assert chunks[-1].choices[0].finish_reason == expected.finish_reason
     ids = stack.expected(PROMPTS[0], max_tokens=1).prompt_token_ids
@@ -236,18 +266,24 @@ def test_completions_greedy_equal_offline_streamed_or_not(stack):
 
 
 def test_chat_greedy_equals_offline_on_the_templated_prompt(stack):
-    messages = [{"role": "system", "content": "You write Python."},
-                {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]},
+    ]
     flat = [messages[0], {"role": "user", "content": "def add(a, b):"}]
     expected = stack.expected(stack.chat_prompt_ids(flat), max_tokens=10)
 
     async def run():
         async with async_openai_client(stack.gateway, MAIN_KEY) as sdk:
-            reply = await sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
-                                                      temperature=0)  # fmt: skip
-            stream = await sdk.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10,
-                                                       temperature=0, stream=True,
-                                                       stream_options={"include_usage": True})  # fmt: skip
+            reply = await sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+            stream = await sdk.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_completion_tokens=10,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             return reply, [chunk async for chunk in stream]
 
     reply, chunks = asyncio.run(run())
@@ -286,38 +322,45 @@ def test_chat_without_max_tokens_gets_the_context_its_prompt_leaves(stack):
         content += body
     messages = [{"role": "user", "content": content}]
     prompt_tokens = len(stack.chat_prompt_ids(messages))
-    reply = stack.sdk().chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                                extra_body={"ignore_eos": True})  # fmt: skip
+    reply = stack.sdk().chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert reply.usage.prompt_tokens == prompt_tokens
     assert reply.usage.completion_tokens == 1024 - prompt_tokens and reply.choices[0].finish_reason == "length"
 
 
 def test_sampling_fields_and_vllm_extras_reach_the_job(stack):
-    sampling = dict(temperature=0.9, top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=0.3,
-                    max_tokens=12)  # fmt: skip
+    sampling = dict(temperature=0.9, top_p=0.9, seed=1234, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=12)
     extras = dict(top_k=40, min_p=0.02, repetition_penalty=1.2, min_tokens=3)
     expected = stack.expected(PROMPTS[1], **sampling, **extras)
-    reply = stack.sdk().completions.create(model=MODEL, prompt=PROMPTS[1], extra_body=extras, user="someone",
-                                           **sampling)  # fmt: skip
+    reply = stack.sdk().completions.create(
+        model=MODEL, prompt=PROMPTS[1], extra_body=extras, user="someone", **sampling
+    )
     assert reply.choices[0].text == expected.text
     stop = expected.text[4:7]
-    stopped = stack.sdk().completions.create(model=MODEL, prompt=PROMPTS[1], stop=[stop], extra_body=extras,
-                                             **sampling)  # fmt: skip
+    stopped = stack.sdk().completions.create(model=MODEL, prompt=PROMPTS[1], stop=[stop], extra_body=extras, **sampling)
     assert stopped.choices[0].text == stack.expected(PROMPTS[1], stop=[stop], **sampling, **extras).text
     assert stopped.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_of_chat_and_completions(stack):
     sdk = stack.sdk()
-    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "import"}], max_tokens=6,
-                                       temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    chat = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "import"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 6
     for item in content:  # greedy: the chosen token is the most likely one
         assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
         assert item.logprob <= 0 and item.bytes == list(item.token.encode())
-    chunks = list(sdk.completions.create(model=MODEL, prompt="def", max_tokens=6, temperature=0, logprobs=2,
-                                         stream=True))  # fmt: skip
+    chunks = list(
+        sdk.completions.create(model=MODEL, prompt="def", max_tokens=6, temperature=0, logprobs=2, stream=True)
+    )
     streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
     tokens = [t for lp in streamed for t in lp.tokens]
     offsets = [o for lp in streamed for o in lp.text_offset]
@@ -349,19 +392,28 @@ def test_n_choices_of_chat_streamed_or_not(stack):
     sdk = stack.sdk()
     reply = sdk.chat.completions.create(model=MODEL, messages=messages, n=2, **sampling)
     assert [c.message.content for c in reply.choices] == expected and [c.index for c in reply.choices] == [0, 1]
-    chunks = list(sdk.chat.completions.create(model=MODEL, messages=messages, n=2, stream=True,
-                                              stream_options={"include_usage": True}, **sampling))  # fmt: skip
+    chunks = list(
+        sdk.chat.completions.create(
+            model=MODEL, messages=messages, n=2, stream=True, stream_options={"include_usage": True}, **sampling
+        )
+    )
     assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
-    by_index = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                for i in range(2)}  # fmt: skip
+    by_index = {
+        i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        for i in range(2)
+    }
     assert list(by_index.values()) == expected
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens == 12
 
 
 def test_priority_class_from_the_key_service_tier_and_header(stack):
     def tier(key, **options):
-        return stack.sdk(key).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
-                                                      max_tokens=1, **options).service_tier  # fmt: skip
+        return (
+            stack.sdk(key)
+            .chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=1, **options)
+            .service_tier
+        )
+
     assert tier(MAIN_KEY) == "default"
     assert tier(MAIN_KEY, service_tier="flex") == "flex"
     assert tier(MAIN_KEY, extra_headers={"X-Conveyor-Priority-Class": "batch"}) == "flex"
@@ -375,31 +427,40 @@ def test_priority_class_from_the_key_service_tier_and_header(stack):
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("route, fields, param", [
-    ("completions", {"n": 17}, "n"),
-    ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"echo": True}, "echo"),
-    ("completions", {"suffix": "tail"}, "suffix"),
-    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-    ("completions", {"prompt": ["one", "two"]}, "prompt"),
-    ("completions", {"temperature": -1}, "temperature"),
-    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
-    ("chat", {"n": 0}, "n"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"response_format": {"type": "grammar", "grammar": "root ::= x"}}, "response_format.type"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema.schema"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
-    ("chat", {"service_tier": "turbo"}, "service_tier"),
-    ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ("chat", {"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
-    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "route, fields, param",
+    [
+        ("completions", {"n": 17}, "n"),
+        ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"echo": True}, "echo"),
+        ("completions", {"suffix": "tail"}, "suffix"),
+        ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("completions", {"prompt": ["one", "two"]}, "prompt"),
+        ("completions", {"temperature": -1}, "temperature"),
+        ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("completions", {"extra_body": {"guided_json": {}}}, "guided_json"),
+        ("chat", {"n": 0}, "n"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ("chat", {"tool_choice": "required"}, "tool_choice"),
+        ("chat", {"response_format": {"type": "grammar", "grammar": "root ::= x"}}, "response_format.type"),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+        ("chat", {"service_tier": "turbo"}, "service_tier"),
+        ("chat", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ("chat", {"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
 def test_unsupported_or_invalid_fields_are_400_naming_the_field(stack, route, fields, param):
     sdk = stack.sdk()
     with pytest.raises(openai.BadRequestError) as failure:
@@ -412,8 +473,17 @@ def test_unsupported_or_invalid_fields_are_400_naming_the_field(stack, route, fi
 
 def test_fields_that_change_nothing_are_accepted(stack):
     reply = stack.sdk().chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=2, user="u-1", metadata={"team": "a"}, store=False,
-        parallel_tool_calls=False, n=1, tool_choice="none", response_format={"type": "text"})
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=2,
+        user="u-1",
+        metadata={"team": "a"},
+        store=False,
+        parallel_tool_calls=False,
+        n=1,
+        tool_choice="none",
+        response_format={"type": "text"},
+    )
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
@@ -472,9 +542,11 @@ def test_a_keys_file_without_keys_is_refused(tmp_path, redis_url):
 
 
 def test_the_gateway_imports_no_engine_code():
-    code = ("import sys, gateway.server, gateway.cli\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine', 'actors'))\n"
-            "assert not heavy, heavy")
+    code = (
+        "import sys, gateway.server, gateway.cli\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine', 'actors'))\n"
+        "assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
 
 
@@ -483,8 +555,14 @@ def test_the_gateway_imports_no_engine_code():
 
 def _stream_then_close(stack, headers=None) -> str:
     """Open a long stream, read until some text arrived, close it; returns the job id."""
-    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "def main():",
+        "max_tokens": 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     auth = {"Authorization": f"Bearer {MAIN_KEY}", **(headers or {})}
     with httpx.stream("POST", f"{stack.gateway.base_url}/completions", json=body, headers=auth, timeout=60) as reply:
         assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
@@ -504,8 +582,12 @@ def test_a_client_leaving_a_plain_request_cancels_its_job(stack):
     before = stack.job_ids()
     body = {"model": MODEL, "prompt": "def main():", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{stack.gateway.base_url}/completions", json=body, timeout=httpx.Timeout(60, read=0.5),
-                   headers={"Authorization": f"Bearer {MAIN_KEY}"})  # fmt: skip
+        httpx.post(
+            f"{stack.gateway.base_url}/completions",
+            json=body,
+            timeout=httpx.Timeout(60, read=0.5),
+            headers={"Authorization": f"Bearer {MAIN_KEY}"},
+        )
     [job_id] = stack.job_ids() - before
     wait_until(lambda: stack.status(job_id) == "cancelled", 15, "the job to be cancelled")
 
@@ -521,10 +603,12 @@ def test_keep_on_disconnect_lets_the_job_finish(stack):
 
 def _owner(stack, job_id: str) -> ServeProcess:
     """The replica holding the job's request entry (on the model's own streams)."""
+
     def holder():
         for stream in stack.keys.all_model_requests(MODEL):
             for item in stack.raw.xpending_range(stream, GROUP, min="-", max="+", count=100):
                 return item["consumer"].decode()
+
     name = wait_until(holder, 10, f"an owner of job {job_id}")
     return next(r for r in stack.replicas if r.consumer == name)
 
@@ -550,6 +634,6 @@ def test_stream_survives_kill9_of_the_replica_running_its_job(stack):
     first_attempt = [t for e in record.tokens_of(1) for t in e.token_ids]
     assert result.attempt == 2 and len(result.token_ids) == 900
     assert 0 < len(first_attempt) < 900, "the job must be cut short by the kill"
-    assert result.token_ids[:len(first_attempt)] == first_attempt  # the same seed: the same tokens
+    assert result.token_ids[: len(first_attempt)] == first_attempt  # the same seed: the same tokens
     assert text == result.text  # nothing duplicated, nothing missing
     assert time.monotonic() - killed_at < 60

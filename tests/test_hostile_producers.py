@@ -18,16 +18,16 @@ import msgpack
 import psutil
 import pytest
 import redis
+from fault_harness import make_spawner, stop_all, wait_until
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from scratch import scratch_namespace
 
 from clients import Client
 from clients.errors import InvalidJob, QueueFull
 from clients.events import decode_event
 from clients.keys import Keys
 from engine import LLM, SamplingParams
-from fault_harness import make_spawner, stop_all, wait_until
-from scratch import scratch_namespace
 
 MB = 1024 * 1024
 NORMAL = {"prompt": "def main():", "max_tokens": 6, "temperature": 0}
@@ -68,9 +68,11 @@ class Target:
         rss = self.replica.rss_bytes()
         latency_bound = max(LATENCY_RATIO * self.baseline_s, self.baseline_s + LATENCY_SLACK_S) + backlog_s
         rss_bound = max(RSS_RATIO * self.baseline_rss, self.baseline_rss + RSS_SLACK_MB * MB)
-        print(f"HOSTILE {attack}: normal job {latency * 1000:.0f} ms ({latency / self.baseline_s:.1f}x baseline, "
-              f"bound {latency_bound * 1000:.0f} ms), RSS {rss / MB:.0f} MB ({rss / self.baseline_rss:.2f}x, "
-              f"bound {rss_bound / MB:.0f} MB)")
+        print(
+            f"HOSTILE {attack}: normal job {latency * 1000:.0f} ms ({latency / self.baseline_s:.1f}x baseline, "
+            f"bound {latency_bound * 1000:.0f} ms), RSS {rss / MB:.0f} MB ({rss / self.baseline_rss:.2f}x, "
+            f"bound {rss_bound / MB:.0f} MB)"
+        )
         assert latency <= latency_bound, f"{attack}: normal-job latency {latency:.2f}s > {latency_bound:.2f}s"
         assert rss <= rss_bound, f"{attack}: replica RSS {rss / MB:.0f} MB > {rss_bound / MB:.0f} MB"
         assert "crashed" not in self.replica.log_text()
@@ -88,8 +90,9 @@ class Target:
 
     def wait_consumed(self, what: str, timeout: float = 120) -> None:
         """Until every entry of the request streams has been answered and removed."""
-        wait_until(lambda: self.raw.xlen(self.keys.interactive) == 0 and self.raw.xlen(self.keys.batch) == 0,
-                   timeout, what)
+        wait_until(
+            lambda: self.raw.xlen(self.keys.interactive) == 0 and self.raw.xlen(self.keys.batch) == 0, timeout, what
+        )
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +108,22 @@ def offline_text(llm, prompt: str, **params) -> str:
 def target(tmp_path_factory, redis_url, tiny_model, offline):
     spawn = make_spawner(tmp_path_factory.mktemp("hostile_logs"), redis_url)
     with scratch_namespace(redis_url, "hostile") as namespace:
-        replica = spawn(namespace, "hostile", tiny_model, lease_s=10, args=[
-            "--metrics-port", "0", "--max-tokens-cap", str(MAX_TOKENS_CAP),
-            "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--max-queue-len", "5"])
+        replica = spawn(
+            namespace,
+            "hostile",
+            tiny_model,
+            lease_s=10,
+            args=[
+                "--metrics-port",
+                "0",
+                "--max-tokens-cap",
+                str(MAX_TOKENS_CAP),
+                "--max-prompt-tokens",
+                str(MAX_PROMPT_TOKENS),
+                "--max-queue-len",
+                "5",
+            ],
+        )
         replica.start().wait_ready()
         try:
             yield Target(replica, redis_url, namespace, offline_text(offline, **NORMAL))
@@ -156,8 +172,9 @@ def test_an_entry_cannot_change_another_jobs_outcome(target, offline):
 
 def test_a_refused_entry_is_explained_and_a_later_valid_submission_runs(target):
     later, later_raw = f"later-{uuid.uuid4().hex[:8]}", f"later-raw-{uuid.uuid4().hex[:8]}"
-    entry_ids = {job_id: target.xadd({"json": json.dumps({"job_id": job_id, "prompt": 5})})
-                 for job_id in (later, later_raw)}
+    entry_ids = {
+        job_id: target.xadd({"json": json.dumps({"job_id": job_id, "prompt": 5})}) for job_id in (later, later_raw)
+    }
     target.wait_consumed("the invalid entries to be refused")
     for job_id, entry_id in entry_ids.items():  # the honest mistake is explained, marked as a refusal
         [event] = target.events(job_id)
@@ -179,7 +196,8 @@ def test_a_refused_entry_is_explained_and_a_later_valid_submission_runs(target):
 
 
 cancel_messages = st.one_of(
-    st.binary(max_size=300), st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.binary(max_size=300),
+    st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
     st.sampled_from([b"\xff\xfe", b"\x00", b"", b"a" * 129, b"a\nb", "é".encode("latin-1"), b"job id with spaces"]),
 )
 
@@ -189,8 +207,9 @@ def test_garbage_on_the_cancel_channel_never_stops_a_replica(target):
     channel = target.keys.cancel
     published = []
 
-    @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=300, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @given(cancel_messages)
     def publish(message):
         if message != running.job_id.encode():
@@ -217,11 +236,18 @@ def test_a_cancel_flood_costs_constant_time_and_no_memory(target):
     target.assert_healthy("the same, once the flood is read")
 
 
-hash_values = st.one_of(st.binary(max_size=40), st.sampled_from(
-    [b"", b"-1", b"1e400", b"nan", b"inf", b"0x10", b"99999999999999999999", b"1.5", b"rejected", b"done", b"1"]))
+hash_values = st.one_of(
+    st.binary(max_size=40),
+    st.sampled_from(
+        [b"", b"-1", b"1e400", b"nan", b"inf", b"0x10", b"99999999999999999999", b"1.5", b"rejected", b"done", b"1"]
+    ),
+)
 hash_fields = st.dictionaries(
     st.sampled_from(["attempt", "entry", "digest", "finished_attempt", "status", "cancel", "result", "rejected"]),
-    hash_values, min_size=1, max_size=6)
+    hash_values,
+    min_size=1,
+    max_size=6,
+)
 
 
 def test_corrupted_job_hashes_and_flags_cost_only_their_own_job(target):
@@ -229,8 +255,9 @@ def test_corrupted_job_hashes_and_flags_cost_only_their_own_job(target):
     reads them runs or refuses that job, and keeps serving."""
     job_ids = []
 
-    @settings(max_examples=40, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=40, deadline=None, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @given(hash_fields)
     def corrupt_then_submit(fields):
         job_id = f"corrupt-{uuid.uuid4().hex[:10]}"
@@ -254,8 +281,10 @@ def test_corrupted_job_hashes_and_flags_cost_only_their_own_job(target):
         target.raw.hset(target.keys.job(running.job_id), "cancel", flag)
         time.sleep(0.5)
     assert running.result(timeout=60).finish_reason == "length"
-    dead_reasons = {fields.get(b"job_id", b"").decode(): fields[b"reason"].decode()
-                    for _, fields in target.raw.xrange(target.keys.dead)}
+    dead_reasons = {
+        fields.get(b"job_id", b"").decode(): fields[b"reason"].decode()
+        for _, fields in target.raw.xrange(target.keys.dead)
+    }
     assert "could not be stored" in dead_reasons[wrong_types[2]]
     assert all("record cannot be used" in dead_reasons[job_id] for job_id in wrong_types[:2])
     target.assert_healthy(f"{len(job_ids)} corrupted job hashes, 3 wrong-type keys, odd cancel flags")
@@ -266,8 +295,9 @@ def test_corrupted_job_hashes_and_flags_cost_only_their_own_job(target):
 
 def test_huge_entries_stay_in_redis_and_dead_letters_stay_small(target):
     rss_before = target.replica.rss_bytes()
-    entry_ids = [target.xadd({"data": msgpack.packb({"job_id": f"huge-{i}", "prompt": "z" * (40 * MB)})})
-                 for i in range(12)]
+    entry_ids = [
+        target.xadd({"data": msgpack.packb({"job_id": f"huge-{i}", "prompt": "z" * (40 * MB)})}) for i in range(12)
+    ]
     target.wait_consumed("twelve 40 MB entries to be refused", timeout=180)
     rss_after = target.replica.rss_bytes()
     print(f"HOSTILE twelve 40 MB entries: replica RSS {rss_before / MB:.0f} -> {rss_after / MB:.0f} MB")
@@ -300,6 +330,7 @@ def test_entries_under_the_size_limit_are_bounded_in_bytes_in_flight(target):
 def test_dead_letters_are_listed_and_requeued_in_pages(target, capsys):
     from actors.cli import main
     from clients.dead_letters import iter_dead, requeue
+
     count = target.raw.xlen(target.keys.dead)
     assert count > 0
     assert sum(1 for _ in iter_dead(target.raw, target.keys, page=7)) == count
@@ -311,8 +342,9 @@ def test_dead_letters_are_listed_and_requeued_in_pages(target, capsys):
     # can write such an `attempt` into a hash (hypothesis draws it some runs, not others)
     whole = [letter.dead_id for letter in iter_dead(target.raw, target.keys) if letter.reason.startswith("delivered ")]
     new_ids, skipped, failed = requeue(target.raw, target.keys)
-    assert len(new_ids) == len(whole) and not failed and len(skipped) == count - len(whole), \
+    assert len(new_ids) == len(whole) and not failed and len(skipped) == count - len(whole), (
         "only whole payloads of valid jobs can be requeued"
+    )
 
 
 # --------------------------------------------------------------------------- defects 6-9, operator limits
@@ -339,8 +371,9 @@ def test_operator_limits_and_the_metrics_address(target):
 def test_stop_strings_are_capped_and_matched_incrementally(target, offline):
     with pytest.raises(InvalidJob, match="stop"):
         target.client.submit(prompt="hi", stop=[f"s{i}" for i in range(33)])
-    entry_id = target.xadd({"json": json.dumps({"job_id": f"stops-{uuid.uuid4().hex[:6]}", "prompt": "hi",
-                                                "stop": ["q" * 1000] * 5})})
+    entry_id = target.xadd(
+        {"json": json.dumps({"job_id": f"stops-{uuid.uuid4().hex[:6]}", "prompt": "hi", "stop": ["q" * 1000] * 5})}
+    )
     target.wait_consumed("the entry with too many stop characters")
     letter = next(f for _, f in target.raw.xrange(target.keys.dead) if f[b"entry_id"].decode() == entry_id)
     assert b"stop" in letter[b"reason"]
@@ -378,8 +411,9 @@ def test_hostile_structured_outputs_and_n_fail_alone(target):
         job_ids.append(f"hostile-so-{uuid.uuid4().hex[:8]}")
         target.xadd({"data": msgpack.packb({"job_id": job_ids[-1], "prompt": "hi", "max_tokens": 4, **fields})})
     target.wait_consumed("the hostile structured entries")
-    honest = target.client.submit(prompt="hi", max_tokens=8, temperature=0,
-                                  structured_outputs={"choice": ["yes", "no"]})
+    honest = target.client.submit(
+        prompt="hi", max_tokens=8, temperature=0, structured_outputs={"choice": ["yes", "no"]}
+    )
     assert honest.result(timeout=60).text in ("yes", "no")
     for job_id, (fields, code) in zip(job_ids, attacks):
         terminal = [e for e in target.events(job_id) if e.is_terminal]
@@ -390,18 +424,32 @@ def test_hostile_structured_outputs_and_n_fail_alone(target):
 def test_the_wire_states_the_engines_ranges():
     from clients import limits as wire
     from engine import sampling_limits as engine_limits
+
     for name in engine_limits.SHARED_WITH_THE_WIRE:
         assert getattr(wire, name) == getattr(engine_limits, name), name
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", 1e308), ("temperature", 100.0), ("temperature", 100.5), ("seed", -1), ("seed", 2**63 - 1),
-    ("seed", 2**63), ("seed", 2**64 - 1), ("repetition_penalty", 1e-300), ("repetition_penalty", 0.01),
-    ("repetition_penalty", 1e300), ("presence_penalty", 2.0), ("frequency_penalty", -2.5),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 1e308),
+        ("temperature", 100.0),
+        ("temperature", 100.5),
+        ("seed", -1),
+        ("seed", 2**63 - 1),
+        ("seed", 2**63),
+        ("seed", 2**64 - 1),
+        ("repetition_penalty", 1e-300),
+        ("repetition_penalty", 0.01),
+        ("repetition_penalty", 1e300),
+        ("presence_penalty", 2.0),
+        ("frequency_penalty", -2.5),
+    ],
+)
 def test_the_protocol_accepts_exactly_what_the_engine_runs(field, value):
     """One range, one source: a value the protocol accepts is one the engine runs, and back."""
     from clients.protocol import JobRequest
+
     try:
         JobRequest(prompt="hi", **{field: value})
         protocol_ok = True

@@ -26,13 +26,13 @@ import httpx
 import psutil
 import pytest
 import redis
-
-from actors.embedded_valkey import EmbeddedValkey
-from clients.openai_api.batch_runner import FairShare
-from clients.keys import Keys
 from fault_harness import wait_until
 from gateway_harness import GatewayProcess
 from replica_harness import ReplicaThread
+
+from actors.embedded_valkey import EmbeddedValkey
+from clients.keys import Keys
+from clients.openai_api.batch_runner import FairShare
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = secrets.token_urlsafe(18)
@@ -72,8 +72,15 @@ def admin(valkey):
 def replica(tiny_model, valkey, tenants, admin, one_torch_thread):
     """Serves tenant B's namespace (A's batches only need to flood the runners)."""
     url = f"redis://:{PASSWORD}@127.0.0.1:{valkey.port}"
-    with ReplicaThread(tiny_model, url, tenants["b"], consumer="hostile-replica", served_model_name=MODEL,
-                       max_num_seqs=8, kv_cache_memory="64MiB") as running:  # fmt: skip
+    with ReplicaThread(
+        tiny_model,
+        url,
+        tenants["b"],
+        consumer="hostile-replica",
+        served_model_name=MODEL,
+        max_num_seqs=8,
+        kv_cache_memory="64MiB",
+    ) as running:
         wait_until(lambda: admin.exists(Keys(tenants["b"]).model_info(MODEL)), 60, "model info")
         yield running
 
@@ -81,12 +88,29 @@ def replica(tiny_model, valkey, tenants, admin, one_torch_thread):
 @pytest.fixture(scope="module")
 def gateway(valkey, tenants, replica, tmp_path_factory):
     keys = {key: tenants[name] for key, name in KEYS.items()}
-    env = {"REDIS_PASSWORD": PASSWORD, "CONVEYOR_BATCH_SCAN_S": "0.2", "CONVEYOR_BATCH_POLL_S": "0.1",
-           "CONVEYOR_BATCH_LEASE_S": "3", "CONVEYOR_BATCH_CANCEL_WAIT_S": "2", "CONVEYOR_GATEWAY_MODEL_CACHE_S": "0.2",
-           "TMPDIR": str(tmp_path_factory.mktemp("gateway_tmp"))}  # fmt: skip
-    args = ["--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-            "--max-connections", str(MAX_CONNECTIONS), "--max-samples", str(MAX_SAMPLES),
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-requests-per-tenant", str(MAX_REQUESTS_PER_TENANT)]
+    env = {
+        "REDIS_PASSWORD": PASSWORD,
+        "CONVEYOR_BATCH_SCAN_S": "0.2",
+        "CONVEYOR_BATCH_POLL_S": "0.1",
+        "CONVEYOR_BATCH_LEASE_S": "3",
+        "CONVEYOR_BATCH_CANCEL_WAIT_S": "2",
+        "CONVEYOR_GATEWAY_MODEL_CACHE_S": "0.2",
+        "TMPDIR": str(tmp_path_factory.mktemp("gateway_tmp")),
+    }
+    args = [
+        "--header-timeout-s",
+        str(HEADER_TIMEOUT_S),
+        "--body-timeout-s",
+        str(BODY_TIMEOUT_S),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--max-samples",
+        str(MAX_SAMPLES),
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--max-requests-per-tenant",
+        str(MAX_REQUESTS_PER_TENANT),
+    ]
     with GatewayProcess(valkey.url, tmp_path_factory.mktemp("gateway_log"), keys=keys, args=args, env=env) as running:
         running.tmpdir = Path(env["TMPDIR"])
         wait_until(lambda: chat(running).status_code == 200, 60, "a first chat through the gateway")
@@ -99,8 +123,13 @@ def headers(key: str) -> dict[str, str]:
 
 
 def chat(gateway, key: str = "key-b", **body) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-            "temperature": 0, **body}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **body,
+    }
     return httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers(key), timeout=120)
 
 
@@ -210,8 +239,10 @@ def chunked(total: int, size: int = 1 << 20, fill: bytes = b"[") -> list[bytes]:
 
 def post_head(path: str, key: str, content_type: str, length: int | None = None) -> bytes:
     framing = f"content-length: {length}" if length is not None else "transfer-encoding: chunked"
-    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
-            f"content-type: {content_type}\r\n{framing}\r\n\r\n").encode()  # fmt: skip
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer {key}\r\n"
+        f"content-type: {content_type}\r\n{framing}\r\n\r\n"
+    ).encode()
 
 
 # ------------------------------------------------------------------ batches: fairness, depth, cancel
@@ -219,15 +250,24 @@ def post_head(path: str, key: str, content_type: str, length: int | None = None)
 
 def upload(gateway, key: str, lines: list[dict] | bytes) -> str:
     content = lines if isinstance(lines, bytes) else b"".join(json.dumps(line).encode() + b"\n" for line in lines)
-    reply = httpx.post(f"{gateway.base_url}/files", headers=headers(key), data={"purpose": "batch"},
-                       files={"file": ("in.jsonl", content)}, timeout=120)  # fmt: skip
+    reply = httpx.post(
+        f"{gateway.base_url}/files",
+        headers=headers(key),
+        data={"purpose": "batch"},
+        files={"file": ("in.jsonl", content)},
+        timeout=120,
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()["id"]
 
 
 def create_batch(gateway, key: str, file_id: str) -> dict:
-    reply = httpx.post(f"{gateway.base_url}/batches", headers=headers(key), timeout=60,
-                       json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    reply = httpx.post(
+        f"{gateway.base_url}/batches",
+        headers=headers(key),
+        timeout=60,
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -237,16 +277,27 @@ def batch_status(gateway, key: str, batch_id: str) -> str:
 
 
 def chat_line(i: int) -> dict:
-    return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"n{i}"}], "max_tokens": 2}}
+    return {
+        "custom_id": f"r{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": f"n{i}"}], "max_tokens": 2},
+    }
 
 
 def test_tenant_b_batch_starts_within_the_bound_while_a_floods(gateway):
     with Watch(gateway, "4 x 300-line batches of tenant A"):
-        flood = [create_batch(gateway, "key-a1" if i % 2 else "key-a2", upload(gateway, "key-a1",
-                 [chat_line(j) for j in range(300)]))["id"] for i in range(4)]  # fmt: skip
-        wait_until(lambda: sum(batch_status(gateway, "key-a1", b) == "in_progress" for b in flood) >= 2, 60,
-                   "A's batches to run")  # fmt: skip
+        flood = [
+            create_batch(
+                gateway, "key-a1" if i % 2 else "key-a2", upload(gateway, "key-a1", [chat_line(j) for j in range(300)])
+            )["id"]
+            for i in range(4)
+        ]
+        wait_until(
+            lambda: sum(batch_status(gateway, "key-a1", b) == "in_progress" for b in flood) >= 2,
+            60,
+            "A's batches to run",
+        )
         created = time.monotonic()
         mine = create_batch(gateway, "key-b", upload(gateway, "key-b", [chat_line(0)]))["id"]
         wait_until(lambda: batch_status(gateway, "key-b", mine) != "validating", FAIR_BOUND_S, "B's batch to start")
@@ -255,8 +306,11 @@ def test_tenant_b_batch_starts_within_the_bound_while_a_floods(gateway):
         print(f"\nB's batch left validating {started_s:.2f} s after its creation, with A's 4 batches active")
         for batch_id in flood:  # cancel always reaches `cancelled`
             httpx.post(f"{gateway.base_url}/batches/{batch_id}/cancel", headers=headers("key-a1"), timeout=60)
-        wait_until(lambda: all(batch_status(gateway, "key-a1", b) == "cancelled" for b in flood), 60,
-                   "A's batches to be cancelled")  # fmt: skip
+        wait_until(
+            lambda: all(batch_status(gateway, "key-a1", b) == "cancelled" for b in flood),
+            60,
+            "A's batches to be cancelled",
+        )
 
 
 def test_fair_share_takes_turns_and_never_refuses_a_tenant_its_first_batch():
@@ -267,26 +321,33 @@ def test_fair_share_takes_turns_and_never_refuses_a_tenant_its_first_batch():
     running[("d", "d1")] = None  # the total (4) is reached...
     assert not share.may_start("c", running)
     assert share.may_start("b", running), "...but a tenant driving none may always start one"
-    order = share.order({"a": [("a3", False), ("a4", False)], "b": [("b1", False), ("b2", False)],
-                         "c": [("c3", True)]})  # fmt: skip
+    order = share.order({"a": [("a3", False), ("a4", False)], "b": [("b1", False), ("b2", False)], "c": [("c3", True)]})
     assert order[0] == ("c", "c3", True), "a cancel first, whatever the counts"
     tenants_in_turn = [ns for ns, _, _ in order[1:]]
     assert tenants_in_turn in (["a", "b", "a", "b"], ["b", "a", "b", "a"]), order
 
 
 def test_a_line_nested_100000_deep_fails_its_batch_at_once(gateway):
-    deep = b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": ' + b"[" * 100_000 + \
-        b"]" * 100_000 + b"}\n"  # fmt: skip
+    deep = (
+        b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}\n"
+    )
     with Watch(gateway, "batch line nested 100,000 deep"):
         batch = create_batch(gateway, "key-b", upload(gateway, "key-b", deep + json.dumps(chat_line(1)).encode()))
         wait_until(lambda: batch_status(gateway, "key-b", batch["id"]) == "failed", 30, "the batch to fail")
-        errors = httpx.get(f"{gateway.base_url}/batches/{batch['id']}", headers=headers("key-b"),
-                           timeout=60).json()["errors"]["data"]  # fmt: skip
+        errors = httpx.get(f"{gateway.base_url}/batches/{batch['id']}", headers=headers("key-b"), timeout=60).json()[
+            "errors"
+        ]["data"]
         assert errors[0]["line"] == 1 and "levels deep" in errors[0]["message"], errors
         cancelled = create_batch(gateway, "key-b", upload(gateway, "key-b", deep))
         httpx.post(f"{gateway.base_url}/batches/{cancelled['id']}/cancel", headers=headers("key-b"), timeout=60)
-        wait_until(lambda: batch_status(gateway, "key-b", cancelled["id"]) in ("cancelled", "failed"), 30,
-                   "the cancelled deep batch to end")  # fmt: skip
+        wait_until(
+            lambda: batch_status(gateway, "key-b", cancelled["id"]) in ("cancelled", "failed"),
+            30,
+            "the cancelled deep batch to end",
+        )
 
 
 # ------------------------------------------------------------------ bodies and uploads
@@ -294,8 +355,7 @@ def test_a_line_nested_100000_deep_fails_its_batch_at_once(gateway):
 
 def test_a_200mb_chunked_batch_body_is_cut_at_the_limit(gateway):
     with Watch(gateway, "200 MB chunked POST /v1/batches"):
-        status, sent = send_slowly(gateway, post_head("/v1/batches", "key-a1", "application/json"),
-                                   chunked(200 << 20))  # fmt: skip
+        status, sent = send_slowly(gateway, post_head("/v1/batches", "key-a1", "application/json"), chunked(200 << 20))
         assert status == 413, status
         assert sent < 64 << 20, f"the gateway read {sent} bytes before refusing"
 
@@ -303,17 +363,23 @@ def test_a_200mb_chunked_batch_body_is_cut_at_the_limit(gateway):
 @pytest.mark.parametrize("path", ["/v1/batches", "/v1/chat/completions"])
 def test_a_200000_deep_json_body_is_a_400(gateway, path):
     with Watch(gateway, f"200,000-deep JSON on {path}"):
-        reply = httpx.post(f"{gateway.url}{path}", content=b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
-                           headers={**headers("key-b"), "content-type": "application/json"}, timeout=60)
+        reply = httpx.post(
+            f"{gateway.url}{path}",
+            content=b'{"a": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+            headers={**headers("key-b"), "content-type": "application/json"},
+            timeout=60,
+        )
         assert reply.status_code == 400 and error_of(reply)["code"] == "json_too_deep", reply.text
 
 
 def test_a_300mb_chunked_upload_is_cut_before_it_is_spooled(gateway):
     boundary = "hostileboundary"
     head = post_head("/v1/files", "key-a1", f"multipart/form-data; boundary={boundary}")
-    preamble = (f'--{boundary}\r\ncontent-disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
-                'content-disposition: form-data; name="file"; filename="big.jsonl"\r\n'
-                "content-type: application/octet-stream\r\n\r\n").encode()  # fmt: skip
+    preamble = (
+        f'--{boundary}\r\ncontent-disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}\r\n'
+        'content-disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+        "content-type: application/octet-stream\r\n\r\n"
+    ).encode()
     spooled = {"peak": 0}
 
     def chunks():
@@ -354,8 +420,9 @@ def test_slow_headers_and_bodies_are_cut_off(gateway):
             sock.settimeout(max(0.1, ends - time.monotonic()))
             assert sock.recv(100) == b"", "a connection that never finished its headers was kept"
             sock.close()
-        status, _ = send_slowly(gateway, post_head("/v1/chat/completions", "key-b", "application/json", 100),
-                                [b"{"] * 100, pause_s=0.2)  # fmt: skip
+        status, _ = send_slowly(
+            gateway, post_head("/v1/chat/completions", "key-b", "application/json", 100), [b"{"] * 100, pause_s=0.2
+        )
         assert status == 408, status
 
 
@@ -372,8 +439,14 @@ def test_a_tenant_holding_its_share_of_requests_leaves_the_others_theirs(gateway
         assert chat(gateway).status_code == 200, "tenant B is served meanwhile"
         for sock in slow:
             sock.close()
-        wait_until(lambda: httpx.post(f"{gateway.base_url}/chat/completions", headers=headers("key-a1"), json={},
-                                      timeout=30).status_code == 400, 30, "A's share to be free again")  # fmt: skip
+        wait_until(
+            lambda: httpx.post(
+                f"{gateway.base_url}/chat/completions", headers=headers("key-a1"), json={}, timeout=30
+            ).status_code
+            == 400,
+            30,
+            "A's share to be free again",
+        )
 
 
 def test_connections_over_the_cap_get_503(gateway):
@@ -427,10 +500,15 @@ def test_a_template_that_renders_one_token_does_not_break_chats(gateway, admin, 
         assert reply.status_code == 200, reply.text
 
 
-@pytest.mark.parametrize("template", ["{{ 'x' * 300000000 }}",
-                                      "{% for i in range(100000) %}{{ 'y' * 3000 }}{% endfor %}",
-                                      "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-                                      "{% endfor %}", "x" * (300 << 10)])  # fmt: skip
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 'x' * 300000000 }}",
+        "{% for i in range(100000) %}{{ 'y' * 3000 }}{% endfor %}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "x" * (300 << 10),
+    ],
+)
 def test_a_template_bomb_costs_bounded_time_and_memory(gateway, admin, model_info, template):
     admin.hset(model_info, "chat_template", template)
     with Watch(gateway, f"template bomb {template[:24]!r}"):
@@ -465,23 +543,51 @@ def documented_acl(user: str, ns: str) -> list[str]:
     return [rule.replace("tenant-a", ns) for rule in line.split()[3:] if not rule.startswith(">")]
 
 
-SINGLE = {"allowed": [("XADD", "{ns}:requests:interactive", "*", "f", "v"), ("HSET", "{ns}:job:j1", "f", "v"),
-                      ("XREAD", "STREAMS", "{ns}:out:j1", "0"), ("HSET", "{ns}:limits", "f", "v"),
-                      ("HMGET", "{ns}:model:m", "name"), ("HSTRLEN", "{ns}:model:m", "chat_template"),
-                      ("SMEMBERS", "{ns}:models"), ("XLEN", "{ns}:dead"), ("PUBLISH", "{ns}:cancel", "j1")],
-          "denied": [("HSET", "{ns}:model:m", "chat_template", "x"), ("SADD", "{ns}:models", "m"),
-                     ("XADD", "{ns}:dead", "*", "f", "v"), ("HSET", "{other}:job:j1", "f", "v"),
-                     ("XADD", "{other}:requests:interactive", "*", "f", "v"), ("PUBLISH", "{other}:cancel", "j1"),
-                     ("HGETALL", "{other}:model:m"), ("SCAN", "0")]}  # fmt: skip
-CLUSTER = {"allowed": [("XADD", "{ns}:{p0}:requests:interactive", "*", "f", "v"),
-                       ("XADD", "{ns}:{p3}:requests:batch:m", "*", "f", "v"), ("HSET", "{ns}:{p1}:job:j1", "f", "v"),
-                       ("XREAD", "STREAMS", "{ns}:{p2}:out:j1", "0"), ("HSET", "{ns}:{p0}:limits", "f", "v"),
-                       ("HMGET", "{ns}:{{ns}}:model:m", "name"), ("SMEMBERS", "{ns}:{{ns}}:models")],
-           "denied": [("HSET", "{ns}:{{ns}}:model:m}:job:1", "f", "v"), ("HSET", "{ns}:{{ns}}:model:m", "f", "v"),
-                      ("HSET", "{ns}:{{ns}}:job:j1", "f", "v"), ("HSET", "{ns}:{px}:job:j1", "f", "v"),
-                      ("HSET", "{ns}:{p1}x:job:j1", "f", "v"), ("XADD", "{ns}:{p1}:dead", "*", "f", "v"),
-                      ("HSET", "{other}:{p0}:job:j1", "f", "v"), ("HSET", "{other}:job:j1", "f", "v"),
-                      ("SCAN", "0")]}  # fmt: skip
+SINGLE = {
+    "allowed": [
+        ("XADD", "{ns}:requests:interactive", "*", "f", "v"),
+        ("HSET", "{ns}:job:j1", "f", "v"),
+        ("XREAD", "STREAMS", "{ns}:out:j1", "0"),
+        ("HSET", "{ns}:limits", "f", "v"),
+        ("HMGET", "{ns}:model:m", "name"),
+        ("HSTRLEN", "{ns}:model:m", "chat_template"),
+        ("SMEMBERS", "{ns}:models"),
+        ("XLEN", "{ns}:dead"),
+        ("PUBLISH", "{ns}:cancel", "j1"),
+    ],
+    "denied": [
+        ("HSET", "{ns}:model:m", "chat_template", "x"),
+        ("SADD", "{ns}:models", "m"),
+        ("XADD", "{ns}:dead", "*", "f", "v"),
+        ("HSET", "{other}:job:j1", "f", "v"),
+        ("XADD", "{other}:requests:interactive", "*", "f", "v"),
+        ("PUBLISH", "{other}:cancel", "j1"),
+        ("HGETALL", "{other}:model:m"),
+        ("SCAN", "0"),
+    ],
+}
+CLUSTER = {
+    "allowed": [
+        ("XADD", "{ns}:{p0}:requests:interactive", "*", "f", "v"),
+        ("XADD", "{ns}:{p3}:requests:batch:m", "*", "f", "v"),
+        ("HSET", "{ns}:{p1}:job:j1", "f", "v"),
+        ("XREAD", "STREAMS", "{ns}:{p2}:out:j1", "0"),
+        ("HSET", "{ns}:{p0}:limits", "f", "v"),
+        ("HMGET", "{ns}:{{ns}}:model:m", "name"),
+        ("SMEMBERS", "{ns}:{{ns}}:models"),
+    ],
+    "denied": [
+        ("HSET", "{ns}:{{ns}}:model:m}:job:1", "f", "v"),
+        ("HSET", "{ns}:{{ns}}:model:m", "f", "v"),
+        ("HSET", "{ns}:{{ns}}:job:j1", "f", "v"),
+        ("HSET", "{ns}:{px}:job:j1", "f", "v"),
+        ("HSET", "{ns}:{p1}x:job:j1", "f", "v"),
+        ("XADD", "{ns}:{p1}:dead", "*", "f", "v"),
+        ("HSET", "{other}:{p0}:job:j1", "f", "v"),
+        ("HSET", "{other}:job:j1", "f", "v"),
+        ("SCAN", "0"),
+    ],
+}
 
 
 def check_dryrun(client: redis.Redis, user: str, ns: str, shapes: dict) -> None:
@@ -489,8 +595,10 @@ def check_dryrun(client: redis.Redis, user: str, ns: str, shapes: dict) -> None:
     client.execute_command("ACL", "SETUSER", user, "reset", "on", "nopass", *rules)
     for verdict, commands in shapes.items():
         for command in commands:
-            args = [arg.replace("{{ns}}", "{" + ns + "}").replace("{ns}", ns).replace("{other}", "payments-b")
-                    for arg in command]  # fmt: skip
+            args = [
+                arg.replace("{{ns}}", "{" + ns + "}").replace("{ns}", ns).replace("{other}", "payments-b")
+                for arg in command
+            ]
             answer = client.execute_command("ACL", "DRYRUN", user, *args)
             allowed = answer in (b"OK", "OK")
             assert allowed == (verdict == "allowed"), f"{user}: {' '.join(args)} -> {answer!r}"
@@ -498,16 +606,23 @@ def check_dryrun(client: redis.Redis, user: str, ns: str, shapes: dict) -> None:
 
 def test_acl_lines_on_a_single_server(admin):
     check_dryrun(admin, "conveyor-producer-tenant-a", "payments", SINGLE)
-    check_dryrun(admin, "conveyor-replica-tenant-a", "payments", {
-        "allowed": [("XREADGROUP", "GROUP", "engines", "c", "STREAMS", "payments:requests:batch", ">")],
-        "denied": [("XADD", "payments-b:requests:batch", "*", "f", "v")]})  # fmt: skip
+    check_dryrun(
+        admin,
+        "conveyor-replica-tenant-a",
+        "payments",
+        {
+            "allowed": [("XREADGROUP", "GROUP", "engines", "c", "STREAMS", "payments:requests:batch", ">")],
+            "denied": [("XADD", "payments-b:requests:batch", "*", "f", "v")],
+        },
+    )
 
 
 def started_cluster(directory: Path, attempts: int = 3):
     """A one-master cluster; tried again when a node drew a port over 55535 (its bus port
     is port + 10000, which Valkey refuses)."""
-    from actors.embedded_valkey import EmbeddedValkeyError
     from cluster_harness import ValkeyCluster
+
+    from actors.embedded_valkey import EmbeddedValkeyError
 
     for attempt in range(attempts):
         cluster = ValkeyCluster(directory / f"try{attempt}", masters=1)
@@ -524,9 +639,15 @@ def test_acl_lines_on_a_cluster_node(tmp_path):
     node = redis.Redis(port=cluster.masters[0].port)
     try:
         check_dryrun(node, "conveyor-cluster-producer-tenant-a", "payments", CLUSTER)
-        check_dryrun(node, "conveyor-cluster-replica-tenant-a", "payments", {
-            "allowed": [("HSET", "payments:{payments}:model:m", "f", "v"), ("CLUSTER", "SLOTS")],
-            "denied": [("HSET", "payments-b:{payments-b}:model:m", "f", "v")]})  # fmt: skip
+        check_dryrun(
+            node,
+            "conveyor-cluster-replica-tenant-a",
+            "payments",
+            {
+                "allowed": [("HSET", "payments:{payments}:model:m", "f", "v"), ("CLUSTER", "SLOTS")],
+                "denied": [("HSET", "payments-b:{payments-b}:model:m", "f", "v")],
+            },
+        )
     finally:
         node.close()
         cluster.stop()

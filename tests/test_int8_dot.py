@@ -1,14 +1,15 @@
 """The integer-dot GGUF kernels (kernels/csrc/int8_dot_cpu.cpp): every variant this CPU can
 run against a torch reference of the same integer arithmetic, and against the float32
 product within the error of int8 activations."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from test_kernels import GGUF_TYPES, gguf_packed
 
 from kernels.cpu import extension
 from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
 from kernels.quant import BLOCK, dequantize
-from test_kernels import GGUF_TYPES, gguf_packed
 
 kernels = extension.load()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.int8_dot_isas(), reason="no AVX2 int8 kernels here")

@@ -9,6 +9,7 @@ steps of up to INT8_MAX_ROWS rows (decode); here they run every step (prompts sc
   least 24 tokens (int8 activations change the logits by ~1e-2; a near tie can flip a token,
   after which the continuations differ legitimately).
 """
+
 import math
 from pathlib import Path
 
@@ -20,14 +21,17 @@ LICENCE = Path("/usr/share/common-licenses/GPL-3")
 PROMPTS_FROM = Path("/usr/share/common-licenses/Apache-2.0")
 CHUNK, CHUNKS, TOKENS, NUM_PROMPTS = 512, 2, 32, 16
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not LICENCE.exists() or not PROMPTS_FROM.exists(), reason="no Debian licence texts")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not LICENCE.exists() or not PROMPTS_FROM.exists(), reason="no Debian licence texts"),
+]
 
 
 @pytest.fixture(scope="module")
 def engines():
     from kernels.cpu import dispatch
     from kernels.cpu.linear import CpuLinear
+
     options = dict(dtype="float32", device="cpu", kv_cache_memory="128MiB", seed=0, max_num_seqs=NUM_PROMPTS)
     default_rows = dispatch.INT8_MAX_ROWS
     dispatch.set_int8_max_rows(1 << 30)
@@ -42,8 +46,9 @@ def engines():
 def perplexity(llm, chunks) -> float:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
-    logprobs = [entry[token].logprob for o, c in zip(outputs, chunks)
-                for entry, token in zip(o.prompt_logprobs[1:], c[1:])]
+    logprobs = [
+        entry[token].logprob for o, c in zip(outputs, chunks) for entry, token in zip(o.prompt_logprobs[1:], c[1:])
+    ]
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
@@ -59,7 +64,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def test_int8_activations_keep_perplexity_and_greedy_tokens(engines):
     int8, float32 = engines
     ids = float32.get_tokenizer().encode(LICENCE.read_text())
-    chunks = [ids[i * CHUNK:(i + 1) * CHUNK] for i in range(CHUNKS)]
+    chunks = [ids[i * CHUNK : (i + 1) * CHUNK] for i in range(CHUNKS)]
     ppl_int8, ppl_float32 = perplexity(int8, chunks), perplexity(float32, chunks)
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     texts = prompts()
@@ -67,8 +72,10 @@ def test_int8_activations_keep_perplexity_and_greedy_tokens(engines):
     reference = [o.token_ids for o in float32.generate(texts, params, use_tqdm=False)]
     prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
     identical = sum(p == TOKENS for p in prefixes)
-    print(f"\nGPL-3, {CHUNKS} x {CHUNK} tokens: perplexity int8 {ppl_int8:.4f} vs float32 {ppl_float32:.4f}"
-          f" ({100 * (ppl_int8 / ppl_float32 - 1):+.2f}%); greedy, {len(texts)} prompts x {TOKENS} tokens:"
-          f" {identical} identical, common prefixes {prefixes}")
+    print(
+        f"\nGPL-3, {CHUNKS} x {CHUNK} tokens: perplexity int8 {ppl_int8:.4f} vs float32 {ppl_float32:.4f}"
+        f" ({100 * (ppl_int8 / ppl_float32 - 1):+.2f}%); greedy, {len(texts)} prompts x {TOKENS} tokens:"
+        f" {identical} identical, common prefixes {prefixes}"
+    )
     assert abs(ppl_int8 / ppl_float32 - 1) < 0.01
     assert identical >= 12 and sum(prefixes) / len(prefixes) >= 24

@@ -1,6 +1,7 @@
 """The job-hash schema: each script writes exactly the statuses its transition says, no
 other code writes a job's status, and the two newest writers (hand-back, requeue) keep
 their fences, against a real Valkey."""
+
 import re
 from pathlib import Path
 
@@ -69,8 +70,12 @@ def test_requeue_resets_a_hash_names_the_new_entry_and_creates_nothing(raw, keys
     started(raw, keys, "parked", "1-1")
     raw.hset(keys.job("parked"), mapping={"status": "error", "attempt": 3, "finished_attempt": 3})
     entry = raw.eval(REQUEUE_LUA, 3, keys.interactive, keys.dead, keys.job("parked"), dead_id, "7", "data", b"x")
-    assert raw.hmget(keys.job("parked"), "status", "attempt", "entry", "finished_attempt") == \
-        [b"queued", b"0", entry, None]
+    assert raw.hmget(keys.job("parked"), "status", "attempt", "entry", "finished_attempt") == [
+        b"queued",
+        b"0",
+        entry,
+        None,
+    ]
     assert raw.xlen(keys.dead) == 0 and raw.xrange(keys.interactive)[-1] == (entry, {b"data": b"x"})
     raw.eval(REQUEUE_LUA, 3, keys.interactive, keys.dead, keys.job("none"), "0-1", "7", "data", b"y")
     raw.set(keys.job("clobbered"), "a string")

@@ -1,12 +1,17 @@
 """Paged attention and sampling kernels against plain dense references."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    prefill_attention,
+    write_kv_cache,
+)
 from kernels.cpu import extension
 from kernels.cpu.linear import CpuLinear, pack_linears, row_bucket
-from kernels.attention import (paged_decode_attention, paged_decode_attention_reference,
-                               prefill_attention, write_kv_cache)
 from kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 6, 2, 16, 4, 40
@@ -37,8 +42,9 @@ def dense_causal(q, k, v):
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     n, total = q.shape[0], k.shape[0]
     mask = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=DIM ** -0.5)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=DIM**-0.5
+    )
     return out.transpose(0, 1)
 
 
@@ -49,10 +55,10 @@ def test_decode_attention_matches_dense_on_both_paths():
     width = max(map(len, tables))
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     context_lens = torch.tensor(lengths)
-    expected = torch.stack([dense_causal(query[i:i + 1], keys[i], values[i])[0] for i in range(len(lengths))])
-    reference = paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, DIM ** -0.5)
+    expected = torch.stack([dense_causal(query[i : i + 1], keys[i], values[i])[0] for i in range(len(lengths))])
+    reference = paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, DIM**-0.5)
     torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
-    fast = paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, DIM ** -0.5)
+    fast = paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, DIM**-0.5)
     torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -70,8 +76,9 @@ def test_few_rows_linear_matches_f_linear(rows, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen)
     kernels = extension.load()
-    torch.testing.assert_close(kernels.few_rows_linear(x, weight, bias), F.linear(x, weight, bias),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        kernels.few_rows_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5
+    )
     torch.testing.assert_close(kernels.few_rows_linear(x, weight, None), F.linear(x, weight), atol=1e-4, rtol=1e-5)
 
 
@@ -99,8 +106,9 @@ def test_few_rows_linear_on_interleaved_rows_matches_f_linear(rows):
     x = torch.randn(rows, 64, generator=gen)
     interleaved = kernels.interleave_rows(weight)
     assert interleaved.shape == (6, 4, 16, 16)
-    torch.testing.assert_close(kernels.few_rows_linear(x, interleaved, bias), F.linear(x, weight, bias),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        kernels.few_rows_linear(x, interleaved, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5
+    )
     module = torch.nn.Sequential(CpuLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias)))
     pack_linears(module, kernels)
     assert module[0].fast_path[0].dim() == 4, "a 96 x 64 weight gets the interleaved copy"
@@ -112,22 +120,27 @@ def test_prefill_attention_over_cached_prefix():
     query = torch.randn(23, HEADS, DIM)
     table = torch.tensor(tables[0])
     expected = dense_causal(query, keys[0], values[0])
-    fresh = prefill_attention(query, keys[0], values[0], k_cache, v_cache, table, 0, DIM ** -0.5)
+    fresh = prefill_attention(query, keys[0], values[0], k_cache, v_cache, table, 0, DIM**-0.5)
     torch.testing.assert_close(fresh, expected, atol=1e-5, rtol=1e-5)
-    chunk = prefill_attention(query[15:], keys[0][15:], values[0][15:], k_cache, v_cache, table, 15, DIM ** -0.5)
+    chunk = prefill_attention(query[15:], keys[0][15:], values[0][15:], k_cache, v_cache, table, 15, DIM**-0.5)
     torch.testing.assert_close(chunk, expected[15:], atol=1e-5, rtol=1e-5)
 
 
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
-    masked = apply_top_k_top_p_min_p(logits, top_k=torch.tensor([2, 0, 0, 0]),
-                                     top_p=torch.tensor([1.0, 0.7, 1.0, 1.0]),
-                                     min_p=torch.tensor([0.0, 0.0, 0.2, 0.0]))
+    masked = apply_top_k_top_p_min_p(
+        logits,
+        top_k=torch.tensor([2, 0, 0, 0]),
+        top_p=torch.tensor([1.0, 0.7, 1.0, 1.0]),
+        min_p=torch.tensor([0.0, 0.0, 0.2, 0.0]),
+    )
     kept = torch.isfinite(masked)
-    assert kept.tolist() == [[True, True, False, False],  # top_k 2
-                             [True, True, False, False],  # 0.5 + 0.3 reaches 0.7
-                             [True, True, True, False],  # >= 0.2 * 0.5
-                             [True, True, True, True]]
+    assert kept.tolist() == [
+        [True, True, False, False],  # top_k 2
+        [True, True, False, False],  # 0.5 + 0.3 reaches 0.7
+        [True, True, True, False],  # >= 0.2 * 0.5
+        [True, True, True, True],
+    ]
 
 
 def test_exponential_race_samples_the_distribution():
@@ -145,8 +158,11 @@ def gguf_packed(type_name: str, out_features: int, in_features: int, seed: int):
     """A random weight quantized by gguf-py, packed, and gguf-py's own dequantization of it."""
     import numpy as np
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize, quantize
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize
+
     from kernels.quant import pack_gguf_blocks
+
     qtype = GGMLQuantizationType[type_name]
     weight = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
     raw = quantize(weight, qtype)
@@ -157,6 +173,7 @@ def gguf_packed(type_name: str, out_features: int, in_features: int, seed: int):
 def test_packed_gguf_blocks_dequantize_like_gguf_py(type_name):
     """Bit for bit, in the torch reference and the compiled kernel."""
     from kernels.quant import dequantize
+
     packed, expected = gguf_packed(type_name, 37, 96, seed=1)
     assert torch.equal(dequantize(packed), expected)
     assert torch.equal(extension.load().dequantize_weight(packed, 96), expected)
@@ -193,8 +210,9 @@ def test_quantized_linear_tiles_shared_or_per_thread(type_name, per_thread):
     try:
         kernels.set_quant_tiling(16 * 64 * 4, per_thread)
         for b in (bias, None):
-            torch.testing.assert_close(kernels.quantized_linear(x, packed, b), F.linear(x, dense, b),
-                                       atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                kernels.quantized_linear(x, packed, b), F.linear(x, dense, b), atol=2e-5, rtol=1e-5
+            )
     finally:
         kernels.set_quant_tiling(CpuLinear.QUANT_TILE_BYTES, CpuLinear.QUANT_PER_THREAD_TILES)
 
@@ -202,6 +220,7 @@ def test_quantized_linear_tiles_shared_or_per_thread(type_name, per_thread):
 @pytest.mark.parametrize("rows", [1, 2, 12])
 def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
     from kernels.quant import QuantLinear
+
     packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, 64, generator=gen), torch.randn(48, generator=gen)
@@ -209,6 +228,7 @@ def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
     torch.testing.assert_close(reference(x), F.linear(x, dense, bias), atol=2e-5, rtol=1e-5)
     module = torch.nn.Sequential(reference)
     from kernels.cpu.linear import swap_linears
+
     swap_linears(module)
     pack_linears(module, extension.load())
     assert isinstance(module[0], CpuLinear) and module[0].fast_path[0] is module[0].weight
@@ -238,6 +258,7 @@ def test_cpu_linear_batch_copy_serves_many_rows_from_float32(rows):
     dequantized weight more; both equal the dequantized model up to summation order."""
     from kernels.cpu.linear import swap_linears
     from kernels.quant import QuantLinear
+
     packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     module = torch.nn.Sequential(QuantLinear(packed))

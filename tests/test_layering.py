@@ -2,6 +2,7 @@
 ``ast`` (lazy imports inside functions count): folders only import down the map
 (clients <- actors -> engine -> kernels), no two files import each other in a circle, and
 the light client loads neither torch nor the HTTP gateway's server."""
+
 import ast
 import subprocess
 import sys
@@ -24,8 +25,12 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for folder in FOLDERS if (ROOT / folder).is_dir()
-            for p in sorted((ROOT / folder).rglob("*.py"))}
+    return {
+        module_name(p): p
+        for folder in FOLDERS
+        if (ROOT / folder).is_dir()
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    }
 
 
 def imports_of(path: Path, name: str, modules: dict) -> set[str]:
@@ -38,7 +43,7 @@ def imports_of(path: Path, name: str, modules: dict) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             submodules = {f"{base}.{alias.name}" for alias in node.names} & modules.keys()
             found.update(submodules)  # `from pkg import submodule` needs the submodule, not pkg's names
@@ -53,8 +58,12 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def test_folders_import_only_down_the_map():
-    wrong = [f"{name} imports {target}" for name, targets in import_graph().items() for target in targets
-             if target.split(".")[0] not in ALLOWED[name.split(".")[0]]]
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in import_graph().items()
+        for target in targets
+        if target.split(".")[0] not in ALLOWED[name.split(".")[0]]
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -113,8 +122,10 @@ def test_no_import_circle_between_files():
 
 
 def test_the_light_client_loads_neither_torch_nor_the_gateway_server():
-    code = ("import sys, clients, clients.cli, clients.client, clients.async_client; "
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'fastapi', "
-            "'uvicorn', 'starlette', 'gateway', 'engine', 'actors', 'kernels')); print(heavy); sys.exit(bool(heavy))")
+    code = (
+        "import sys, clients, clients.cli, clients.client, clients.async_client; "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'fastapi', "
+        "'uvicorn', 'starlette', 'gateway', 'engine', 'actors', 'kernels')); print(heavy); sys.exit(bool(heavy))"
+    )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

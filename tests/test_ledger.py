@@ -2,6 +2,7 @@
 waking ingest's wait for credits, reclaimed entries sent to ingest's mailbox, cancels
 forwarded only for held jobs, drain and hand-back. Ingest and the scheduler are bare
 actors whose mailboxes the tests read (the ledger under test is the real one)."""
+
 import asyncio
 
 import redis.asyncio as aioredis
@@ -9,8 +10,22 @@ import redis.asyncio as aioredis
 from actors.base import Actor
 from actors.config import ReplicaConfig
 from actors.ledger import JobLedger
-from actors.messages import (AbortJob, CancelRequest, Delivery, Drain, EntriesRead, EntryDone, HandBack, HeldJobs,
-                             MayStart, ReadEntry, Reclaimed, Release, Track, WantCredits)
+from actors.messages import (
+    AbortJob,
+    CancelRequest,
+    Delivery,
+    Drain,
+    EntriesRead,
+    EntryDone,
+    HandBack,
+    HeldJobs,
+    MayStart,
+    ReadEntry,
+    Reclaimed,
+    Release,
+    Track,
+    WantCredits,
+)
 from actors.streams import Streams
 from clients.job_record import START_LUA
 from clients.keys import GROUP, Keys
@@ -20,6 +35,7 @@ WAIT_S = 5.0
 
 class Inbox(Actor):
     """An actor that is never started: what the ledger sends it stays in its mailbox."""
+
     mailbox_size = 0
 
 
@@ -29,8 +45,9 @@ def run(redis_url: str, namespace: str, scenario, **config) -> None:
         streams = Streams(client, Keys(namespace), "ledger-test", "m", max_entry_bytes=1 << 20)
         await streams.ensure_groups()
         options = {"lease_s": 30.0, "max_bytes_in_flight": 1000, **config}
-        ledger = JobLedger(streams, ReplicaConfig(redis_url=redis_url, namespace=namespace, **options),
-                           options.pop("capacity", 2))
+        ledger = JobLedger(
+            streams, ReplicaConfig(redis_url=redis_url, namespace=namespace, **options), options.pop("capacity", 2)
+        )
         ingest, scheduler = Inbox(), Inbox()
         ledger.connect(ingest, scheduler)
         ledger.start()
@@ -39,6 +56,7 @@ def run(redis_url: str, namespace: str, scenario, **config) -> None:
         finally:
             await ledger.stop()
             await streams.close()
+
     asyncio.run(main())
 
 
@@ -83,6 +101,7 @@ def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_inges
         await ledger.send(EntriesRead([]))
         await ledger.send(Release(delivery("c", size=600, entry_id="2-c")))  # another entry: not ours, kept
         assert await ledger.ask(HeldJobs()) == ["c"]
+
     run(redis_url, namespace, scenario)
 
 
@@ -94,6 +113,7 @@ def test_bytes_alone_hold_the_grant_back(redis_url, namespace):
         assert await still_waiting(request)  # a credit is free, no byte is
         await ledger.send(Release(delivery("big", size=1000)))
         assert await granted(request) == (2, 1000)
+
     run(redis_url, namespace, scenario)
 
 
@@ -101,6 +121,7 @@ def test_entries_being_taken_in_or_refused_hold_their_bytes_until_done(redis_url
     """A refused entry's payload stays in memory until the publisher has dead-lettered it
     (it then sends EntryDone): until then its bytes count, or a flood of large invalid
     entries would pile up in the publisher's mailbox unbounded by --max-bytes-in-flight."""
+
     async def scenario(ledger, ingest, scheduler, streams):
         first = WantCredits()
         await ledger.send(first)
@@ -116,6 +137,7 @@ def test_entries_being_taken_in_or_refused_hold_their_bytes_until_done(redis_url
         third = WantCredits()
         await ledger.send(third)
         assert await granted(third) == (1, 906)
+
     run(redis_url, namespace, scenario)
 
 
@@ -126,8 +148,11 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
         await streams.redis.xreadgroup(GROUP, "dead-replica", {stream: ">"}, count=1)
         message = await asyncio.wait_for(ingest.mailbox.get(), WAIT_S)
         assert isinstance(message, Reclaimed)
-        assert (message.entry.stream, message.entry.entry_id, message.entry.fields) == \
-            (stream, entry_id, {b"data": b"payload"})
+        assert (message.entry.stream, message.entry.entry_id, message.entry.fields) == (
+            stream,
+            entry_id,
+            {b"data": b"payload"},
+        )
         [row] = await streams.redis.xpending_range(stream, GROUP, "-", "+", 10)
         assert row["consumer"] == b"ledger-test"
         request = WantCredits()
@@ -136,6 +161,7 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
         await ledger.send(EntriesRead([]))
         await asyncio.sleep(0.5)  # more reclaim rounds: renewed as ours, not sent again
         assert ingest.mailbox.empty()
+
     run(redis_url, namespace, scenario, lease_s=0.3)
 
 
@@ -153,6 +179,7 @@ def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url
         await ledger.send(Release(delivery("a", size=10)))
         assert (await asyncio.wait_for(ingest.mailbox.get(), WAIT_S)) == Reclaimed(requeued)
         assert await granted(request) == (1, 995)  # the requeued entry still takes one (in intake again)
+
     run(redis_url, namespace, scenario)
 
 
@@ -167,6 +194,7 @@ def test_cancels_go_to_the_scheduler_only_for_held_jobs_and_once(redis_url, name
         await ledger.send(Release(delivery("held")))
         assert await ledger.ask(CancelRequest("held")) is False
         assert scheduler.mailbox.empty()
+
     run(redis_url, namespace, scenario)
 
 
@@ -180,6 +208,7 @@ def test_drain_is_answered_by_the_last_release(redis_url, namespace):
         assert not drained.done()
         await ledger.send(Release(delivery("b")))
         await asyncio.wait_for(drained, WAIT_S)
+
     run(redis_url, namespace, scenario)
 
 
@@ -202,4 +231,5 @@ def test_hand_back_queues_only_our_attempt_and_frees_every_pending_entry(redis_u
         rows = await streams.redis.xpending_range(stream, GROUP, "-", "+", 10)
         assert len(rows) == 3 and all(row["time_since_delivered"] > 10**9 for row in rows)  # claimable at once
         assert await ledger.ask(HeldJobs()) == []
+
     run(redis_url, namespace, scenario)

@@ -1,6 +1,7 @@
 """The local server as clients find it (clients/local_server.py, clients/connection.py) and
 as the embedded Valkey records it (actors/embedded_valkey.py): real valkey-server
 processes in temporary data folders, real redis-py clients; no model."""
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,9 @@ def server(home):
 def test_the_data_folder_is_per_user_and_never_the_current_folder(tmp_path):
     assert default_data_dir({"XDG_DATA_HOME": "/data/me"}) == Path("/data/me/conveyor")
     assert default_data_dir({}) == Path.home() / ".local" / "share" / "conveyor"
-    assert default_data_dir({"XDG_DATA_HOME": "relative"}) == Path.home() / ".local" / "share" / "conveyor"  # as XDG says
+    assert (
+        default_data_dir({"XDG_DATA_HOME": "relative"}) == Path.home() / ".local" / "share" / "conveyor"
+    )  # as XDG says
     assert default_data_dir({"CONVEYOR_DATA_DIR": str(tmp_path), "XDG_DATA_HOME": "/x"}) == tmp_path
 
 

@@ -2,11 +2,11 @@
 tiny Llama; greedy output with an adapter equals transformers + peft's merged model token
 for token; a batch mixing two adapters and the base model (the same prompt, so the prefix
 cache must tell them apart) equals each run alone; with one slot the adapters take turns."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from lora_adapter import make_adapter
 from model_factory import build_tiny_model
 
@@ -17,6 +17,7 @@ MAX_TOKENS = 12
 def merged_greedy(model_dir: str, adapter_dir: str | None, tokenizer) -> list[list[int]]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
@@ -24,13 +25,14 @@ def merged_greedy(model_dir: str, adapter_dir: str | None, tokenizer) -> list[li
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS)
-        outputs.append(out[0, ids.shape[1]:].tolist())
+        outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from engine import LLM, LoRARequest
+
     root = tmp_path_factory.mktemp("lora")
     model_dir = build_tiny_model("llama", root / "model")
     adapters = {
@@ -45,6 +47,7 @@ def setup(tmp_path_factory):
 
 def greedy(llm, lora, prompts=PROMPTS):
     from engine import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
 
@@ -68,6 +71,7 @@ def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(setup):
 
 def test_one_slot_serves_two_adapters_in_turn(setup):
     from engine import LLM
+
     model_dir, _, llm, requests = setup
     expected = greedy(llm, [requests["a"], requests["b"], requests["a"]], PROMPTS)
     single = LLM(model_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
@@ -77,6 +81,7 @@ def test_one_slot_serves_two_adapters_in_turn(setup):
 
 def test_bad_adapter_requests_fail_alone(setup, tmp_path):
     from engine import LLM, LoRARequest, SamplingParams
+
     model_dir, adapters, llm, requests = setup
     params = SamplingParams(temperature=0.0, max_tokens=2)
     missing = LoRARequest("gone", 7, str(tmp_path / "nothing"))

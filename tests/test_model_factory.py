@@ -2,9 +2,6 @@
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
 from model_factory import (
     ARCHS,
     SPECIAL_TOKENS,
@@ -15,6 +12,8 @@ from model_factory import (
     mixed_prompts,
 )
 from model_factory import _load as load_model
+from transformers import AutoTokenizer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,7 @@ def _manual_greedy(model_dir, prompt, n):
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_tokenizer_roundtrip_offline(tmp_path):
@@ -39,8 +38,7 @@ def test_tokenizer_roundtrip_offline(tmp_path):
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
     text = "def main(argv=None):\n    parser = argparse.ArgumentParser()"
     assert tok.decode(tok(text).input_ids) == text
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -69,8 +67,9 @@ def test_hf_greedy_eos_handling(tmp_path):
 def test_llama3_rope_scaling_changes_some_frequencies(model_dirs):
     config = load_model(model_dirs["llama3"]).config
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
-    default = 1.0 / (config.rope_parameters["rope_theta"]
-                     ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim))
+    default = 1.0 / (
+        config.rope_parameters["rope_theta"] ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+    )
     changed = ~torch.isclose(scaled, default)
     assert changed.any() and not changed.all()
 

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from clients import AsyncClient, Client, ProtocolError
-from clients import cli
+from clients import AsyncClient, Client, ProtocolError, cli
+from clients.keys import Keys
 from clients.model_info import (
     ModelInfo,
     ModelNotPublished,
@@ -23,18 +23,20 @@ from clients.model_info import (
     wait_for_model_info,
     wait_for_model_info_async,
 )
-from clients.keys import Keys
 from clients.token_counter import TokenCounter
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Summarize: queues are nice."}],
-    [{"role": "user", "content": "Two turns"}, {"role": "assistant", "content": "Sure."},
-     {"role": "user", "content": "Ünïcode ✓ and   spaces\n\n\tand tabs"}],
+    [
+        {"role": "user", "content": "Two turns"},
+        {"role": "assistant", "content": "Sure."},
+        {"role": "user", "content": "Ünïcode ✓ and   spaces\n\n\tand tabs"},
+    ],
     [{"role": "user", "content": "special tokens in text: <|im_start|>user <|im_end|> <|endoftext|>"}],
     [{"role": "user", "content": "x" * 3000}],
     [{"role": "user", "content": "with a None field", "name": None}],
-]  # fmt: skip
+]
 
 # Uses what transformers' sandbox adds: namespace, loop controls, tojson, raise_exception, generation.
 RICH_TEMPLATE = (
@@ -78,8 +80,9 @@ def test_chat_template_matches_transformers(counter, hf_tokenizer, conversation,
 def test_sandbox_features_render_like_transformers(hf_tokenizer, info):
     counter = TokenCounter.from_json(info.tokenizer_json, RICH_TEMPLATE, info.special_tokens)
     conversation = [{"role": "user", "content": 'a "quoted" <b>'}, {"role": "assistant", "content": "ok"}] * 4
-    expected = hf_tokenizer.apply_chat_template(conversation, chat_template=RICH_TEMPLATE, tokenize=False,
-                                                add_generation_prompt=True)  # fmt: skip
+    expected = hf_tokenizer.apply_chat_template(
+        conversation, chat_template=RICH_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
     assert counter.render_chat(conversation) == expected
     with pytest.raises(Exception, match="bad"):
         counter.render_chat([{"role": "bad", "content": ""}])
@@ -138,7 +141,9 @@ def test_jobs_naming_a_model_go_to_its_streams(redis_client, namespace):
     assert redis_client.xlen(client.keys.model_requests("smollm2", "batch")) == 1
     assert redis_client.xlen(client.keys.batch) == 0 and redis_client.xlen(client.keys.interactive) == 1
     assert client.keys.all_model_requests("smollm2") == (
-        f"{namespace}:requests:interactive:smollm2", f"{namespace}:requests:batch:smollm2")
+        f"{namespace}:requests:interactive:smollm2",
+        f"{namespace}:requests:batch:smollm2",
+    )
 
 
 def test_status_shows_models_and_jobs_nobody_serves(redis_url, redis_client, namespace, info, capsys):
@@ -171,13 +176,13 @@ def test_async_status_matches_sync(redis_url, redis_client, namespace):
     assert asyncio.run(main())["models"]["ghost"]["unserved"] is True
 
 
-
 # ---------------------------------------------------------------- waiting for a replica
 
 
 @contextmanager
 def published_later(redis_url: str, keys: Keys, info: ModelInfo, after_s: float = 1.0):
     """Publish `info` from a thread after `after_s`, as a replica does once its model is loaded."""
+
     def publish():
         time.sleep(after_s)
         conn = redis.Redis.from_url(redis_url)
@@ -227,7 +232,9 @@ def test_wait_gives_up_after_its_limit_and_says_so(redis_url, redis_client, name
     with pytest.raises(ModelNotPublished, match=r"within the wait limit of 1\.2 s \(wait_s, --wait-s\)") as caught:
         wait_for_model_info(redis_client, keys, "tiny", wait_s=1.2, progress=False)
     assert 1.2 <= time.monotonic() - started < 5
-    assert "no replica published model 'tiny'" in caught.value.message and "no replica serves it" in caught.value.message
+    assert (
+        "no replica published model 'tiny'" in caught.value.message and "no replica serves it" in caught.value.message
+    )
     assert capsys.readouterr().err == "", "progress=False prints nothing"
 
     async def main():

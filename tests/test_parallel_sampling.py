@@ -11,8 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, however pytest is run
 
-from engine import LLM, SamplingParams  # noqa: E402
 from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_prompts  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
 
 KV = "64MiB"
 BLOCK = 16
@@ -53,8 +54,11 @@ def test_seeded_samples_are_reproducible_and_independent_of_the_batch(llm, promp
     assert len({tuple(t) for t in token_lists(alone)}) == 3  # three different samples
     again = llm.generate([prompts[0]], sampled(3, seed=7), use_tqdm=False)[0]
     neighbours = [sampled(2), SamplingParams(temperature=0, max_tokens=5), sampled(1, seed=99)]
-    batched = llm.generate([prompts[1], prompts[0], prompts[2], prompts[0]],
-                           [neighbours[0], sampled(3, seed=7), neighbours[1], neighbours[2]], use_tqdm=False)[1]
+    batched = llm.generate(
+        [prompts[1], prompts[0], prompts[2], prompts[0]],
+        [neighbours[0], sampled(3, seed=7), neighbours[1], neighbours[2]],
+        use_tqdm=False,
+    )[1]
     assert token_lists(again) == token_lists(batched) == token_lists(alone)
     # vLLM's child seeds: sample i is what n=1 with seed + i gives
     singles = [llm.generate([prompts[0]], sampled(1, seed=7 + i), use_tqdm=False)[0].token_ids for i in range(3)]
@@ -69,8 +73,9 @@ def test_unseeded_samples_differ(llm, prompts):
 def test_greedy_n_gives_n_identical_copies_of_transformers_greedy(llm, model_dir, prompts):
     """vLLM refuses greedy n > 1 (n must be 1 when using greedy sampling); we return the
     n copies OpenAI's API returns."""
-    out = llm.generate([prompts[4]], SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompts[4]], SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
     assert token_lists(out) == [hf_greedy(model_dir, prompts[4], 10, ignore_eos=True)] * 3
     assert len({c.text for c in out.outputs}) == 1 and out.metrics.num_output_tokens == 30
 
@@ -110,8 +115,9 @@ def run_counting_prompt_tokens(engine, request_id, prompt, params):
 def test_the_prompt_is_computed_once_and_its_full_blocks_shared(model_dir, prompts):
     llm = LLM(model_dir, kv_cache_memory=KV, block_size=BLOCK)
     n, full = 4, PROMPT_LEN // BLOCK
-    computed, tables, counts, outputs = run_counting_prompt_tokens(llm.engine, "r", prompts[1],
-                                                                   sampled(n, max_tokens=6, seed=3))
+    computed, tables, counts, outputs = run_counting_prompt_tokens(
+        llm.engine, "r", prompts[1], sampled(n, max_tokens=6, seed=3)
+    )
     assert all(table[:full] == tables[0][:full] for table in tables)  # the same physical blocks ...
     assert counts[:full] == [n] * full  # ... referenced by all n samples
     assert len({table[full] for table in tables}) == n  # each its own partial block
@@ -124,8 +130,9 @@ def test_the_prompt_is_computed_once_and_its_full_blocks_shared(model_dir, promp
 
 def test_without_prefix_caching_each_sample_computes_the_prompt(model_dir, prompts):
     llm = LLM(model_dir, kv_cache_memory=KV, block_size=BLOCK, enable_prefix_caching=False)
-    computed, tables, counts, _ = run_counting_prompt_tokens(llm.engine, "r", prompts[1],
-                                                             sampled(3, max_tokens=3, seed=3))
+    computed, tables, counts, _ = run_counting_prompt_tokens(
+        llm.engine, "r", prompts[1], sampled(3, max_tokens=3, seed=3)
+    )
     assert computed == 3 * PROMPT_LEN and counts == [1] * len(counts)
 
 

@@ -30,10 +30,23 @@ from clients.protocol import (
 )
 
 VLLM_SAMPLING_PARAM_NAMES = {
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "min_tokens", "logprobs", "n", "structured_outputs",
-}  # fmt: skip
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "logprobs",
+    "n",
+    "structured_outputs",
+}
 
 
 def msgpack_entry(payload) -> dict[bytes, bytes]:
@@ -51,10 +64,19 @@ def test_msgpack_round_trip_keeps_every_field():
     job = JobRequest(
         job_id="doc-1:part.2",
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        max_tokens=7, temperature=0.5, top_k=40, seed=3, stop=["\n\n"], stop_token_ids=[2],
-        logprobs=2, priority_class="batch", priority=-1, deadline=time.time() + 60,
-        result_ttl=60, metadata={"doc": 1, "tags": ["a"]},
-    )  # fmt: skip
+        max_tokens=7,
+        temperature=0.5,
+        top_k=40,
+        seed=3,
+        stop=["\n\n"],
+        stop_token_ids=[2],
+        logprobs=2,
+        priority_class="batch",
+        priority=-1,
+        deadline=time.time() + 60,
+        result_ttl=60,
+        metadata={"doc": 1, "tags": ["a"]},
+    )
     fields = encode_job(job)
     assert set(fields) == {"data"} and isinstance(fields["data"], bytes)
     assert decode_job({k.encode(): v for k, v in fields.items()}) == job
@@ -70,11 +92,23 @@ def test_json_field_is_accepted_with_bytes_or_str_keys():
 def test_defaults_are_vllm_defaults():
     job = decode_job(json_entry({"prompt": "hi"}))
     assert job.sampling_params() == {
-        "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "seed": None, "stop": [], "stop_token_ids": [], "ignore_eos": False,
-        "min_tokens": 0, "logprobs": None, "n": 1, "structured_outputs": None,
-    }  # fmt: skip
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "seed": None,
+        "stop": [],
+        "stop_token_ids": [],
+        "ignore_eos": False,
+        "min_tokens": 0,
+        "logprobs": None,
+        "n": 1,
+        "structured_outputs": None,
+    }
     assert (job.v, job.priority_class, job.priority, job.result_ttl) == (1, "interactive", 0, 86400)
     assert len(job.job_id) == 32
 
@@ -309,13 +343,20 @@ def test_fuzz_json_jobs_round_trip_or_fail_cleanly(payload, prompt):
     "event",
     [
         TokenEvent(attempt=1, seq=0, text="Hel", token_ids=[5, 6], logprobs=[{"5": -0.1}]),
-        DoneEvent(attempt=2, seq=3, finish_reason="stop", text="Hello", token_ids=[5, 6, 7],
-                  usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
-                  timings={"queue": 0.01, "ttft": 0.1, "tpot": 0.02, "e2e": 0.2}, metadata={"m": 1}),
+        DoneEvent(
+            attempt=2,
+            seq=3,
+            finish_reason="stop",
+            text="Hello",
+            token_ids=[5, 6, 7],
+            usage={"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+            timings={"queue": 0.01, "ttft": 0.1, "tpot": 0.02, "e2e": 0.2},
+            metadata={"m": 1},
+        ),
         ErrorEvent(attempt=1, code="prompt_too_long", message="prompt: 9000 tokens, limit 8192"),
         CancelledEvent(attempt=1, metadata={"m": 2}),
     ],
-)  # fmt: skip
+)
 def test_event_round_trip(event):
     fields = encode_event(event)
     assert fields["type"] == event.type.encode()

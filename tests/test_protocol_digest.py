@@ -22,10 +22,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clients import AsyncClient, Client, InvalidJob, QueueFull, decode_job
-from clients.keys import Keys
-from clients.protocol import (DEFAULT_ONLY_DIGEST_FIELDS, DIGEST_FIELDS, OPTIONAL_DIGEST_FIELDS, JobRequest,
-                              _js_number, digest_input, payload_digest)
 from clients.job_record import SUBMIT_LUA
+from clients.keys import Keys
+from clients.protocol import (
+    DEFAULT_ONLY_DIGEST_FIELDS,
+    DIGEST_FIELDS,
+    OPTIONAL_DIGEST_FIELDS,
+    JobRequest,
+    _js_number,
+    digest_input,
+    payload_digest,
+)
 from clients.submission import submit_args
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
@@ -41,7 +48,7 @@ def doc_block(marker: str) -> str:
 
 
 def doc_vectors() -> list[tuple[str, str]]:
-    table = DOC[DOC.index("<!-- digest-vectors -->"):]
+    table = DOC[DOC.index("<!-- digest-vectors -->") :]
     rows = re.findall(r"^\| `(\{.*\})` \| `([0-9a-f]{64})` \|$", table.split("\n\n")[0], re.M)
     assert len(rows) >= 3
     return rows
@@ -73,8 +80,16 @@ def test_defaults_and_normalisations_do_not_change_the_digest():
         {"prompt": "hi", "seed": None, "logprobs": None, "model": None, "presence_penalty": -0.0},
         {"prompt": "hi", "n": 1},  # n joined the digest later: at its default it is left out
         # scheduling, delivery and bookkeeping are not part of what the job asks for
-        {"prompt": "hi", "job_id": "other", "v": 1, "priority_class": "batch", "priority": -3,
-         "deadline": time.time() + 60, "result_ttl": 5, "metadata": {"k": [1, 2]}},
+        {
+            "prompt": "hi",
+            "job_id": "other",
+            "v": 1,
+            "priority_class": "batch",
+            "priority": -3,
+            "deadline": time.time() + 60,
+            "result_ttl": 5,
+            "metadata": {"k": [1, 2]},
+        },
     ]
     assert [digest_of(p) for p in same] == [base] * len(same)
     assert digest_of({"prompt": "hi", "stop": "x"}) == digest_of({"prompt": "hi", "stop": ["x"]})
@@ -82,12 +97,28 @@ def test_defaults_and_normalisations_do_not_change_the_digest():
     assert digest_of({"messages": chat}) == digest_of({"messages": [{**chat[0], "name": "ignored"}]})
 
 
-@pytest.mark.parametrize("change", [
-    {"prompt": "hi!"}, {"max_tokens": 17}, {"temperature": 0.5}, {"top_p": 0.9}, {"top_k": 5},
-    {"min_p": 0.1}, {"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
-    {"seed": 0}, {"stop": ["x"]}, {"stop_token_ids": [2]}, {"ignore_eos": True}, {"min_tokens": 1},
-    {"logprobs": 0}, {"model": "m"}, {"n": 2},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prompt": "hi!"},
+        {"max_tokens": 17},
+        {"temperature": 0.5},
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"min_p": 0.1},
+        {"repetition_penalty": 1.1},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"seed": 0},
+        {"stop": ["x"]},
+        {"stop_token_ids": [2]},
+        {"ignore_eos": True},
+        {"min_tokens": 1},
+        {"logprobs": 0},
+        {"model": "m"},
+        {"n": 2},
+    ],
+)
 def test_every_digest_field_changes_the_digest(change):
     assert digest_of({"prompt": "hi", **change}) != digest_of({"prompt": "hi"})
 
@@ -97,29 +128,43 @@ def test_structured_outputs_count_only_when_given():
     assert digest_of({"prompt": "hi", "structured_outputs": None}) == base
     regex = digest_of({"prompt": "hi", "structured_outputs": {"regex": "a+"}})
     assert regex != base
-    assert digest_of({"prompt": "hi", "structured_outputs": {"regex": "a+", "json": None,
-                                                             "disable_any_whitespace": False}}) == regex
+    assert (
+        digest_of(
+            {"prompt": "hi", "structured_outputs": {"regex": "a+", "json": None, "disable_any_whitespace": False}}
+        )
+        == regex
+    )
     assert digest_of({"prompt": "hi", "structured_outputs": {"regex": "a+", "disable_any_whitespace": True}}) != regex
     assert digest_of({"prompt": "hi", "structured_outputs": {"regex": "a*"}}) != regex
 
 
 def test_the_prompt_kind_is_part_of_the_digest():
-    digests = {digest_of({"prompt": "1"}), digest_of({"prompt_token_ids": [1]}),
-               digest_of({"messages": [{"role": "user", "content": "1"}]})}
+    digests = {
+        digest_of({"prompt": "1"}),
+        digest_of({"prompt_token_ids": [1]}),
+        digest_of({"messages": [{"role": "user", "content": "1"}]}),
+    }
     assert len(digests) == 3
 
 
 def test_digest_fields_are_the_documented_eighteen():
     assert len(DIGEST_FIELDS) == 18 and len(set(DIGEST_FIELDS)) == 18
-    section = DOC[DOC.index("### Payload digest"):DOC.index("Not part of it")]
-    assert all(f"`{name}`" in section for name in (*DIGEST_FIELDS, *DEFAULT_ONLY_DIGEST_FIELDS, *OPTIONAL_DIGEST_FIELDS))
-    rest = set(JobRequest.model_fields) - set(DIGEST_FIELDS) - set(DEFAULT_ONLY_DIGEST_FIELDS) - set(OPTIONAL_DIGEST_FIELDS)
-    not_part = DOC[DOC.index("Not part of it"):DOC.index("Canonical JSON")]
+    section = DOC[DOC.index("### Payload digest") : DOC.index("Not part of it")]
+    assert all(
+        f"`{name}`" in section for name in (*DIGEST_FIELDS, *DEFAULT_ONLY_DIGEST_FIELDS, *OPTIONAL_DIGEST_FIELDS)
+    )
+    rest = (
+        set(JobRequest.model_fields)
+        - set(DIGEST_FIELDS)
+        - set(DEFAULT_ONLY_DIGEST_FIELDS)
+        - set(OPTIONAL_DIGEST_FIELDS)
+    )
+    not_part = DOC[DOC.index("Not part of it") : DOC.index("Canonical JSON")]
     assert all(f"`{name}`" in not_part for name in rest), rest
 
 
 def test_digest_text_is_ascii_with_sorted_keys_and_no_whitespace():
-    job = decode_job({"json": json.dumps({"prompt": "Grüß 👋\n\"q\"\x01\x7f", "temperature": 0.25})})
+    job = decode_job({"json": json.dumps({"prompt": 'Grüß 👋\n"q"\x01\x7f', "temperature": 0.25})})
     text = digest_input(job)
     assert text.isascii() and '": ' not in text and '", ' not in text
     parsed = json.loads(text)
@@ -128,11 +173,24 @@ def test_digest_text_is_ascii_with_sorted_keys_and_no_whitespace():
     assert len(payload_digest(job)) == 64
 
 
-@pytest.mark.parametrize("value, text", [
-    (1.0, "1"), (-0.0, "0"), (0.1, "0.1"), (1.5e-5, "0.000015"), (1e-7, "1e-7"), (1.25e-7, "1.25e-7"),
-    (1e20, "100000000000000000000"), (1e21, "1e+21"), (1.2345e22, "1.2345e+22"), (-2.5, "-2.5"),
-    (5e-324, "5e-324"), (1.7976931348623157e308, "1.7976931348623157e+308"), (123456.789, "123456.789"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (1.0, "1"),
+        (-0.0, "0"),
+        (0.1, "0.1"),
+        (1.5e-5, "0.000015"),
+        (1e-7, "1e-7"),
+        (1.25e-7, "1.25e-7"),
+        (1e20, "100000000000000000000"),
+        (1e21, "1e+21"),
+        (1.2345e22, "1.2345e+22"),
+        (-2.5, "-2.5"),
+        (5e-324, "5e-324"),
+        (1.7976931348623157e308, "1.7976931348623157e+308"),
+        (123456.789, "123456.789"),
+    ],
+)
 def test_floats_are_written_as_javascript_writes_them(value, text):
     assert _js_number(value) == text
     assert float(text) == value
@@ -157,7 +215,9 @@ def validate_seed(seed: int) -> int:
 def run_js_digests(payloads: list[dict]) -> list[str]:
     """The doc's JavaScript reference, run by node on each payload (a JSON line each;
     a seed written as a string becomes a BigInt, as a Node producer would send it)."""
-    harness = doc_block("payload-digest.js") + """
+    harness = (
+        doc_block("payload-digest.js")
+        + """
 import { readFileSync } from "node:fs";
 for (const line of readFileSync(0, "utf8").split("\\n").filter(Boolean)) {
   const job = JSON.parse(line);
@@ -165,9 +225,16 @@ for (const line of readFileSync(0, "utf8").split("\\n").filter(Boolean)) {
   console.log(payloadDigest(job));
 }
 """
+    )
     lines = "\n".join(json.dumps(p) for p in payloads) + "\n"
-    done = subprocess.run([NODE, "--input-type=module", "-e", harness], input=lines, capture_output=True,
-                          text=True, timeout=60, check=True)
+    done = subprocess.run(
+        [NODE, "--input-type=module", "-e", harness],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return done.stdout.split()
 
 
@@ -204,11 +271,16 @@ payloads = st.fixed_dictionaries(
         "logprobs": st.one_of(st.none(), st.integers(0, 20)),
         "model": st.one_of(st.none(), words),
         "n": st.integers(1, 16),
-        "structured_outputs": st.sampled_from([
-            None, {"regex": "a+"}, {"choice": ["x", "y"], "disable_any_whitespace": True},
-            {"json": {"type": "object", "properties": {"n": {"maximum": 1.5, "minimum": -0.0}}}, "regex": None},
-            {"json": '{"type": "string"}'}, {"json_object": True, "disable_any_whitespace": False},
-        ]),
+        "structured_outputs": st.sampled_from(
+            [
+                None,
+                {"regex": "a+"},
+                {"choice": ["x", "y"], "disable_any_whitespace": True},
+                {"json": {"type": "object", "properties": {"n": {"maximum": 1.5, "minimum": -0.0}}}, "regex": None},
+                {"json": '{"type": "string"}'},
+                {"json_object": True, "disable_any_whitespace": False},
+            ]
+        ),
     },
 )
 
@@ -229,8 +301,9 @@ def test_js_number_formatting_agrees_with_node_on_random_floats():
     values += [float(rng.randint(0, 10**22)) for _ in range(300)] + [2.0**k for k in range(-1074, 1024, 7)]
     values = [v for v in values if math.isfinite(v)]
     script = "for (const x of JSON.parse(require('fs').readFileSync(0,'utf8'))) console.log(String(x))"
-    done = subprocess.run([NODE, "-e", script], input=json.dumps(values), capture_output=True, text=True,
-                          timeout=60, check=True)
+    done = subprocess.run(
+        [NODE, "-e", script], input=json.dumps(values), capture_output=True, text=True, timeout=60, check=True
+    )
     assert [_js_number(v) for v in values] == done.stdout.split()
 
 
@@ -258,8 +331,15 @@ def client(redis_url, namespace):
 
 def write_refusal(raw, keys: Keys, job_id: str) -> None:
     """What a replica leaves for an entry it could not read: an error event + a 'rejected' hash."""
-    raw.xadd(keys.out(job_id), {"type": "error", "data": msgpack.packb(
-        {"type": "error", "attempt": 1, "code": "invalid_job", "message": "bad", "rejected_entry": "1-1"})})
+    raw.xadd(
+        keys.out(job_id),
+        {
+            "type": "error",
+            "data": msgpack.packb(
+                {"type": "error", "attempt": 1, "code": "invalid_job", "message": "bad", "rejected_entry": "1-1"}
+            ),
+        },
+    )
     raw.hset(keys.job(job_id), mapping={"status": "rejected", "rejected": "1", "entry": "1-1", "updated": "1"})
     raw.expire(keys.job(job_id), 3600)
     raw.expire(keys.out(job_id), 3600)
@@ -356,7 +436,7 @@ def test_script_with_json_field_and_no_digest(client, raw):
     script_keys = [keys.job("cli-1"), keys.interactive, keys.out("cli-1"), keys.limits]
     argv = [payload, 86400, repr(time.time()), 0, "", "json"]
     assert raw.eval(SUBMIT_LUA, 4, *script_keys, *argv) == 1
-    (entry_id, fields), = raw.xrange(keys.interactive)
+    ((entry_id, fields),) = raw.xrange(keys.interactive)
     assert set(fields) == {b"json"} and decode_job(fields, entry_id).job_id == "cli-1"
     assert b"digest" not in raw.hgetall(keys.job("cli-1"))
     assert raw.eval(SUBMIT_LUA, 4, *script_keys, *argv) == 0  # idempotent

@@ -15,14 +15,13 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 40
 PLAIN = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a short list of three fruits:\n1.",
     "Water boils at a temperature of",
 ]
 CHATS = [
     [{"role": "user", "content": "What is 2 + 2? Answer with one number."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Name a primary color."}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a primary color."}],
     [{"role": "user", "content": "Write one sentence about the sea."}],
 ]
 
@@ -57,9 +56,13 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate on one unpadded prompt (EOS from generation_config)."""
     input_ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def check_against_transformers(out, model, tokenizer):
@@ -87,8 +90,9 @@ def test_chat_matches_transformers_greedy(llm, hf):
     outs = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     for messages, out in zip(CHATS, outs):
         assert out.error is None
-        expected_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+        expected_ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         assert out.prompt_token_ids == list(expected_ids)
         assert out.text.strip()
         check_against_transformers(out, model, tokenizer)
@@ -99,6 +103,7 @@ def test_gguf_blocks_are_kept_and_hold_each_weight_once(llm):
     """quantization="gguf" runs the model's Q4_1/Q8_0 tensors as GGUF blocks,
     with the tied head and the embedding sharing one Q8_0 table, and no float32 copies."""
     from kernels.cpu.linear import CpuLinear
+
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     assert len(linears) == 30 * 4 + 1 and all(m.weight.dtype in (torch.uint8, torch.int8) for m in linears)
@@ -111,8 +116,7 @@ def test_gguf_blocks_are_kept_and_hold_each_weight_once(llm):
 def test_greedy_is_identical_with_gguf_blocks_and_dequantized(llm):
     """quantization="none" dequantizes the same blocks to float32 (the path before): the same
     weights, summed in another order, give the same greedy tokens."""
-    dequantized = LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="64MiB", seed=0,
-                      quantization="none")
+    dequantized = LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="64MiB", seed=0, quantization="none")
     assert dequantized.engine.runner.model.model.embed_tokens.weight.dtype == torch.float32
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     prompts = PLAIN[:3]
@@ -140,11 +144,24 @@ def test_speculative_decoding_matches_transformers_greedy(llm, hf):
     phrases): token-identical to transformers and to the engine without drafts, and drafts
     are accepted."""
     model, tokenizer = hf
-    spec = LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="128MiB", seed=0, quantization="gguf",
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                                   "prompt_lookup_min": 2})
-    chats = [[{"role": "user", "content": f"Summarize this text in three sentences.\n\n{DOCUMENT}"}],
-             [{"role": "user", "content": f"{DOCUMENT}\n\nWhen was the lighthouse built, and what is in it now?"}]]
+    spec = LLM(
+        "smollm2",
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory="128MiB",
+        seed=0,
+        quantization="gguf",
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        },
+    )
+    chats = [
+        [{"role": "user", "content": f"Summarize this text in three sentences.\n\n{DOCUMENT}"}],
+        [{"role": "user", "content": f"{DOCUMENT}\n\nWhen was the lighthouse built, and what is in it now?"}],
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outs = spec.chat(chats, params, use_tqdm=False)
     for out, plain in zip(outs, llm.chat(chats, params, use_tqdm=False)):

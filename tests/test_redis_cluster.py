@@ -14,21 +14,29 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from cluster_harness import ValkeyCluster
+from fault_harness import (
+    TERMINAL,
+    JobLedger,
+    check_attempt_sequences,
+    record,
+    spawner_fixture,
+    start_all,
+    unique_namespace,
+    wait_until,
+)
+from gateway_harness import GatewayThread
+from model_factory import build_tiny_model
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
+from replica_harness import ReplicaThread, run_producers
 
 from clients import AsyncClient, Client
 from clients.cli import main as cli_main
 from clients.connection import RedisSettings
 from clients.dead_letters import requeue
 from clients.keys import Keys
-from cluster_harness import ValkeyCluster
 from engine import LLM, SamplingParams
-from fault_harness import (TERMINAL, JobLedger, check_attempt_sequences, record, spawner_fixture, start_all,
-                           unique_namespace, wait_until)
-from gateway_harness import GatewayThread
-from model_factory import build_tiny_model
-from replica_harness import ReplicaThread, run_producers
 
 PARTITIONS = 3
 LEASE_S = 3.0
@@ -89,9 +97,16 @@ def test_partitioned_layout_keeps_each_job_in_its_streams_slot():
     keys = Keys.of("ns", cluster=True, partitions=PARTITIONS)
     for job_id in ("a", "b", "job-17", "x" * 100, "{braces}"):
         p = keys.partition_of(job_id)
-        slots = {slot(k) for k in (keys.job(job_id), keys.out(job_id), keys.limits_of(p),
-                                   keys.job_request_stream(job_id, "interactive"),
-                                   keys.job_request_stream(job_id, "batch", "some-model"))}
+        slots = {
+            slot(k)
+            for k in (
+                keys.job(job_id),
+                keys.out(job_id),
+                keys.limits_of(p),
+                keys.job_request_stream(job_id, "interactive"),
+                keys.job_request_stream(job_id, "batch", "some-model"),
+            )
+        }
         assert len(slots) == 1, (job_id, slots)
     assert slot(keys.models) == slot(keys.model_info("m"))
     assert len({slot(keys.requests("batch", p)) for p in range(PARTITIONS)}) == PARTITIONS
@@ -108,8 +123,12 @@ def test_queue_status_ignores_stream_names_no_partition_owns(redis_url, namespac
     the status names only the real model's streams and still answers."""
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace, partitions=PARTITIONS)
-    bogus = [f"{namespace}:{{p9999}}:requests:batch:evil", f"{namespace}:{{p1}}x}}:requests:batch:odd",
-             f"{namespace}:{{p01}}:requests:interactive:zero", f"{namespace}:{{p}}:requests:batch:empty"]
+    bogus = [
+        f"{namespace}:{{p9999}}:requests:batch:evil",
+        f"{namespace}:{{p1}}x}}:requests:batch:odd",
+        f"{namespace}:{{p01}}:requests:interactive:zero",
+        f"{namespace}:{{p}}:requests:batch:empty",
+    ]
     for stream in [*bogus, keys.model_requests("good", "batch", 2)]:
         raw.xadd(stream, {"json": "{}"})
     with Client(redis_url, namespace=namespace, partitions=PARTITIONS) as client:
@@ -121,6 +140,7 @@ def test_queue_status_ignores_stream_names_no_partition_owns(redis_url, namespac
 
 def test_replica_reads_every_partition_interactive_first_starting_in_turn():
     import redis.asyncio as aioredis
+
     from actors.streams import Streams
 
     keys = Keys.of("ns", cluster=True, partitions=PARTITIONS)
@@ -131,8 +151,9 @@ def test_replica_reads_every_partition_interactive_first_starting_in_turn():
     assert all(len({slot(k) for k in group}) == 1 for group in first)  # one read script, one slot
     assert first[0] == (keys.requests("interactive", 0), keys.model_requests("m", "interactive", 0))
     single = Streams(aioredis.Redis(), Keys("ns"), "c", "m", max_entry_bytes=1000)
-    assert single._groups_in_turn() == [("ns:requests:interactive", "ns:requests:interactive:m",
-                                         "ns:requests:batch", "ns:requests:batch:m")]  # as before: one script
+    assert single._groups_in_turn() == [
+        ("ns:requests:interactive", "ns:requests:interactive:m", "ns:requests:batch", "ns:requests:batch:m")
+    ]  # as before: one script
 
 
 def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, settings, capsys):
@@ -159,8 +180,14 @@ def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, setting
         parked = "parked-job"
         home, elsewhere = keys.partition_of(parked), (keys.partition_of(parked) + 1) % PARTITIONS
         payload = json.dumps({"job_id": parked, "prompt": "hi"}).encode()
-        letter = {"stream": keys.requests("batch", home), "entry_id": "1-0", "reason": "max_deliveries",
-                  "at": "1", "job_id": parked, "field:json": payload}
+        letter = {
+            "stream": keys.requests("batch", home),
+            "entry_id": "1-0",
+            "reason": "max_deliveries",
+            "at": "1",
+            "job_id": parked,
+            "field:json": payload,
+        }
         good = client.redis.xadd(keys.dead, letter)
         stray = client.redis.xadd(keys.dead, {**letter, "stream": keys.requests("batch", elsewhere)})
         new_ids, skipped, failed = requeue(client.redis, keys)
@@ -182,9 +209,11 @@ def test_cluster_clients_spread_jobs_over_partitions_and_cancel(cluster, setting
     async def async_side():
         async with AsyncClient(namespace=namespace, connection=settings) as aclient:
             job = await aclient.submit(job_id="async-one", prompt="hi", max_tokens=2)
-            many = await aclient.submit_many([{"job_id": f"async-{i}", "prompt": "x"} for i in range(6)],
-                                             progress=False)
+            many = await aclient.submit_many(
+                [{"job_id": f"async-{i}", "prompt": "x"} for i in range(6)], progress=False
+            )
             return job.enqueued, [j.enqueued for j in many], (await aclient.job("async-one").status()).status
+
     enqueued, many, status_now = asyncio.run(async_side())
     assert enqueued and all(many) and status_now == "queued"
 
@@ -197,8 +226,9 @@ def test_partitioned_layout_on_a_single_server(redis_url, namespace, tiny_model,
     with ReplicaThread(tiny_model, redis_url, namespace, max_num_seqs=4), Client(redis_url, namespace) as client:
         assert client.keys == keys
         ids = job_ids_per_partition(keys, "single", 2)
-        jobs = client.submit_many([{"job_id": i, "prompt": f"about {i}", "max_tokens": 6, "temperature": 0}
-                                   for i in ids], progress=False)
+        jobs = client.submit_many(
+            [{"job_id": i, "prompt": f"about {i}", "max_tokens": 6, "temperature": 0} for i in ids], progress=False
+        )
         texts = {job.job_id: job.result(timeout=60).text for job in jobs}
         assert client.redis.exists(keys.job(ids[0])) and client.redis.exists(f"{namespace}:job:{ids[0]}") == 0
     offline = LLM(tiny_model, max_num_seqs=4)
@@ -211,14 +241,23 @@ def test_two_replicas_several_producers_and_a_master_killed(cluster, settings, s
     namespace = unique_namespace("cl")
     keys = settings.keys(namespace)
     # 2 sequences each: a replica holds at most 4 jobs, so some wait in the queue
-    replicas = start_all([spawn(namespace, f"cl-{n}", tiny_model, lease_s=LEASE_S, keys=keys,
-                                args=["--max-num-seqs", "2"]) for n in "ab"])
+    replicas = start_all(
+        [
+            spawn(namespace, f"cl-{n}", tiny_model, lease_s=LEASE_S, keys=keys, args=["--max-num-seqs", "2"])
+            for n in "ab"
+        ]
+    )
     offline = LLM(tiny_model, max_num_seqs=8)
     params = SamplingParams(max_tokens=12, temperature=0.0)
 
     def spec(job_id: str, max_tokens: int = 12) -> dict:
-        return {"job_id": job_id, "prompt": f"tell me about {job_id}", "max_tokens": max_tokens,
-                "temperature": 0.0, "priority_class": "batch" if job_id.endswith(("1", "3")) else "interactive"}
+        return {
+            "job_id": job_id,
+            "prompt": f"tell me about {job_id}",
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "priority_class": "batch" if job_id.endswith(("1", "3")) else "interactive",
+        }
 
     # several producers, jobs spread over every partition, through both replicas
     results: dict[str, str] = {}
@@ -237,22 +276,26 @@ def test_two_replicas_several_producers_and_a_master_killed(cluster, settings, s
     # the OpenAI gateway on the cluster: model info (one MULTI in the namespace's slot) and a completion
     with GatewayThread(cluster.url, namespace, connection=settings) as gateway:
         prompt = "tell me about the gateway"
-        reply = httpx.post(f"{gateway.url}/v1/completions", timeout=60, json={
-            "model": Path(tiny_model).name, "prompt": prompt, "max_tokens": 12, "temperature": 0})
+        reply = httpx.post(
+            f"{gateway.url}/v1/completions",
+            timeout=60,
+            json={"model": Path(tiny_model).name, "prompt": prompt, "max_tokens": 12, "temperature": 0},
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == offline.generate([prompt], params, use_tqdm=False)[0].text
 
     # a cancel reaches whichever replica runs the job; a raw entry on another partition is refused
     with Client(namespace=namespace, connection=settings) as canceller:
-        long_job = canceller.submit(job_id="to-cancel", prompt_token_ids=[5, 6, 7], max_tokens=1000,
-                                    ignore_eos=True)
+        long_job = canceller.submit(job_id="to-cancel", prompt_token_ids=[5, 6, 7], max_tokens=1000, ignore_eos=True)
         wait_until(lambda: long_job.status().status == "running", 30, "the long job to start")
         assert long_job.cancel() is True
         assert [e.type for e in long_job.events(timeout=30)][-1] == "cancelled"
         stray = "stray-job"
         elsewhere = (keys.partition_of(stray) + 1) % PARTITIONS
-        canceller.redis.xadd(keys.requests("interactive", elsewhere),
-                             {"json": json.dumps({"job_id": stray, "prompt": "x", "max_tokens": 2})})
+        canceller.redis.xadd(
+            keys.requests("interactive", elsewhere),
+            {"json": json.dumps({"job_id": stray, "prompt": "x", "max_tokens": 2})},
+        )
         refusal = list(canceller.job(stray).events(timeout=30))[-1]
         assert refusal.type == "error" and refusal.code == "wrong_partition", refusal
 
@@ -286,8 +329,12 @@ def test_two_replicas_several_producers_and_a_master_killed(cluster, settings, s
     records = through_failover(lambda: ledger.records(ids))
     unfinished = {i: r.status for i, r in records.items() if r.status not in TERMINAL}
     assert not unfinished, f"jobs not finished after the failover: {unfinished}"
-    expected = {s["job_id"]: offline.generate([s["prompt"]], SamplingParams(max_tokens=40, temperature=0.0),
-                                              use_tqdm=False)[0].text for s in long_specs}
+    expected = {
+        s["job_id"]: offline.generate([s["prompt"]], SamplingParams(max_tokens=40, temperature=0.0), use_tqdm=False)[
+            0
+        ].text
+        for s in long_specs
+    }
     for job_id, outcome in records.items():
         assert len(outcome.terminals) == 1, (job_id, [e.type for e in outcome.terminals])
         if keys.partition_of(job_id) not in on_victim:
@@ -299,8 +346,13 @@ def test_two_replicas_several_producers_and_a_master_killed(cluster, settings, s
         assert outcome.status == "done", (job_id, outcome.status)
         assert client.job(job_id).result(timeout=10).text == expected[job_id], job_id
     assert all(replica.alive() for replica in replicas)
-    record("kill -9 of a cluster master, jobs queued and running (failover to its replica)",
-           **through_failover(lambda: ledger.summary(ids)), failover_s=round(failover_s, 1),
-           all_done_s=round(recovered_s, 1), resubmitted=len(resubmitted),
-           rerun=sum(1 for r in records.values() if r.attempt > 1), queued_at_kill=at_kill.count("queued"))
+    record(
+        "kill -9 of a cluster master, jobs queued and running (failover to its replica)",
+        **through_failover(lambda: ledger.summary(ids)),
+        failover_s=round(failover_s, 1),
+        all_done_s=round(recovered_s, 1),
+        resubmitted=len(resubmitted),
+        rerun=sum(1 for r in records.values() if r.attempt > 1),
+        queued_at_kill=at_kill.count("queued"),
+    )
     client.close()

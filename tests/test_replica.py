@@ -1,4 +1,5 @@
 """A real replica (tiny model, real Valkey) driven through the Redis front door."""
+
 import asyncio
 import json
 import time
@@ -6,13 +7,13 @@ import time
 import msgpack
 import pytest
 import redis
+from model_factory import mixed_prompts
+from replica_harness import ReplicaThread, run_producers
 
 from clients import Client
 from clients.errors import JobFailed
 from clients.keys import Keys
 from engine import LLM, SamplingParams
-from model_factory import mixed_prompts
-from replica_harness import ReplicaThread, run_producers
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 
@@ -75,8 +76,10 @@ def test_fifty_jobs_from_three_producers_match_offline(replica, redis_url, names
 def test_raw_xadd_with_json_field_completes(replica, redis_url, namespace):
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
-    raw.xadd(keys.interactive, {"json": json.dumps({"job_id": "raw-1", "prompt": "def main():",
-                                                     "max_tokens": 5, "temperature": 0})})
+    raw.xadd(
+        keys.interactive,
+        {"json": json.dumps({"job_id": "raw-1", "prompt": "def main():", "max_tokens": 5, "temperature": 0})},
+    )
     result = Client(redis_url, namespace=namespace).job("raw-1").result(timeout=30)
     assert result.finish_reason in ("stop", "length") and result.token_ids
     assert raw.hget(keys.job("raw-1"), "status") == b"done"
@@ -84,15 +87,19 @@ def test_raw_xadd_with_json_field_completes(replica, redis_url, namespace):
     assert raw.xlen(keys.interactive) == 0  # acked and deleted
 
 
-@pytest.mark.parametrize("fields, expect_event", [
-    ({"data": b"\xc1\xff not msgpack"}, False),
-    ({"data": msgpack.packb({"job_id": "bad-type", "prompt": "hi", "max_tokens": "5"})}, True),
-    ({"data": msgpack.packb({"job_id": "no-prompt", "max_tokens": 5})}, True),
-    ({"json": json.dumps({"job_id": "bad-temp", "prompt": "hi", "temperature": -1})}, True),
-    ({"json": "{not json"}, False),
-])
-def test_malformed_entries_are_reported_and_the_replica_keeps_serving(replica, redis_url, namespace,
-                                                                       fields, expect_event):
+@pytest.mark.parametrize(
+    "fields, expect_event",
+    [
+        ({"data": b"\xc1\xff not msgpack"}, False),
+        ({"data": msgpack.packb({"job_id": "bad-type", "prompt": "hi", "max_tokens": "5"})}, True),
+        ({"data": msgpack.packb({"job_id": "no-prompt", "max_tokens": 5})}, True),
+        ({"json": json.dumps({"job_id": "bad-temp", "prompt": "hi", "temperature": -1})}, True),
+        ({"json": "{not json"}, False),
+    ],
+)
+def test_malformed_entries_are_reported_and_the_replica_keeps_serving(
+    replica, redis_url, namespace, fields, expect_event
+):
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     raw.xadd(keys.interactive, fields)
@@ -111,8 +118,14 @@ def test_malformed_entries_are_reported_and_the_replica_keeps_serving(replica, r
 
 def test_unknown_fields_are_ignored(replica, redis_url, namespace):
     raw = redis.Redis.from_url(redis_url)
-    raw.xadd(Keys(namespace).interactive, {"data": msgpack.packb(
-        {"job_id": "extra", "prompt": "hi", "max_tokens": 2, "temperature": 0, "colour": "blue"})})
+    raw.xadd(
+        Keys(namespace).interactive,
+        {
+            "data": msgpack.packb(
+                {"job_id": "extra", "prompt": "hi", "max_tokens": 2, "temperature": 0, "colour": "blue"}
+            )
+        },
+    )
     assert Client(redis_url, namespace=namespace).job("extra").result(timeout=30).token_ids
 
 
@@ -126,12 +139,18 @@ def test_engine_level_errors_reach_the_job(replica, redis_url, namespace):
 
 
 def test_two_replicas_split_the_work_and_each_job_ends_once(tiny_model, redis_url, namespace):
-    with ReplicaThread(tiny_model, redis_url, namespace, consumer="a", **ENGINE_OPTIONS) as first, \
-            ReplicaThread(tiny_model, redis_url, namespace, consumer="b", **ENGINE_OPTIONS) as second:
+    with (
+        ReplicaThread(tiny_model, redis_url, namespace, consumer="a", **ENGINE_OPTIONS) as first,
+        ReplicaThread(tiny_model, redis_url, namespace, consumer="b", **ENGINE_OPTIONS) as second,
+    ):
         client = Client(redis_url, namespace=namespace)
-        jobs = client.submit_many([{"prompt_token_ids": p, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
-                                   for p in mixed_prompts(768, n=40, seed=7, min_len=20, max_len=100)],
-                                  progress=False)
+        jobs = client.submit_many(
+            [
+                {"prompt_token_ids": p, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+                for p in mixed_prompts(768, n=40, seed=7, min_len=20, max_len=100)
+            ],
+            progress=False,
+        )
         for job in jobs:
             job.result(timeout=120)
         assert first.replica.scheduler.steps > 0 and second.replica.scheduler.steps > 0
@@ -170,6 +189,7 @@ def test_event_loop_stays_responsive_during_a_long_prefill(redis_url, namespace)
 def test_prometheus_endpoint_is_scraped_during_a_run(tiny_model, redis_url, namespace):
     import socket
     import urllib.request
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -177,21 +197,31 @@ def test_prometheus_endpoint_is_scraped_during_a_run(tiny_model, redis_url, name
     running.config.metrics_port = port
     with running:
         client = Client(redis_url, namespace=namespace)
-        jobs = [client.submit(prompt_token_ids=p, max_tokens=8, ignore_eos=True, temperature=0)
-                for p in mixed_prompts(768, n=6, seed=5, min_len=5, max_len=40)]
+        jobs = [
+            client.submit(prompt_token_ids=p, max_tokens=8, ignore_eos=True, temperature=0)
+            for p in mixed_prompts(768, n=6, seed=5, min_len=5, max_len=40)
+        ]
         for job in jobs:
             job.result(timeout=60)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines() if line and not line.startswith("#")
+    }
     assert values["conveyor_generation_tokens_total"] == 48
     assert values["conveyor_requests_finished_total"] == 6
     assert values["conveyor_time_to_first_token_seconds_count"] == 6
     assert values["conveyor_inter_token_latency_seconds_count"] > 0
-    for name in ("conveyor_num_requests_running", "conveyor_num_requests_waiting", "conveyor_kv_cache_usage_perc",
-                 "conveyor_kv_cache_fragmentation_perc", "conveyor_prefix_cache_hit_rate", "conveyor_num_preemptions",
-                 "conveyor_prompt_tokens_total", "conveyor_e2e_request_latency_seconds_count",
-                 "conveyor_request_queue_time_seconds_count"):
+    for name in (
+        "conveyor_num_requests_running",
+        "conveyor_num_requests_waiting",
+        "conveyor_kv_cache_usage_perc",
+        "conveyor_kv_cache_fragmentation_perc",
+        "conveyor_prefix_cache_hit_rate",
+        "conveyor_num_preemptions",
+        "conveyor_prompt_tokens_total",
+        "conveyor_e2e_request_latency_seconds_count",
+        "conveyor_request_queue_time_seconds_count",
+    ):
         assert name in values
 
 
@@ -218,6 +248,7 @@ def test_second_submission_of_a_job_id_runs_once_and_conflicts_are_parked(replic
 def test_replica_publishes_model_info_and_serves_its_model_streams(tiny_model, redis_url, namespace):
     from clients.model_info import fetch_model_info
     from clients.token_counter import TokenCounter
+
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
     with ReplicaThread(tiny_model, redis_url, namespace, served_model_name="tiny", **ENGINE_OPTIONS) as running:
@@ -231,7 +262,8 @@ def test_replica_publishes_model_info_and_serves_its_model_streams(tiny_model, r
         counter = TokenCounter.from_json(info.tokenizer_json, info.chat_template)
         text = "def main():\n    return 42"
         assert counter.encode(text, add_special_tokens=False) == running.engine.tokenizer.encode(
-            text, add_special_tokens=False)
+            text, add_special_tokens=False
+        )
         unserved = [line for line in _walk(client.queue_status()) if line.get("unserved")]
         assert unserved and "no-such-model" in json.dumps(unserved, default=str)
         assert orphan.status().status == "queued"
@@ -249,6 +281,7 @@ def _walk(value):
 
 def test_resubmitting_a_job_id_same_payload_shares_the_run_other_payload_conflicts(replica, redis_url, namespace):
     from clients import JobConflict
+
     first_producer = Client(redis_url, namespace=namespace)
     second_producer = Client(redis_url, namespace=namespace)
     job = dict(job_id="shared", prompt="def main():", max_tokens=6, temperature=0)

@@ -1,5 +1,6 @@
 """Jobs with n > 1 through a real replica (tiny model, real Valkey): fan-out into samples
 sharing one prefill, fan-in into one out stream and one terminal event."""
+
 import asyncio
 import json
 import uuid
@@ -7,12 +8,12 @@ import uuid
 import msgpack
 import pytest
 import redis
+from model_factory import mixed_prompts
+from replica_harness import ReplicaThread
 
 from clients import AsyncClient, Client, InvalidJob, JobCancelled, JobFailed
 from clients.keys import Keys
 from engine import LLM, SamplingParams
-from model_factory import mixed_prompts
-from replica_harness import ReplicaThread
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 SAMPLED = dict(n=3, temperature=0.9, top_p=0.95, seed=11, max_tokens=12)
@@ -60,6 +61,7 @@ def test_n_outputs_match_offline_and_stream_by_index(replica, redis_url, namespa
     async def read_async():
         async with AsyncClient(redis_url, namespace=namespace) as client:
             return await client.job(job.job_id).result(timeout=30)
+
     assert asyncio.run(read_async()).outputs == result.outputs
 
 
@@ -76,8 +78,9 @@ def test_n_over_the_limit_is_refused_naming_the_field(replica, redis_url, namesp
     with pytest.raises(InvalidJob, match=r"n: Input should be less than or equal to 16"):
         client.submit(prompt="hi", n=17)
     job_id = f"many-{uuid.uuid4().hex[:6]}"
-    redis.Redis.from_url(redis_url).xadd(Keys(namespace).interactive,
-                                         {"json": json.dumps({"job_id": job_id, "prompt": "hi", "n": 99})})
+    redis.Redis.from_url(redis_url).xadd(
+        Keys(namespace).interactive, {"json": json.dumps({"job_id": job_id, "prompt": "hi", "n": 99})}
+    )
     with pytest.raises(JobFailed) as failure:
         client.job(job_id).result(timeout=30)
     assert failure.value.code == "invalid_job"

@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, however pytest is run
 
-from engine import LLM, SamplingParams  # noqa: E402
 from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_prompts  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
 
 KV = "64MiB"  # KV cache pool per engine: plenty for the tiny model, far below the 1 GiB default
 
@@ -76,9 +77,15 @@ def test_seeded_request_is_batch_invariant(model_dir, llm, prompts):
 
     # position 0 of a batch of 9: eight random neighbours (unseeded, greedy, other seeds, top-k)
     rng = random.Random(5)
-    neighbours = [SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0, 1.3]), top_k=rng.choice([0, 5, 50]),
-                                 max_tokens=rng.randint(1, 30), seed=rng.choice([None, 7, 99]))
-                  for _ in range(8)]
+    neighbours = [
+        SamplingParams(
+            temperature=rng.choice([0.0, 0.5, 1.0, 1.3]),
+            top_k=rng.choice([0, 5, 50]),
+            max_tokens=rng.randint(1, 30),
+            seed=rng.choice([None, 7, 99]),
+        )
+        for _ in range(8)
+    ]
     batch = llm.generate([target] + prompts[4:12], [seeded] + neighbours, use_tqdm=False)
     assert batch[0].token_ids == alone
 
@@ -87,8 +94,9 @@ def test_seeded_request_is_batch_invariant(model_dir, llm, prompts):
     small = LLM(model_dir, num_kv_blocks=8, max_num_seqs=3, max_num_batched_tokens=16, seed=123)
     others = prompts[:3] + prompts[5:10]
     mixed = others[:5] + [target] + others[5:]
-    params = [SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True, seed=s)
-              for s in (None, 1, None, 1234, None)]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True, seed=s) for s in (None, 1, None, 1234, None)
+    ]
     params += [seeded] + [SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)] * 3
     outs = small.generate(mixed, params, use_tqdm=False)
     assert outs[5].token_ids == alone
@@ -170,13 +178,14 @@ def test_temperature_sampling_matches_softmax(model_dir, hf_model, prompts, temp
 
     expected, observed = _bucketed(p, counts, n, 0.01)
     tv = 0.5 * sum(abs(e - o) for e, o in zip(expected, observed))
-    tolerance = (0.5 * sum(math.sqrt(e * (1 - e) / n) for e in expected)
-                 + math.sqrt(math.log(1e4) / (2 * n)))
+    tolerance = 0.5 * sum(math.sqrt(e * (1 - e) / n) for e in expected) + math.sqrt(math.log(1e4) / (2 * n))
     assert tolerance < 0.15, "the bound must be tight enough to mean something"
     # the same buckets, against the other temperature's softmax
     head = [t for t in range(len(p)) if p[t] >= 0.01]
-    tv_other = 0.5 * (sum(abs(float(other[t]) - counts.get(t, 0) / n) for t in head)
-                      + abs((1 - sum(float(other[t]) for t in head)) - observed[-1]))
+    tv_other = 0.5 * (
+        sum(abs(float(other[t]) - counts.get(t, 0) / n) for t in head)
+        + abs((1 - sum(float(other[t]) for t in head)) - observed[-1])
+    )
     print(f"T={temperature}: TV {tv:.4f} tolerance {tolerance:.4f} TV to other T {tv_other:.4f}")
     assert tv < tolerance, f"TV {tv:.4f} >= {tolerance:.4f}"
     assert tv_other > tolerance, "the other temperature's softmax should be rejected"
@@ -230,7 +239,7 @@ def test_top_k_top_p_min_p_restrict_support(model_dir, hf_model, prompts):
         all_params += [params] * n
     outs = engine.generate([prompt] * len(all_params), all_params, use_tqdm=False)
     for index, (params, allowed) in enumerate(cases):
-        drawn = Counter(o.token_ids[0] for o in outs[index * n:(index + 1) * n])
+        drawn = Counter(o.token_ids[0] for o in outs[index * n : (index + 1) * n])
         assert set(drawn) <= allowed, (params, set(drawn) - allowed)
         # and nothing inside the set is cut: a token of renormalised mass >= 5 % is missed
         # by 300 draws with probability <= 0.95**300 ~ 2e-7
@@ -261,7 +270,7 @@ def _spanning_stop(tokenizer, token_ids, text) -> tuple[str, int, int]:
         start, boundary, end = ends[i - 1], ends[i], ends[i + 1]
         if min(start, boundary, end) < 0 or boundary - start < 2 or end - boundary < 2:
             continue
-        stop = text[boundary - 2:boundary + 2]
+        stop = text[boundary - 2 : boundary + 2]
         if stop.isprintable() and text.find(stop) == boundary - 2:
             return stop, boundary - 2, i + 2
     raise AssertionError("no usable token boundary in the greedy text")
@@ -334,7 +343,7 @@ def test_stop_string_deltas(llm, greedy_run, kind):
     # exactly the text before that half is out (the half is held back until ruled out or cut)
     assert snapshots[n_tokens - 2] == ref.text[:index]
     if kind == "never":
-        assert snapshots[n_tokens - 1].startswith(ref.text[:index + 4])  # released
+        assert snapshots[n_tokens - 1].startswith(ref.text[: index + 4])  # released
 
 
 def test_text_matches_tokenizer_decode(llm):
@@ -342,11 +351,12 @@ def test_text_matches_tokenizer_decode(llm):
     tokens include broken UTF-8). A character still incomplete when the request ends is
     dropped, so only a trailing U+FFFD may differ."""
     prompts = mixed_prompts(VOCAB_SIZE, n=40, seed=11, min_len=3, max_len=40)
-    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
     for out in outs:
         full = llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        assert out.text == full or (full.startswith(out.text) and set(full[len(out.text):]) == {"\ufffd"})
+        assert out.text == full or (full.startswith(out.text) and set(full[len(out.text) :]) == {"\ufffd"})
     assert sum(out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True) for out in outs) >= 30
 
 
@@ -357,12 +367,11 @@ def test_stop_token_ids(llm, prompts):
     stop_id = ref[position]
     out = llm.generate([prompt], greedy(30, stop_token_ids=[stop_id]), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    assert out.token_ids == ref[:position + 1]
+    assert out.token_ids == ref[: position + 1]
 
     # min_tokens: the stop id is banned until min_tokens outputs exist, so no early stop
     min_tokens = position + 3
-    out = llm.generate([prompt], greedy(30, stop_token_ids=[stop_id], min_tokens=min_tokens),
-                       use_tqdm=False)[0]
+    out = llm.generate([prompt], greedy(30, stop_token_ids=[stop_id], min_tokens=min_tokens), use_tqdm=False)[0]
     assert len(out.token_ids) >= min_tokens
     assert stop_id not in out.token_ids[:min_tokens]
     assert out.token_ids[:position] == ref[:position]
@@ -385,6 +394,7 @@ def eos_model(tmp_path_factory, model_dir, prompts):
     """The same tiny weights, with generation_config's EOS set to a token greedy reaches at
     output position 4 for ``prompts[0]`` (a random model almost never picks the real EOS)."""
     import json
+
     out_dir = tmp_path_factory.mktemp("eos_llama")
     build_tiny_model("llama", out_dir)
     ref = hf_greedy(model_dir, prompts[0], 20, ignore_eos=True)
@@ -402,14 +412,17 @@ def test_eos_stops_unless_ignored(eos_model, prompts):
     prompt = prompts[0]
     stops, ignores, late = engine.generate(
         [prompt] * 3,
-        [SamplingParams(temperature=0, max_tokens=20),
-         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-         SamplingParams(temperature=0, max_tokens=20, min_tokens=first + 3)],
-        use_tqdm=False)
+        [
+            SamplingParams(temperature=0, max_tokens=20),
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=20, min_tokens=first + 3),
+        ],
+        use_tqdm=False,
+    )
     assert stops.finish_reason == "stop" and stops.stop_reason is None
-    assert stops.token_ids == ref[:first + 1] == hf_greedy(model, prompt, 20)
+    assert stops.token_ids == ref[: first + 1] == hf_greedy(model, prompt, 20)
     assert ignores.finish_reason == "length" and ignores.token_ids == ref
-    assert len(late.token_ids) >= first + 3 and eos not in late.token_ids[:first + 3]
+    assert len(late.token_ids) >= first + 3 and eos not in late.token_ids[: first + 3]
     assert late.token_ids[:first] == ref[:first]
 
 
@@ -437,8 +450,9 @@ def test_logprobs_sampled_and_zero(llm, hf_model, prompts):
     prompt = prompts[5][:10]
     sampled, bare = llm.generate(
         [prompt, prompt],
-        [SamplingParams(temperature=1.0, seed=9, max_tokens=5, ignore_eos=True, logprobs=2),
-         greedy(3, logprobs=0)], use_tqdm=False)
+        [SamplingParams(temperature=1.0, seed=9, max_tokens=5, ignore_eos=True, logprobs=2), greedy(3, logprobs=0)],
+        use_tqdm=False,
+    )
     ref = all_logits(hf_model, prompt + sampled.token_ids).log_softmax(-1)
     for i, (token, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
         row = ref[len(prompt) - 1 + i]
@@ -462,14 +476,14 @@ def _penalised_greedy(hf_model, prompt, n, repetition=1.0, presence=0.0, frequen
     ids = list(prompt)
     for _ in range(n):
         logits = next_token_logits(hf_model, ids).clone()
-        output = ids[len(prompt):]
+        output = ids[len(prompt) :]
         for token in set(ids):
             value = float(logits[token])
             logits[token] = value / repetition if value > 0 else value * repetition
         for token, count in Counter(output).items():
             logits[token] -= frequency * count + presence
         ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _repeats(tokens, prompt=()):
@@ -487,17 +501,26 @@ def repetitive(model_dir):
     return prompt, plain
 
 
-@pytest.mark.parametrize("penalty", [
-    dict(repetition_penalty=2.0),
-    dict(frequency_penalty=1.5),
-    dict(presence_penalty=2.0),
-    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
-])
+@pytest.mark.parametrize(
+    "penalty",
+    [
+        dict(repetition_penalty=2.0),
+        dict(frequency_penalty=1.5),
+        dict(presence_penalty=2.0),
+        dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+    ],
+)
 def test_penalties_match_hand_computed_and_reduce_repeats(llm, hf_model, repetitive, penalty):
     prompt, plain = repetitive
     n = len(plain)
-    expected = _penalised_greedy(hf_model, prompt, n, penalty.get("repetition_penalty", 1.0),
-                                 penalty.get("presence_penalty", 0.0), penalty.get("frequency_penalty", 0.0))
+    expected = _penalised_greedy(
+        hf_model,
+        prompt,
+        n,
+        penalty.get("repetition_penalty", 1.0),
+        penalty.get("presence_penalty", 0.0),
+        penalty.get("frequency_penalty", 0.0),
+    )
     # penalised and plain rows share one batch
     out, same = llm.generate([prompt, prompt], [greedy(n, **penalty), greedy(n)], use_tqdm=False)
     assert same.token_ids == plain

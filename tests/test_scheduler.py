@@ -1,4 +1,5 @@
 """Scheduler and block manager on their own: accounting, ordering, preemption, policies."""
+
 import time
 
 import pytest
@@ -16,8 +17,15 @@ EOS = 1
 
 
 def make_seq(seq_id, prompt_len, max_tokens=4, priority_class="interactive", priority=0, arrival=None):
-    return Sequence(seq_id, list(range(10, 10 + prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                    max_tokens, priority_class, priority, arrival_time=arrival or time.time())
+    return Sequence(
+        seq_id,
+        list(range(10, 10 + prompt_len)),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        max_tokens,
+        priority_class,
+        priority,
+        arrival_time=arrival or time.time(),
+    )
 
 
 def make_scheduler(num_blocks=64, **options):
@@ -29,8 +37,7 @@ def run_step(scheduler, token=7):
     """One step with a fake model that always samples ``token`` (the scheduler is under test),
     then the engine's token-level finishing."""
     plan = scheduler.schedule()
-    sampled = [s.seq_id for s in plan.scheduled
-               if s.num_computed + s.num_new == scheduler.seqs[s.seq_id].num_tokens]
+    sampled = [s.seq_id for s in plan.scheduled if s.num_computed + s.num_new == scheduler.seqs[s.seq_id].num_tokens]
     for seq in scheduler.update(plan, StepResult(sampled, [token] * len(sampled))):
         reason = scheduler.stop_rules.reason(seq)
         if reason is not None:
@@ -51,8 +58,15 @@ def test_block_manager_allocates_and_frees_in_constant_steps():
 
 
 def seq_of(seq_id, token_ids):
-    return Sequence(seq_id, list(token_ids), SamplingParams(temperature=0, max_tokens=4), 4, "interactive", 0,
-                    arrival_time=time.time())
+    return Sequence(
+        seq_id,
+        list(token_ids),
+        SamplingParams(temperature=0, max_tokens=4),
+        4,
+        "interactive",
+        0,
+        arrival_time=time.time(),
+    )
 
 
 def computed(manager, seq):
@@ -184,19 +198,22 @@ def seq_with_output(output, max_tokens=10, **params):
     return seq
 
 
-@pytest.mark.parametrize("output, params, stop_string, expected", [
-    ([7], {}, None, None),
-    ([7, EOS], {}, None, ("stop", None)),
-    ([EOS], {"ignore_eos": True}, None, None),
-    ([EOS], {"min_tokens": 2}, None, None),  # before min_tokens: EOS does not end it
-    ([7, 9], {"stop_token_ids": [9]}, None, ("stop", 9)),
-    ([EOS], {"stop_token_ids": [EOS]}, None, ("stop", None)),  # EOS before stop token ids
-    ([7] * 10, {}, None, ("length", None)),
-    ([7] * 9 + [9], {"stop_token_ids": [9]}, None, ("stop", 9)),  # token-level before length
-    ([7] * 10, {}, "end", ("stop", "end")),  # the stop string wins over length
-    ([EOS], {}, "end", ("stop", "end")),  # ... and over EOS
-    ([EOS], {"min_tokens": 2}, "end", ("stop", "end")),  # min_tokens holds back token ids only
-])
+@pytest.mark.parametrize(
+    "output, params, stop_string, expected",
+    [
+        ([7], {}, None, None),
+        ([7, EOS], {}, None, ("stop", None)),
+        ([EOS], {"ignore_eos": True}, None, None),
+        ([EOS], {"min_tokens": 2}, None, None),  # before min_tokens: EOS does not end it
+        ([7, 9], {"stop_token_ids": [9]}, None, ("stop", 9)),
+        ([EOS], {"stop_token_ids": [EOS]}, None, ("stop", None)),  # EOS before stop token ids
+        ([7] * 10, {}, None, ("length", None)),
+        ([7] * 9 + [9], {"stop_token_ids": [9]}, None, ("stop", 9)),  # token-level before length
+        ([7] * 10, {}, "end", ("stop", "end")),  # the stop string wins over length
+        ([EOS], {}, "end", ("stop", "end")),  # ... and over EOS
+        ([EOS], {"min_tokens": 2}, "end", ("stop", "end")),  # min_tokens holds back token ids only
+    ],
+)
 def test_stop_rules_order(output, params, stop_string, expected):
     assert StopRules({EOS}, max_model_len=1024).reason(seq_with_output(output, **params), stop_string) == expected
 
@@ -241,8 +258,15 @@ def test_kv_stats_report_usage_and_fragmentation():
 
 def test_metrics_are_computed_on_the_output_side_from_the_core_timestamps():
     times = RequestTimestamps(arrival=100.0, first_scheduled=100.5, first_token=101.0, finished=104.0)
-    output = RequestOutput("r", None, [1, 2], outputs=[CompletionOutput(0, "", [3, 4, 5, 6])], finished=True,
-                           timestamps=times, num_preemptions=1)
+    output = RequestOutput(
+        "r",
+        None,
+        [1, 2],
+        outputs=[CompletionOutput(0, "", [3, 4, 5, 6])],
+        finished=True,
+        timestamps=times,
+        num_preemptions=1,
+    )
     metrics = output.metrics
     assert (metrics.queue_time, metrics.ttft, metrics.e2e, metrics.tpot) == (0.5, 1.0, 4.0, 1.0)
     assert (metrics.num_prompt_tokens, metrics.num_output_tokens, metrics.num_preemptions) == (2, 4, 1)
@@ -252,8 +276,10 @@ def test_metrics_are_computed_on_the_output_side_from_the_core_timestamps():
 def sampled_ids(scheduler, plan):
     """Who a step just planned samples for (as the runner decides: the step reaches the
     sequence's last token, counting the one each earlier step in flight samples)."""
+
     def last(seq):
         return seq.num_tokens + seq.num_pending_samples - 1
+
     return [s.seq_id for s in plan.scheduled if s.num_computed + s.num_new == last(scheduler.seqs[s.seq_id])]
 
 

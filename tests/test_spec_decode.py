@@ -9,6 +9,7 @@ accepted runs, rejections mid-way and stops inside a step, some tests here draft
 ``ScriptedProposer`` instead: transformers' own greedy continuation, wrong on purpose now
 and then. What is under test is what the engine does with drafts, whoever proposes them.
 """
+
 import json
 import math
 import random
@@ -18,6 +19,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
@@ -28,7 +30,6 @@ from engine.sequence import Sequence
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.drafter import speculates
 from engine.spec_decode.ngram_proposer import NgramProposer
-from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KV = "64MiB"
@@ -44,8 +45,8 @@ def brute_force_drafts(tokens: list[int], min_n: int, max_n: int, k: int) -> lis
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
         suffix = tokens[-n:]
         for end in range(len(tokens) - 2, n - 2, -1):
-            if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
     return []
 
 
@@ -91,8 +92,10 @@ def test_speculative_config_follows_vllm_defaults_and_checks():
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
-         "prompt_lookup_min"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+            "prompt_lookup_min",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
@@ -105,7 +108,9 @@ def test_speculative_config_follows_vllm_defaults_and_checks():
 
 def test_speculation_runs_steps_one_at_a_time_and_is_a_serve_flag(monkeypatch):
     import argparse
+
     from actors import cli
+
     config = EngineConfig(model="x", speculative_config=NGRAM)
     assert config.async_scheduling is False  # the replica then keeps one step in flight
     with pytest.raises(ValueError, match="async_scheduling"):
@@ -129,9 +134,18 @@ def test_speculates_leaves_out_logprobs_and_structured_output_rows():
 
 
 def spec_scheduler(num_blocks=64, spec=None, **options):
-    config = EngineConfig(model="unused", block_size=4, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-        **(spec or {})}, **options)
+    config = EngineConfig(
+        model="unused",
+        block_size=4,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+            **(spec or {}),
+        },
+        **options,
+    )
     return Scheduler(config, num_blocks, StopRules({1}, max_model_len=1024))
 
 
@@ -141,8 +155,12 @@ def pattern(index: int) -> int:
 
 def repeating_seq(seq_id, prompt_len, max_tokens=20):
     """Tokens 10, 11, 12, 13, 10, ...: prompt lookup always drafts the pattern's next ones."""
-    return Sequence(seq_id, [pattern(i) for i in range(prompt_len)],
-                    SamplingParams(temperature=0, max_tokens=max_tokens), max_tokens)
+    return Sequence(
+        seq_id,
+        [pattern(i) for i in range(prompt_len)],
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        max_tokens,
+    )
 
 
 def finish_step(scheduler, plan, accepted: dict[str, int] | None = None):
@@ -155,7 +173,7 @@ def finish_step(scheduler, plan, accepted: dict[str, int] | None = None):
         drafts = item.draft_token_ids
         if item.num_computed + item.num_new - len(drafts) != seq.num_tokens:
             continue  # a prefill chunk short of the prompt's end
-        keep = drafts[:(accepted or {}).get(item.seq_id, len(drafts))]
+        keep = drafts[: (accepted or {}).get(item.seq_id, len(drafts))]
         emitted = keep + [pattern(seq.num_tokens + len(keep)) if len(keep) == len(drafts) else 99]
         ids.append(item.seq_id)
         first.append(emitted[0])
@@ -174,7 +192,9 @@ def test_drafts_get_the_budget_the_step_leaves():
     plan = scheduler.schedule()
     # the decode and the whole new prompt first; the drafts get the 2 budget tokens left
     assert [(s.seq_id, s.num_new, s.draft_token_ids) for s in plan.scheduled] == [
-        ("running", 3, [pattern(7), pattern(8)]), ("new", 5, [])]
+        ("running", 3, [pattern(7), pattern(8)]),
+        ("new", 5, []),
+    ]
     assert plan.num_tokens == 8
 
 
@@ -221,11 +241,18 @@ def test_rejected_drafts_give_their_blocks_back_and_the_runner_is_told():
     assert manager.num_free_blocks == 16 - 3 and next(iter(manager.free_blocks)) == draft_block  # reused first
     assert manager.ref_counts[draft_block] == 0 and manager.block_hash[draft_block] is None
     # the prefix cache has the two blocks of computed tokens, hashed over their real tokens
-    assert [manager.block_hash[b] for b in seq.block_table] == [manager._hash_of(seq, 0), manager._hash_of(seq, 1), None]
+    assert [manager.block_hash[b] for b in seq.block_table] == [
+        manager._hash_of(seq, 0),
+        manager._hash_of(seq, 1),
+        None,
+    ]
     assert scheduler.schedule().trimmed_tables == {"a": 3}  # the runner drops the block with the next plan
     stats = scheduler.drafter.stats()
-    assert (stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"],
-            stats["spec_decode_num_accepted_tokens"]) == (1, 4, 1)
+    assert (
+        stats["spec_decode_num_drafts"],
+        stats["spec_decode_num_draft_tokens"],
+        stats["spec_decode_num_accepted_tokens"],
+    ) == (1, 4, 1)
 
 
 def test_each_verified_position_sees_the_tokens_before_it():
@@ -236,6 +263,7 @@ def test_each_verified_position_sees_the_tokens_before_it():
     from engine.model_runner import RunnerSeq
     from engine.sampler import Sampler
     from engine.spec_decode.verifier import verify
+
     vocab, prompt = 50, [40, 41]
     params = SamplingParams(temperature=0, frequency_penalty=10.0, min_tokens=2, stop_token_ids=[0])
     logits = torch.linspace(5.0, 0.0, vocab).repeat(5, 1)
@@ -260,9 +288,9 @@ class ScriptedProposer:
     def propose(self, tokens: np.ndarray, k: int) -> list[int]:
         tokens = tokens.tolist()
         for prompt, output in self.continuations:
-            if tuple(tokens[:len(prompt)]) == prompt:
+            if tuple(tokens[: len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)
-                drafts = list(output[done:done + k])
+                drafts = list(output[done : done + k])
                 wrong = (len(tokens) * 7919) % (k + 3)
                 if wrong < len(drafts):
                     drafts[wrong] = (drafts[wrong] + 1) % VOCAB_SIZE
@@ -287,11 +315,15 @@ def greedy_workload(arch_model):
     return prompts, max_tokens, [hf_greedy(arch_model, p, n, ignore_eos=True) for p, n in zip(prompts, max_tokens)]
 
 
-@pytest.mark.parametrize("regime", [
-    {},
-    dict(num_kv_blocks=40, block_size=4),  # preemption: 8 prompts up to 120 tokens in 160 slots
-    dict(max_num_batched_tokens=16),  # chunked prefill; drafts get what the decodes leave
-], ids=["ample_kv", "preemption", "chunked_prefill"])
+@pytest.mark.parametrize(
+    "regime",
+    [
+        {},
+        dict(num_kv_blocks=40, block_size=4),  # preemption: 8 prompts up to 120 tokens in 160 slots
+        dict(max_num_batched_tokens=16),  # chunked prefill; drafts get what the decodes leave
+    ],
+    ids=["ample_kv", "preemption", "chunked_prefill"],
+)
 def test_greedy_matches_transformers_with_accepted_drafts(arch_model, greedy_workload, regime):
     prompts, max_tokens, expected = greedy_workload
     llm = scripted(LLM(arch_model, speculative_config=NGRAM, **regime), prompts, expected)
@@ -340,12 +372,13 @@ def test_structured_rows_beside_drafted_rows_keep_their_grammar(arch_model, gree
     prompts, max_tokens, expected = greedy_workload
     llm = scripted(LLM(arch_model, speculative_config=NGRAM), prompts, expected)
     plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    structured = SamplingParams(temperature=1.0, seed=3, max_tokens=40,
-                                structured_outputs=StructuredOutputsParams(regex="(ab|cd){2,5}"))
+    structured = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=40, structured_outputs=StructuredOutputsParams(regex="(ab|cd){2,5}")
+    )
     outputs = llm.generate(prompts + prompts[:2], plain + [structured, structured], use_tqdm=False)
     for output, want in zip(outputs, expected):
         assert output.token_ids == want, f"request {output.request_id} differs"
-    for output in outputs[len(prompts):]:
+    for output in outputs[len(prompts) :]:
         assert output.finish_reason == "stop" and re.fullmatch("(ab|cd){2,5}", output.text), output.text
     assert llm.engine.stats()["spec_decode_acceptance_rate"] > 0.4
 
@@ -360,21 +393,27 @@ def test_every_stop_condition_applies_token_by_token(llama):
     tokenizer = plain.tokenizer
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in continuations]
     params = [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[texts[0][len(texts[0]) // 2:][:3]]),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[texts[0][len(texts[0]) // 2 :][:3]]),
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[continuations[1][9]]),
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[continuations[2][5]],
-                       min_tokens=11),
+        SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[continuations[2][5]], min_tokens=11
+        ),
         SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),  # runs into max_model_len 80
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
-                       frequency_penalty=0.4, stop=["qqqzz"]),
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4, stop=["qqqzz"]
+        ),
     ]
     reference, reference_texts = stream(plain.engine, prompts, params)
     spec = scripted(LLM(llama, max_model_len=80, speculative_config=NGRAM), prompts, continuations)
     outputs, streamed = stream(spec.engine, prompts, params)
     for want, got, snapshots in zip(reference, outputs, streamed):
-        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
-            (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids,
+            want.text,
+            want.finish_reason,
+            want.stop_reason,
+        )
         assert snapshots[-1] == got.text and all(got.text.startswith(s) for s in snapshots)
     assert [outputs[i].finish_reason for i in (0, 1, 3, 4)] == ["stop", "stop", "length", "length"]
     assert len(outputs[4].prompt_token_ids) + len(outputs[4].token_ids) == 80
@@ -436,9 +475,19 @@ def test_rejection_sampling_keeps_the_target_distribution(llama, drafted_prompt)
     (X accepted with probability p(X), else a draw from the rest), the second given X must
     follow p after X (Y accepted or not), the third given X Y (the bonus token) likewise."""
     ids, x, y, p = drafted_prompt
-    engine = LLM(llama, kv_cache_memory=KV, max_num_seqs=1024, max_num_batched_tokens=8192, seed=42,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                     "prompt_lookup_min": 3, "prompt_lookup_max": 3})
+    engine = LLM(
+        llama,
+        kv_cache_memory=KV,
+        max_num_seqs=1024,
+        max_num_batched_tokens=8192,
+        seed=42,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_min": 3,
+            "prompt_lookup_max": 3,
+        },
+    )
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     engine.generate([ids], params, use_tqdm=False)  # caches the prompt's first block
     outs = engine.generate([ids] * 3000, params, use_tqdm=False)
@@ -462,13 +511,25 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(llama, drafted_prom
     spec_options = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     plain = LLM(llama, kv_cache_memory=KV, seed=1)
     spec = LLM(llama, kv_cache_memory=KV, seed=2, speculative_config=spec_options)
-    seeded = [SamplingParams(temperature=0.9, top_k=50, max_tokens=12, ignore_eos=True, seed=s,
-                             repetition_penalty=1.1 if s % 3 == 0 else 1.0) for s in range(24)]
+    seeded = [
+        SamplingParams(
+            temperature=0.9,
+            top_k=50,
+            max_tokens=12,
+            ignore_eos=True,
+            seed=s,
+            repetition_penalty=1.1 if s % 3 == 0 else 1.0,
+        )
+        for s in range(24)
+    ]
     spec.generate([ids], seeded[0], use_tqdm=False)  # cached: later requests draft from their first step
     want = plain.generate([ids] * 24, seeded, use_tqdm=False)
     alone = [spec.generate([ids], s, use_tqdm=False)[0] for s in seeded[:6]]
-    batch = spec.generate([ids] * 24 + mixed_prompts(VOCAB_SIZE, n=6, seed=4, min_len=3, max_len=30),
-                          seeded + [SamplingParams(temperature=1.0, max_tokens=10)] * 6, use_tqdm=False)
+    batch = spec.generate(
+        [ids] * 24 + mixed_prompts(VOCAB_SIZE, n=6, seed=4, min_len=3, max_len=30),
+        seeded + [SamplingParams(temperature=1.0, max_tokens=10)] * 6,
+        use_tqdm=False,
+    )
     assert [o.token_ids for o in batch[:24]] == [o.token_ids for o in want]
     assert [o.token_ids for o in alone] == [o.token_ids for o in want[:6]]
     assert len({tuple(o.token_ids) for o in want}) > 12  # the seeds really differ
@@ -481,12 +542,15 @@ def test_seeded_sampling_is_the_same_with_and_without_drafts(llama, drafted_prom
 def test_replica_speculates_and_reports_acceptance(llama, redis_url, namespace):
     """Through Redis: the same tokens and text as the engine without drafts, one step at a
     time, and the acceptance counters on the replica's metrics."""
-    from clients import Client
     from replica_harness import ReplicaThread
+
+    from clients import Client
+
     prompts = mixed_prompts(VOCAB_SIZE, n=5, seed=8, min_len=3, max_len=40)
     continuations = [hf_greedy(llama, p, 24, ignore_eos=True) for p in prompts]
-    reference = LLM(llama).generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                    use_tqdm=False)
+    reference = LLM(llama).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )
     with ReplicaThread(llama, redis_url, namespace, speculative_config=json.dumps(NGRAM)) as running:
         assert not running.engine.overlaps_steps  # one step at a time: the drafter sees the latest tokens
         scripted_drafts = ScriptedProposer({tuple(p): c for p, c in zip(prompts, continuations)})

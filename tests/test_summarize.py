@@ -18,17 +18,16 @@ from pathlib import Path
 
 import pytest
 import redis
+from replica_harness import ReplicaThread
+from scratch import scratch_namespace
 
-from clients import AsyncClient
-from clients import cli
+from clients import AsyncClient, cli
 from clients.chunking import MIN_FILL
 from clients.documents import Document, load_documents
 from clients.keys import Keys
 from clients.model_info import ModelInfo, publish_model_info
 from clients.summarize import summarize_documents, summarize_documents_async
 from clients.summary_prompts import Prompts, SummarizeError, SummarizeOptions, job_id
-from replica_harness import ReplicaThread
-from scratch import scratch_namespace
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LICENCE = Path("/usr/share/common-licenses/LGPL-3")
@@ -85,7 +84,9 @@ def test_chunks_follow_the_token_budget_and_cover_the_text(counter):
 
 def test_prompts_fit_the_context_with_the_instruction_counted_exactly(counter):
     prompts = prompts_for(counter, max_tokens=24, context_tokens=200)
-    prompt_sizes = [counter.count_chat(prompts.map_messages(c.text)) for c in prompts.chunks(Document("d", LICENCE.read_text()))]
+    prompt_sizes = [
+        counter.count_chat(prompts.map_messages(c.text)) for c in prompts.chunks(Document("d", LICENCE.read_text()))
+    ]
     assert max(prompt_sizes) + 24 <= 200
     assert sorted(prompt_sizes)[-2] + 24 >= 200 - 16  # the budget is used, not wasted
 
@@ -108,8 +109,15 @@ def test_map_prompts_share_the_instruction_as_a_token_prefix(counter):
 def test_job_ids_derive_from_content_step_parameters_and_model():
     doc, messages, options = Document("a", "text"), [{"role": "user", "content": "x"}], SummarizeOptions()
     base = job_id("map", doc, 0, 1, messages, options, "smollm2")
-    assert base == job_id("map", Document("renamed", "text"), 0, 1, messages, options.model_copy(
-        update={"max_in_flight": 2, "priority_class": "interactive"}), "smollm2")  # fmt: skip
+    assert base == job_id(
+        "map",
+        Document("renamed", "text"),
+        0,
+        1,
+        messages,
+        options.model_copy(update={"max_in_flight": 2, "priority_class": "interactive"}),
+        "smollm2",
+    )
     changed = [
         job_id("map", Document("a", "other"), 0, 1, messages, options, "smollm2"),
         job_id("map", doc, 0, 2, messages, options, "smollm2"),
@@ -157,6 +165,7 @@ def test_cli_reports_a_missing_model_and_bad_options(redis_url, namespace, tmp_p
 def test_pipeline_waits_for_a_replica_to_publish_its_model(redis_url, namespace, tmp_path, capsys):
     """Started before any replica (as in compose): the run waits, then goes on with the model
     info published ~1 s later. That info has no tokenizer, so the run stops right after."""
+
     def publish_later():
         time.sleep(1.0)
         conn = redis.Redis.from_url(redis_url)
@@ -166,8 +175,22 @@ def test_pipeline_waits_for_a_replica_to_publish_its_model(redis_url, namespace,
     publisher = threading.Thread(target=publish_later, daemon=True)
     publisher.start()
     started = time.monotonic()
-    code = cli.main(["summarize", str(LICENCE), "--out", str(tmp_path), "--redis-url", redis_url,
-                     "--namespace", namespace, "--model", "tiny", "--wait-s", "30"])  # fmt: skip
+    code = cli.main(
+        [
+            "summarize",
+            str(LICENCE),
+            "--out",
+            str(tmp_path),
+            "--redis-url",
+            redis_url,
+            "--namespace",
+            namespace,
+            "--model",
+            "tiny",
+            "--wait-s",
+            "30",
+        ]
+    )
     publisher.join(10)
     assert code == cli.EXIT_JOB_FAILED and 0.9 <= time.monotonic() - started < 20
     err = capsys.readouterr().err
@@ -191,8 +214,9 @@ def smollm2_replica(redis_url: str, ns: str):
     try:
         with ReplicaThread("smollm2", redis_url, ns, **REPLICA_OPTIONS) as running:
             engine = running.engine
-            info = ModelInfo.from_hf_tokenizer(engine.spec.name, engine.max_model_len, engine.spec.eos_token_ids,
-                                               engine.tokenizer)  # fmt: skip
+            info = ModelInfo.from_hf_tokenizer(
+                engine.spec.name, engine.max_model_len, engine.spec.eos_token_ids, engine.tokenizer
+            )
             conn = redis.Redis.from_url(redis_url)
             publish_model_info(conn, Keys(ns), info)
             conn.close()
@@ -263,8 +287,21 @@ def test_rerun_reuses_every_job_even_without_a_replica(uninterrupted, redis_url,
     again = asyncio.run(rerun())
     assert [r.summary for r in again] == [r.summary for r in uninterrupted["results"][:2]]
     assert all(r.record["submitted"] == 0 and r.record["reused"] == len(r.record["jobs"]) for r in again)
-    args = ["summarize", *map(str, uninterrupted["sources"]), "--out", str(uninterrupted["out"]), "--quiet",
-            "--redis-url", redis_url, "--namespace", uninterrupted["ns"], "--max-tokens", "24", "--context-tokens", "256"]
+    args = [
+        "summarize",
+        *map(str, uninterrupted["sources"]),
+        "--out",
+        str(uninterrupted["out"]),
+        "--quiet",
+        "--redis-url",
+        redis_url,
+        "--namespace",
+        uninterrupted["ns"],
+        "--max-tokens",
+        "24",
+        "--context-tokens",
+        "256",
+    ]
     assert cli.main(args) == cli.EXIT_JOB_FAILED  # the three bad documents
     out, err = capsys.readouterr()
     assert "LGPL-3: " in out and "0 submitted" in out and err.count("error: ") == 3
@@ -278,9 +315,28 @@ def test_killed_pipeline_resumes_without_resubmitting(uninterrupted, redis_url, 
     with fresh_namespace(redis_url) as ns, smollm2_replica(redis_url, ns):
         keys, conn = Keys(ns), redis.Redis.from_url(redis_url)
         pipeline = subprocess.Popen(
-            [sys.executable, "-m", "clients.cli", "summarize", *map(str, texts), "--out", str(out), "--quiet",
-             "--redis-url", redis_url, "--namespace", ns, "--max-in-flight", "3", "--max-tokens", "24",
-             "--context-tokens", "256"], cwd=REPO_ROOT)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "clients.cli",
+                "summarize",
+                *map(str, texts),
+                "--out",
+                str(out),
+                "--quiet",
+                "--redis-url",
+                redis_url,
+                "--namespace",
+                ns,
+                "--max-in-flight",
+                "3",
+                "--max-tokens",
+                "24",
+                "--context-tokens",
+                "256",
+            ],
+            cwd=REPO_ROOT,
+        )
         done_at_kill = wait_for_done_jobs(conn, keys, all_ids, at_least=2, process=pipeline)
         pipeline.send_signal(signal.SIGKILL)
         pipeline.wait(10)

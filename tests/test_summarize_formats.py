@@ -9,6 +9,18 @@ import time
 from pathlib import Path
 
 import pytest
+from summarize_docs import (
+    PAGES,
+    SECTIONS,
+    TABLE,
+    docx_document,
+    docx_zip_bomb,
+    html_nesting_bomb,
+    pdf_document,
+    pdf_page_tree_bomb,
+    pdf_stream_bomb,
+    scanned_pdf,
+)
 
 from clients.doc_formats import detect_format
 from clients.doc_layout import citation_label, citation_of, coordinates
@@ -18,8 +30,6 @@ from clients.summary_points import deduplicated, finished, sources_of, without_r
 from clients.summary_prompts import Prompts, SummarizeOptions
 from clients.summary_report import render
 from clients.token_counter import TokenCounter
-from summarize_docs import (PAGES, SECTIONS, TABLE, docx_document, docx_zip_bomb, html_nesting_bomb,
-                            pdf_document, pdf_page_tree_bomb, pdf_stream_bomb, scanned_pdf)  # fmt: skip
 
 BZIP2_MANUAL = Path("/usr/share/doc/bzip2/manual.html")
 WALL_BOUND_S = ExtractLimits().wall_s + 5  # the worker's wall limit, plus starting it on a busy machine
@@ -35,7 +45,9 @@ def counter():
     from engine.models.loader import resolve_model_dir
 
     folder = resolve_model_dir("smollm2")
-    return TokenCounter.from_json((folder / "tokenizer.json").read_bytes(), (folder / "chat_template.jinja").read_text())
+    return TokenCounter.from_json(
+        (folder / "tokenizer.json").read_bytes(), (folder / "chat_template.jinja").read_text()
+    )
 
 
 def chunk_coordinates(doc: Document, counter, max_chunk_tokens: int) -> list[dict]:
@@ -50,13 +62,15 @@ def test_pdf_text_is_read_page_by_page_and_chunks_cite_their_pages(counter):
     doc = document_from_bytes(pdf_document(), "report.pdf")
     assert doc.error is None and doc.format == "pdf"
     for page, (title, text) in enumerate(PAGES, 1):
-        on_page = " ".join(doc.text[s.start:s.end] for s in doc.spans if s.page == page)
+        on_page = " ".join(doc.text[s.start : s.end] for s in doc.spans if s.page == page)
         assert squash(on_page) == squash(f"{title} {text}")
     chunks = chunk_coordinates(doc, counter, max_chunk_tokens=40)
     assert len(chunks) >= 3
     for chunk in chunks:
         first, last = chunk["pages"]
-        pages_holding = {n for n, (title, text) in enumerate(PAGES, 1) if squash(chunk["text"])[:30] in squash(f"{title} {text}")}
+        pages_holding = {
+            n for n, (title, text) in enumerate(PAGES, 1) if squash(chunk["text"])[:30] in squash(f"{title} {text}")
+        }
         assert pages_holding <= set(range(first, last + 1)), chunk
     assert citation_label(chunks[0]) == "p. 1" and chunks[-1]["pages"][1] == 3
 
@@ -72,7 +86,7 @@ def test_docx_headings_paragraphs_and_tables_in_order_with_heading_paths(counter
     expected = [part for heading, _, text in SECTIONS for part in (heading, text)]
     expected.append("\n".join(" | ".join(row) for row in TABLE))
     assert doc.text.split("\n\n") == expected
-    results = next(s for s in doc.spans if doc.text[s.start:s.end].startswith("Continuous batching"))
+    results = next(s for s in doc.spans if doc.text[s.start : s.end].startswith("Continuous batching"))
     assert results.headings == ("2 Methods", "2.1 Results")
     chunks = chunk_coordinates(doc, counter, max_chunk_tokens=30)  # room for about two sections
     headings = [heading for heading, _, _ in SECTIONS]
@@ -89,11 +103,15 @@ def test_html_keeps_main_content_and_headings_without_scripts_styles_or_navigati
     assert "<" not in doc.text.replace("<=", "").replace("< ", "")[:2000]
     heading_paths = {s.headings for s in doc.spans if s.heading}
     assert ("2. How to use bzip2", "2.4. OPTIONS") in heading_paths
-    assert "bzip2 compresses files using the Burrows-Wheeler block-sorting text compression algorithm" in squash(doc.text)
-    page = (b"<html><head><style>p {color: red}</style><script>var secret = 1;</script></head><body>"
-            b"<nav><a href='/'>Home</a> <a href='/x'>Menu item</a></nav><main><h1>Title</h1><p>Kept <b>bold</b>"
-            b" text.</p><h2>Part</h2><ul><li>one</li><li>two</li></ul></main><footer>Footer links</footer>"
-            b"</body></html>")  # fmt: skip
+    assert "bzip2 compresses files using the Burrows-Wheeler block-sorting text compression algorithm" in squash(
+        doc.text
+    )
+    page = (
+        b"<html><head><style>p {color: red}</style><script>var secret = 1;</script></head><body>"
+        b"<nav><a href='/'>Home</a> <a href='/x'>Menu item</a></nav><main><h1>Title</h1><p>Kept <b>bold</b>"
+        b" text.</p><h2>Part</h2><ul><li>one</li><li>two</li></ul></main><footer>Footer links</footer>"
+        b"</body></html>"
+    )
     small = document_from_bytes(page, "page.html")
     assert small.text.split("\n\n") == ["Title", "Kept bold text.", "Part", "one", "two"]
     assert [s.headings for s in small.spans][-1] == ("Title", "Part")
@@ -113,8 +131,11 @@ def test_markdown_and_rest_headings_are_kept():
 
 def test_text_encodings_are_detected_and_a_latin1_fallback_is_stated():
     text = "Café déjà vu: naïve façade.\n\nSecond paragraph."
-    for data, encoding in [(text.encode(), "utf-8"), (codecs.BOM_UTF16_LE + text.encode("utf-16-le"), "utf-16 (BOM)"),
-                           (codecs.BOM_UTF8 + text.encode(), "utf-8 (BOM)")]:  # fmt: skip
+    for data, encoding in [
+        (text.encode(), "utf-8"),
+        (codecs.BOM_UTF16_LE + text.encode("utf-16-le"), "utf-16 (BOM)"),
+        (codecs.BOM_UTF8 + text.encode(), "utf-8 (BOM)"),
+    ]:
         doc = document_from_bytes(data, "t.txt")
         assert (doc.text, doc.encoding) == (text, encoding)
     latin = document_from_bytes(text.encode("latin-1"), "t.txt")
@@ -127,8 +148,11 @@ def test_formats_are_told_by_content_not_by_suffix(tmp_path):
     (tmp_path / "page.dat").write_bytes(b"<!DOCTYPE html><html><body><p>Hello.</p></body></html>")
     (tmp_path / "paper.bin").write_bytes(docx_document())
     docs = load_documents(tmp_path)
-    assert [(d.name, d.format, d.error) for d in docs] == [("page.dat", "html", None), ("paper.bin", "docx", None),
-                                                           ("report.txt", "pdf", None)]  # fmt: skip
+    assert [(d.name, d.format, d.error) for d in docs] == [
+        ("page.dat", "html", None),
+        ("paper.bin", "docx", None),
+        ("report.txt", "pdf", None),
+    ]
     assert detect_format(b"%PDF-1.4 junk") == "pdf" and detect_format(b"<html><body>x</body></html>") == "html"
     assert "damaged zip" in document_from_bytes(b"PK\x03\x04junk", "a.zip").problem()
 
@@ -136,12 +160,16 @@ def test_formats_are_told_by_content_not_by_suffix(tmp_path):
 # ---------------------------------------------------------------- hostile documents
 
 
-@pytest.mark.parametrize("kind, make, expected", [
-    ("pdf", lambda: pdf_stream_bomb(mib=128), "without a text layer"),
-    ("pdf", lambda: pdf_page_tree_bomb(depth=20), "1048576 pages, over the limit of 2000 pages"),
-    ("pdf", lambda: pdf_page_tree_bomb(depth=20, declared=1), "limit"),
-    ("docx", lambda: docx_zip_bomb(mib=100), "over the limit of 200:1"),
-], ids=["pdf-stream-bomb", "pdf-page-tree", "pdf-page-tree-lying-count", "docx-zip-bomb"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind, make, expected",
+    [
+        ("pdf", lambda: pdf_stream_bomb(mib=128), "without a text layer"),
+        ("pdf", lambda: pdf_page_tree_bomb(depth=20), "1048576 pages, over the limit of 2000 pages"),
+        ("pdf", lambda: pdf_page_tree_bomb(depth=20, declared=1), "limit"),
+        ("docx", lambda: docx_zip_bomb(mib=100), "over the limit of 200:1"),
+    ],
+    ids=["pdf-stream-bomb", "pdf-page-tree", "pdf-page-tree-lying-count", "docx-zip-bomb"],
+)
 def test_a_hostile_file_fails_alone_within_its_bounds(tmp_path, kind, make, expected):
     (tmp_path / f"a-hostile.{kind}").write_bytes(make())
     (tmp_path / "b-good.pdf").write_bytes(pdf_document())
@@ -189,11 +217,17 @@ def test_points_are_traced_to_the_chunk_summaries_they_came_from():
 
 def test_the_report_escapes_every_text_it_shows():
     hostile = "<script>alert('x')</script>"
-    records = [{"document": hostile, "status": "done", "format": "html", "points": [
-                   {"text": hostile, "chunks": [0], "cite": f"§ {hostile}"}],
-                "chunks": [{"index": 0, "cite": f"§ {hostile}", "summary": hostile}],
-                "tree": [{"level": 1, "index": 0, "inputs": [0], "cite": hostile, "summary": hostile}]},
-               {"document": "bad.pdf", "status": "error", "error": f"bad.pdf {hostile}"}]  # fmt: skip
+    records = [
+        {
+            "document": hostile,
+            "status": "done",
+            "format": "html",
+            "points": [{"text": hostile, "chunks": [0], "cite": f"§ {hostile}"}],
+            "chunks": [{"index": 0, "cite": f"§ {hostile}", "summary": hostile}],
+            "tree": [{"level": 1, "index": 0, "inputs": [0], "cite": hostile, "summary": hostile}],
+        },
+        {"document": "bad.pdf", "status": "error", "error": f"bad.pdf {hostile}"},
+    ]
     page = render(records)
     assert "<script" not in page and page.count("&lt;script&gt;") == 8
     assert "href='#d0-c0'" in page and "id='d0-c0'" in page and "1 failed" in page

@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 
 from clients import cli
-from clients.documents import (Document, UnsafeOutputPath, load_documents, read_document, record_path, safe_name,
-                               summary_path, write_outputs)  # fmt: skip
+from clients.documents import (
+    Document,
+    UnsafeOutputPath,
+    load_documents,
+    read_document,
+    record_path,
+    safe_name,
+    summary_path,
+    write_outputs,
+)
 
 SECRET = "TOP SECRET: must never reach the model"
 RECORD = {"status": "done"}
@@ -151,19 +159,22 @@ def test_the_output_folder_itself_may_be_a_symlink(tmp_path):
 # ---------------------------------------------------------------- defect 3: names escaping the output folder
 
 
-@pytest.mark.parametrize("name, safe", [
-    ("../../x", "__/__/x"),
-    ("/etc/passwd", "etc/passwd"),
-    (".bashrc", "_bashrc"),
-    ("a/./b//c/", "a/b/c"),
-    ("..", "__"),
-    ("...hidden", "___hidden"),
-    ("bad\x00name\n\x1b[31m\u202e", "bad_name__[31m_"),
-    ("", "unnamed"),
-    ("/./", "unnamed"),
-    ("a/b.txt", "a/b.txt"),
-    ("résumé v2.txt", "résumé v2.txt"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, safe",
+    [
+        ("../../x", "__/__/x"),
+        ("/etc/passwd", "etc/passwd"),
+        (".bashrc", "_bashrc"),
+        ("a/./b//c/", "a/b/c"),
+        ("..", "__"),
+        ("...hidden", "___hidden"),
+        ("bad\x00name\n\x1b[31m\u202e", "bad_name__[31m_"),
+        ("", "unnamed"),
+        ("/./", "unnamed"),
+        ("a/b.txt", "a/b.txt"),
+        ("résumé v2.txt", "résumé v2.txt"),
+    ],
+)
 def test_document_names_become_safe_relative_paths(name, safe):
     assert safe_name(name) == safe
 
@@ -208,7 +219,11 @@ def test_a_nested_folder_maps_to_nested_outputs(tmp_path):
     write(tmp_path / "docs" / "sub" / ".hidden", "hidden file: skipped")
     docs = load_documents(tmp_path / "docs")
     assert [(d.name, d.text) for d in docs] == [
-        ("a.txt", "alpha"), ("sub/b.txt", "beta"), ("sub/deeper/c.txt", "gamma"), ("z.txt", "zeta")]
+        ("a.txt", "alpha"),
+        ("sub/b.txt", "beta"),
+        ("sub/deeper/c.txt", "gamma"),
+        ("z.txt", "zeta"),
+    ]
     assert docs[1].source == str(tmp_path / "docs" / "sub" / "b.txt")
     out = tmp_path / "out"
     for doc in docs:
@@ -240,11 +255,14 @@ def published_info():
     from clients.model_info import ModelInfo
     from engine.models.loader import resolve_model_dir
 
-    return ModelInfo.from_hf_tokenizer("smollm2", 8192, {2}, AutoTokenizer.from_pretrained(resolve_model_dir("smollm2")))
+    return ModelInfo.from_hf_tokenizer(
+        "smollm2", 8192, {2}, AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
+    )
 
 
 def test_the_cli_reports_skipped_links_and_unwritable_outputs_per_document(
-        tmp_path, outside, redis_url, namespace, published_info, capsys):  # fmt: skip
+    tmp_path, outside, redis_url, namespace, published_info, capsys
+):
     """Only documents that need no job (skipped, empty), so no replica: each problem stays
     that document's error, and the other documents' records are still written."""
     import redis
@@ -262,8 +280,19 @@ def test_the_cli_reports_skipped_links_and_unwritable_outputs_per_document(
     out.mkdir()
     os.symlink(outside, out / "blocked")
     # --job-timeout: a regression that reads the linked secret submits a job no replica answers.
-    args = ["summarize", str(tmp_path / "docs"), "--out", str(out), "--quiet", "--redis-url", redis_url,
-            "--namespace", namespace, "--job-timeout", "5"]  # fmt: skip
+    args = [
+        "summarize",
+        str(tmp_path / "docs"),
+        "--out",
+        str(out),
+        "--quiet",
+        "--redis-url",
+        redis_url,
+        "--namespace",
+        namespace,
+        "--job-timeout",
+        "5",
+    ]
     assert cli.main(args) == cli.EXIT_JOB_FAILED
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)

@@ -16,13 +16,13 @@ from pathlib import Path
 import jsonschema
 import pytest
 import redis
+from replica_harness import ReplicaThread
+from scratch import scratch_namespace
+from summarize_docs import pdf_document
 
 from clients.keys import Keys
 from clients.model_info import ModelInfo, publish_model_info
 from clients.summarize import summarize_documents
-from replica_harness import ReplicaThread
-from scratch import scratch_namespace
-from summarize_docs import pdf_document
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JSON_C_README = Path("/usr/share/doc/libjson-c5/README.html")
@@ -30,10 +30,15 @@ JSON_C_README = Path("/usr/share/doc/libjson-c5/README.html")
 OPTIONS = dict(max_tokens=24, context_tokens=256, max_chunk_tokens=60)
 CLI_OPTIONS = ["--max-tokens", "24", "--context-tokens", "256", "--max-chunk-tokens", "60"]
 # Strings bounded so that any JSON under it fits SCHEMA_TOKENS (a token is at least a character).
-SCHEMA = {"type": "object", "properties": {
-    "topic": {"type": "string", "maxLength": 24},
-    "facts": {"type": "array", "items": {"type": "string", "maxLength": 32}, "minItems": 1, "maxItems": 2}},
-    "required": ["topic", "facts"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 24},
+        "facts": {"type": "array", "items": {"type": "string", "maxLength": 32}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["topic", "facts"],
+    "additionalProperties": False,
+}
 SCHEMA_TOKENS = 128
 
 
@@ -45,11 +50,14 @@ def replica(redis_url):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with scratch_namespace(redis_url) as ns, ReplicaThread("smollm2", redis_url, ns, max_num_seqs=8,
-                                                               max_num_batched_tokens=512) as running:  # fmt: skip
+        with (
+            scratch_namespace(redis_url) as ns,
+            ReplicaThread("smollm2", redis_url, ns, max_num_seqs=8, max_num_batched_tokens=512) as running,
+        ):
             engine = running.engine
-            info = ModelInfo.from_hf_tokenizer(engine.spec.name, engine.max_model_len, engine.spec.eos_token_ids,
-                                               engine.tokenizer)  # fmt: skip
+            info = ModelInfo.from_hf_tokenizer(
+                engine.spec.name, engine.max_model_len, engine.spec.eos_token_ids, engine.tokenizer
+            )
             conn = redis.Redis.from_url(redis_url)
             publish_model_info(conn, Keys(ns), info)
             yield {"ns": ns, "conn": conn, "keys": Keys(ns)}
@@ -63,8 +71,9 @@ def cited(replica, redis_url, tmp_path_factory):
     inbox, out = tmp_path_factory.mktemp("docs"), tmp_path_factory.mktemp("out")
     (inbox / "report.pdf").write_bytes(pdf_document())
     (inbox / "json-c.html").write_bytes(JSON_C_README.read_bytes())
-    results = summarize_documents([inbox / "report.pdf", inbox / "json-c.html"], out, redis_url=redis_url,
-                                  namespace=replica["ns"], **OPTIONS)  # fmt: skip
+    results = summarize_documents(
+        [inbox / "report.pdf", inbox / "json-c.html"], out, redis_url=redis_url, namespace=replica["ns"], **OPTIONS
+    )
     return {r.name: r for r in results}, out
 
 
@@ -95,11 +104,20 @@ def test_a_pdf_and_an_html_page_are_summarized_with_citations(cited):
 
 @pytest.mark.slow
 def test_schema_makes_every_step_json_and_the_final_json_validates(replica, redis_url, tmp_path):
-    (tmp_path / "notes.md").write_text("# Queues\n\nProducers put jobs on a stream.\n\n# Cache\n\n"
-                                       "The cache is a pool of fixed blocks shared by sequences.\n")  # fmt: skip
-    [result] = summarize_documents([tmp_path / "notes.md"], tmp_path / "out", redis_url=redis_url,
-                                   namespace=replica["ns"], max_tokens=SCHEMA_TOKENS, context_tokens=512, max_chunk_tokens=16,
-                                   schema=SCHEMA)  # fmt: skip
+    (tmp_path / "notes.md").write_text(
+        "# Queues\n\nProducers put jobs on a stream.\n\n# Cache\n\n"
+        "The cache is a pool of fixed blocks shared by sequences.\n"
+    )
+    [result] = summarize_documents(
+        [tmp_path / "notes.md"],
+        tmp_path / "out",
+        redis_url=redis_url,
+        namespace=replica["ns"],
+        max_tokens=SCHEMA_TOKENS,
+        context_tokens=512,
+        max_chunk_tokens=16,
+        schema=SCHEMA,
+    )
     assert result.ok, result.error
     jsonschema.validate(result.record["summary_json"], SCHEMA)
     assert json.loads(result.summary) == result.record["summary_json"]
@@ -114,9 +132,30 @@ def entries_added(conn, stream: str) -> int:
 
 
 def start_watch(redis_url: str, ns: str, inbox: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "clients.cli", "summarize", "--watch", str(inbox), "--out", str(out),
-                             "--poll-s", "0.2", "--redis-url", redis_url, "--namespace", ns, "--max-in-flight", "2",
-                             *CLI_OPTIONS], cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clients.cli",
+            "summarize",
+            "--watch",
+            str(inbox),
+            "--out",
+            str(out),
+            "--poll-s",
+            "0.2",
+            "--redis-url",
+            redis_url,
+            "--namespace",
+            ns,
+            "--max-in-flight",
+            "2",
+            *CLI_OPTIONS,
+        ],
+        cwd=REPO_ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_until(condition, process: subprocess.Popen, timeout: float = 240.0, what: str = "") -> None:
@@ -156,8 +195,11 @@ def test_watch_picks_up_files_and_resumes_after_kill_9_without_resubmitting(repl
     assert entries_added(conn, keys.batch) - before == len(job_ids)  # every job enqueued once, across the kill
 
     (inbox / "notes.txt").write_text("Replicas batch decoding steps. Finished sequences leave the batch.\n")
-    wait_until(lambda: conn.exists(keys.batch) and entries_added(conn, keys.batch) > before + len(job_ids), watcher,
-               what="the new file's first job")  # fmt: skip
+    wait_until(
+        lambda: conn.exists(keys.batch) and entries_added(conn, keys.batch) > before + len(job_ids),
+        watcher,
+        what="the new file's first job",
+    )
     watcher.send_signal(signal.SIGTERM)  # in flight: it finishes before the watcher exits
     assert watcher.wait(240) == 0
     assert (out / "notes.txt.summary.txt").exists()

@@ -5,6 +5,7 @@ Llama, Qwen2 and Qwen3 models, with ample KV and under preemption; each decode s
 what the design says (two all-reduces of the hidden states per layer, a plan of a few
 bytes per sequence); a rank killed with SIGKILL ends the engine with a clear error in
 bounded time, offline and in a replica (whose jobs another replica then reclaims)."""
+
 import os
 import re
 import signal
@@ -14,12 +15,12 @@ import threading
 import time
 
 import pytest
+from fault_harness import REPO_ROOT, JobLedger, pending_owners, spawner_fixture, wait_until
+from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 from clients import Client
 from engine import LLM, ModelLoadError, SamplingParams
 from engine.distributed.launcher import RankFailed
-from fault_harness import REPO_ROOT, JobLedger, pending_owners, spawner_fixture, wait_until
-from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # each rank one thread: two ranks, two cores
 NUM_PROMPTS = 12
@@ -28,8 +29,14 @@ REGIMES = {  # as tests/test_exactness.py
     "preemption": dict(num_kv_blocks=64, block_size=4),
     "overlapped_preemption": dict(async_scheduling=True, num_kv_blocks=64, block_size=4),
     # drafts travel in the plan; what verification keeps of them comes back in the next one's tails
-    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+    "speculative": dict(
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 4,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+        }
+    ),
 }
 HIDDEN, LAYERS = 64, 2  # the tiny models' (tests/model_factory.py)
 RANK_EXIT_BOUND_S = 15.0
@@ -51,8 +58,9 @@ def workload(tiny_model):
 def test_tp2_greedy_matches_transformers(tiny_model, workload, regime):
     prompts, max_tokens, expected = workload
     with LLM(tiny_model, tensor_parallel_size=2, **REGIMES[regime]) as llm:
-        outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens],
-                               use_tqdm=False)
+        outputs = llm.generate(
+            prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens], use_tqdm=False
+        )
         stats = llm.engine.stats()
         worker = llm.engine.runner.workers.processes[0]
     for output, want in zip(outputs, expected):
@@ -87,8 +95,10 @@ def test_communication_per_decode_step(tmp_path):
     assert after["tp_num_all_reduces"] - before["tp_num_all_reduces"] == 2 * LAYERS
     assert reduced == 2 * LAYERS * batch * HIDDEN * 4  # float32 hidden states, this rank's share
     assert plan < 16 + 24 * batch, f"plan of {plan} bytes for {batch} decoding sequences"
-    print(f"TP=2 decode step, batch {batch}: {reduced // (batch * LAYERS)} bytes all-reduced per token per layer, "
-          f"plan {plan} bytes ({plan / batch:.1f} per sequence)")
+    print(
+        f"TP=2 decode step, batch {batch}: {reduced // (batch * LAYERS)} bytes all-reduced per token per layer, "
+        f"plan {plan} bytes ({plan / batch:.1f} per sequence)"
+    )
 
 
 def test_unsplittable_models_are_refused_before_any_rank_starts(tmp_path):
@@ -142,8 +152,10 @@ def test_hung_rank_fails_the_step_after_the_timeout(tmp_path, monkeypatch):
 
 def test_follower_ranks_exit_when_rank_0_is_killed(tmp_path):
     model = build_tiny_model("llama", tmp_path / "llama")
-    script = ("import sys, time; from engine import LLM; llm = LLM(sys.argv[1], tensor_parallel_size=2); "
-              "print(llm.engine.runner.workers.processes[0].pid, flush=True); time.sleep(600)")
+    script = (
+        "import sys, time; from engine import LLM; llm = LLM(sys.argv[1], tensor_parallel_size=2); "
+        "print(llm.engine.runner.workers.processes[0].pid, flush=True); time.sleep(600)"
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, "-c", script, model], stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -159,6 +171,7 @@ def test_follower_ranks_exit_when_rank_0_is_killed(tmp_path):
 
 def _alive(pid: int) -> bool:
     import psutil
+
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -174,8 +187,11 @@ def spawn(request, tmp_path, redis_url, namespace):
 
 
 def rank_pid(replica) -> int:
-    match = wait_until(lambda: re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", replica.log_text()), 60,
-                       "the replica to log its worker rank")
+    match = wait_until(
+        lambda: re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", replica.log_text()),
+        60,
+        "the replica to log its worker rank",
+    )
     return int(match.group(1))
 
 
@@ -191,17 +207,21 @@ def test_replica_with_a_killed_rank_exits_and_its_jobs_are_reclaimed(spawn, redi
     tp.start().wait_ready()
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     prompts = mixed_prompts(768, n=3, seed=9, min_len=5, max_len=40)
-    short = client.submit_many([{"prompt_token_ids": p, "max_tokens": 16, "temperature": 0} for p in prompts],
-                               progress=False)
+    short = client.submit_many(
+        [{"prompt_token_ids": p, "max_tokens": 16, "temperature": 0} for p in prompts], progress=False
+    )
     for prompt, job in zip(prompts, short):  # through the actors (overlapped steps): still exact
         assert job.result(timeout=60).token_ids == hf_greedy(model, prompt, 16)
 
     survivor = spawn(namespace, "survivor", model, lease_s=2.0, args=one_seq, env=here).start().wait_ready()
     jobs = client.submit_many([long_job(i) for i in range(4)], progress=False)
+
     def held_by_tp():
         return {entry for entry, owner in pending_owners(raw, namespace).items() if owner == "tp"}
-    wait_until(lambda: held_by_tp() and any(ledger.record(j.job_id).tokens for j in jobs), 60,
-               "the TP replica to run a job")
+
+    wait_until(
+        lambda: held_by_tp() and any(ledger.record(j.job_id).tokens for j in jobs), 60, "the TP replica to run a job"
+    )
     worker_pid, held = rank_pid(tp), held_by_tp()
     os.kill(worker_pid, signal.SIGKILL)
     killed = time.monotonic()

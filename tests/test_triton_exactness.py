@@ -3,14 +3,15 @@ token-identical to transformers' own generate (float32) for Llama, Qwen2 and Qwe
 ample KV, forced preemption, chunked prefill and prefix-cache hits. The interpreter runs
 every kernel program as Python, so the workload is small: prompts of 1 to 44 tokens
 sharing a 24-token prefix (block boundaries at every 4 or 16), up to 6 new tokens."""
+
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
 import pytest  # noqa: E402
+from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts  # noqa: E402
 
 REGIMES = {
     "ample_kv": dict(num_kv_blocks=64),
@@ -60,6 +61,7 @@ def test_backend_choice_and_its_errors(monkeypatch):
     from actors.cli import _add_engine_options
     from engine.config import EngineConfig
     from engine.model_runner import resolve_attention_backend
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("auto", cpu) == "torch"  # never the default on CPU
     assert resolve_attention_backend("triton", cpu) == "triton"  # under the interpreter (set above)

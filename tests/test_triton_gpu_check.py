@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py --cpu-dry-run: the device check's own code (kernel checks,
 exactness against transformers, the speed rounds) on tiny shapes under Triton's
 interpreter, so the script cannot rot before a GPU runs it."""
+
 import os
 import subprocess
 import sys
@@ -10,12 +11,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    )
     plot = tmp_path / "gpu_check.png"
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-dry-run",
-                             "--plot", str(plot)],
-                            capture_output=True, text=True, env=env, timeout=900)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-dry-run", "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "device: CPU (Triton interpreter)" in out

@@ -3,6 +3,7 @@ Triton's interpreter. Tolerances, against the reference computed in float32 from
 inputs: float32 1e-5; float16 2e-3 and bfloat16 2e-2 (absolute and relative: one or two
 roundings of the output to the dtype; the interpreter's float32 -> bfloat16 cast is not
 always round-to-nearest, so bfloat16 may differ by an ulp more than a GPU would)."""
+
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the kernels run on CPU tensors
@@ -15,14 +16,22 @@ from engine.models.llama import rotary_for  # noqa: E402
 from kernels import layer_ops  # noqa: E402
 from kernels.attention import paged_decode_attention_reference, prefill_attention, write_kv_cache  # noqa: E402
 from kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise  # noqa: E402
-from kernels.triton import cache_write, decode_attention, prefill_attention as triton_prefill  # noqa: E402
-from kernels.triton import layer_ops as triton_ops, sampling as triton_sampling  # noqa: E402
+from kernels.triton import cache_write, decode_attention  # noqa: E402
+from kernels.triton import layer_ops as triton_ops  # noqa: E402
+from kernels.triton import prefill_attention as triton_prefill
+from kernels.triton import sampling as triton_sampling
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 BLOCK_SIZE = 16
 # every GQA ratio, head size and dtype at least once, in few interpreter runs
-SHAPES = [(1, 64, torch.float32), (2, 128, torch.bfloat16), (4, 64, torch.float16), (8, 128, torch.float32),
-          (4, 128, torch.bfloat16), (8, 64, torch.float16)]
+SHAPES = [
+    (1, 64, torch.float32),
+    (2, 128, torch.bfloat16),
+    (4, 64, torch.float16),
+    (8, 128, torch.float32),
+    (4, 128, torch.bfloat16),
+    (8, 64, torch.float16),
+]
 
 
 def assert_close(got, want, dtype):
@@ -62,11 +71,13 @@ def test_paged_decode_matches_reference(group, head_dim, dtype):
     k_cache, v_cache, tables, _, _ = paged_cache(lengths, kv_heads, head_dim, dtype)
     query = torch.randn(len(lengths), kv_heads * group, head_dim).to(dtype)
     block_tables, context_lens = padded(tables), torch.tensor(lengths)
-    want = paged_decode_attention_reference(query.float(), k_cache.float(), v_cache.float(), block_tables,
-                                            context_lens, head_dim ** -0.5)
+    want = paged_decode_attention_reference(
+        query.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, head_dim**-0.5
+    )
     for splits in (1, 3):
-        got = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens,
-                                                      head_dim ** -0.5, num_splits=splits, tile=16)
+        got = decode_attention.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5, num_splits=splits, tile=16
+        )
         assert got.dtype == dtype
         assert_close(got, want, dtype)
 
@@ -75,8 +86,9 @@ def test_decode_of_a_padded_row_is_zero_and_harmless():
     k_cache, v_cache, tables, _, _ = paged_cache([5, 20], 2, 64, torch.float32)
     query = torch.randn(3, 4, 64)
     block_tables = padded(tables + [[0]])
-    got = decode_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, torch.tensor([5, 20, 0]),
-                                                  0.125, num_splits=2, tile=16)
+    got = decode_attention.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, torch.tensor([5, 20, 0]), 0.125, num_splits=2, tile=16
+    )
     want = paged_decode_attention_reference(query[:2], k_cache, v_cache, block_tables[:2], torch.tensor([5, 20]), 0.125)
     assert_close(got[:2], want, torch.float32)
     assert torch.equal(got[2], torch.zeros(4, 64))
@@ -100,12 +112,31 @@ def test_varlen_prefill_over_cached_prefix_matches_reference(group, head_dim, dt
     starts = torch.tensor([0, 21, 40])
     out = torch.zeros_like(query)
     triton_prefill.prefill_attention_varlen(
-        query, k_cache, v_cache, out, starts, torch.tensor([n for _, n in spans]), torch.tensor([p for p, _ in spans]),
-        padded(tables), max(n for _, n in spans), head_dim ** -0.5, block_m=16, block_n=16)
+        query,
+        k_cache,
+        v_cache,
+        out,
+        starts,
+        torch.tensor([n for _, n in spans]),
+        torch.tensor([p for p, _ in spans]),
+        padded(tables),
+        max(n for _, n in spans),
+        head_dim**-0.5,
+        block_m=16,
+        block_n=16,
+    )
     for (prefix, new), start, q, k, v, table in zip(spans, starts.tolist(), queries, keys, values, tables):
-        want = prefill_attention(q.float(), k[prefix:].float(), v[prefix:].float(), k_cache.float(),
-                                 v_cache.float(), torch.tensor(table), prefix, head_dim ** -0.5)
-        assert_close(out[start:start + new], want, dtype)
+        want = prefill_attention(
+            q.float(),
+            k[prefix:].float(),
+            v[prefix:].float(),
+            k_cache.float(),
+            v_cache.float(),
+            torch.tensor(table),
+            prefix,
+            head_dim**-0.5,
+        )
+        assert_close(out[start : start + new], want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -137,9 +168,20 @@ def test_norms_and_silu_match_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_with_llama3_scaling_matches_reference(dtype):
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                                              high_freq_factor=4.0, original_max_position_embeddings=32))
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    )
     rotary = rotary_for(config, "LlamaForCausalLM", 256)
     positions = torch.tensor([0, 1, 7, 31, 32, 100, 255])
     cos, sin = rotary(positions)
@@ -157,8 +199,11 @@ def test_penalties_match_reference():
     logits = 3 * torch.randn(4, 300, generator=gen)
     seen = torch.rand(4, 300, generator=gen) < 0.1
     counts = (torch.rand(4, 300, generator=gen) < 0.05).float() * 2
-    rep, presence, frequency = torch.tensor([1.0, 1.2, 0.8, 1.5]), torch.tensor([0.0, 0.5, 1.0, 0.0]), \
-        torch.tensor([0.0, 0.1, 0.3, 1.0])
+    rep, presence, frequency = (
+        torch.tensor([1.0, 1.2, 0.8, 1.5]),
+        torch.tensor([0.0, 0.5, 1.0, 0.0]),
+        torch.tensor([0.0, 0.1, 0.3, 1.0]),
+    )
     want = apply_penalties(logits, seen, counts, rep, presence, frequency)
     got = triton_sampling.apply_penalties_(logits.clone(), seen, counts, rep, presence, frequency)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -19,29 +19,72 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, however pytest is run
 
+from model_factory import VOCAB_SIZE, build_tiny_model, build_tokenizer, mixed_prompts  # noqa: E402
+
 from engine import LLM, ModelLoadError, SamplingParams  # noqa: E402
 from engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from engine.vllm_options import kv_budget_from_utilization  # noqa: E402
-from model_factory import VOCAB_SIZE, build_tiny_model, build_tokenizer, mixed_prompts  # noqa: E402
 
 # vllm/outputs.py: CompletionOutput's dataclass fields and RequestOutput.__init__'s arguments
-VLLM_COMPLETION_OUTPUT_FIELDS = ("index", "text", "token_ids", "cumulative_logprob", "logprobs",
-                                 "finish_reason", "stop_reason")
-VLLM_REQUEST_OUTPUT_FIELDS = ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs",
-                              "finished", "metrics", "num_cached_tokens")
+VLLM_COMPLETION_OUTPUT_FIELDS = (
+    "index",
+    "text",
+    "token_ids",
+    "cumulative_logprob",
+    "logprobs",
+    "finish_reason",
+    "stop_reason",
+)
+VLLM_REQUEST_OUTPUT_FIELDS = (
+    "request_id",
+    "prompt",
+    "prompt_token_ids",
+    "prompt_logprobs",
+    "outputs",
+    "finished",
+    "metrics",
+    "num_cached_tokens",
+)
 # vllm/logprobs.py
 VLLM_LOGPROB_FIELDS = ("logprob", "rank", "decoded_token")
 # vllm/sampling_params.py: SamplingParams fields a script passes (and their defaults)
 VLLM_SAMPLING_DEFAULTS = {
-    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "temperature": 1.0,
-    "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "ignore_eos": False, "max_tokens": 16,
-    "min_tokens": 0, "logprobs": None, "prompt_logprobs": None, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "include_stop_str_in_output": False, "logit_bias": None,
-}  # fmt: skip
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "seed": None,
+    "ignore_eos": False,
+    "max_tokens": 16,
+    "min_tokens": 0,
+    "logprobs": None,
+    "prompt_logprobs": None,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "logit_bias": None,
+}
 # vllm/entrypoints/llm.py: LLM.__init__ keywords (EngineArgs for the last five)
-VLLM_LLM_OPTIONS = ("tokenizer", "trust_remote_code", "tensor_parallel_size", "dtype", "quantization", "seed",
-                    "gpu_memory_utilization", "swap_space", "enforce_eager", "max_model_len", "max_num_seqs",
-                    "max_num_batched_tokens", "block_size", "enable_prefix_caching")
+VLLM_LLM_OPTIONS = (
+    "tokenizer",
+    "trust_remote_code",
+    "tensor_parallel_size",
+    "dtype",
+    "quantization",
+    "seed",
+    "gpu_memory_utilization",
+    "swap_space",
+    "enforce_eager",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "enable_prefix_caching",
+)
 # vllm/inputs: TextPrompt and TokensPrompt keys
 VLLM_TEXT_PROMPT_KEY, VLLM_TOKENS_PROMPT_KEY = "prompt", "prompt_token_ids"
 
@@ -57,10 +100,23 @@ def model_dir(tmp_path_factory):
 
 def vllm_style_options(model_dir) -> dict:
     """What a vLLM script passes (every name of VLLM_LLM_OPTIONS, vLLM's value spellings)."""
-    return dict(tokenizer=model_dir, trust_remote_code=False, tensor_parallel_size=1, dtype="float",
-                quantization=None, seed=0, gpu_memory_utilization=0.9, swap_space=4, enforce_eager=True,
-                max_model_len=512, max_num_seqs=64, max_num_batched_tokens=1024, block_size=16,
-                enable_prefix_caching=True, kv_cache_memory_bytes=KV_BYTES)
+    return dict(
+        tokenizer=model_dir,
+        trust_remote_code=False,
+        tensor_parallel_size=1,
+        dtype="float",
+        quantization=None,
+        seed=0,
+        gpu_memory_utilization=0.9,
+        swap_space=4,
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=64,
+        max_num_batched_tokens=1024,
+        block_size=16,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=KV_BYTES,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +193,9 @@ def test_a_separate_tokenizer_directory_is_used(model_dir, tmp_path):
 
 def test_vllms_prompt_dicts_are_accepted(llm, prompts):
     plain_text, plain_ids = llm.generate(["def main():", prompts[1]], greedy(5), use_tqdm=False)
-    as_dicts = llm.generate([{VLLM_TEXT_PROMPT_KEY: "def main():"}, {VLLM_TOKENS_PROMPT_KEY: prompts[1]}],
-                            greedy(5), use_tqdm=False)
+    as_dicts = llm.generate(
+        [{VLLM_TEXT_PROMPT_KEY: "def main():"}, {VLLM_TOKENS_PROMPT_KEY: prompts[1]}], greedy(5), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in as_dicts] == [plain_text.token_ids, plain_ids.token_ids]
     assert as_dicts[0].prompt == plain_text.prompt == "def main():" and as_dicts[1].prompt is None
     single = llm.generate({VLLM_TOKENS_PROMPT_KEY: prompts[1]}, greedy(5), use_tqdm=False)
@@ -149,8 +206,13 @@ def test_vllms_prompt_dicts_are_accepted(llm, prompts):
 
 def test_invalid_parameters_fail_their_own_request_not_the_batch(llm, prompts):
     """A deliberate difference from vLLM (which raises): the rest of the batch still runs."""
-    params = [greedy(3), greedy(3, logit_bias={1: 101.0}), greedy(3, logit_bias={VOCAB_SIZE: 1.0}),
-              greedy(3, prompt_logprobs=21), greedy(3)]
+    params = [
+        greedy(3),
+        greedy(3, logit_bias={1: 101.0}),
+        greedy(3, logit_bias={VOCAB_SIZE: 1.0}),
+        greedy(3, prompt_logprobs=21),
+        greedy(3),
+    ]
     outs = llm.generate([prompts[0]] * len(params), params, use_tqdm=False)
     assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
     assert "logit_bias[1]: must be <= 100.0, got 101.0" in outs[1].error
@@ -169,7 +231,7 @@ def ascii_reference(llm, prompts, length=24):
     for prompt in prompts:
         ref = llm.generate([prompt], greedy(length), use_tqdm=False)[0].token_ids
         for k in range(2, length - 2):
-            text = tokenizer.decode(ref[:k + 1])
+            text = tokenizer.decode(ref[: k + 1])
             if ref[k] not in ref[:k] and text.isascii() and tokenizer.decode([ref[k]]).strip():
                 return prompt, ref, k
     pytest.skip("no usable stop token in the reference continuations")
@@ -179,18 +241,19 @@ def test_stop_token_text_is_left_out_unless_asked(llm, prompts):
     tokenizer = llm.get_tokenizer()
     prompt, ref, k = ascii_reference(llm, prompts)
     out = llm.generate([prompt], greedy(24, stop_token_ids=[ref[k]]), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ref[:k + 1]  # the stop token stays in token_ids ...
+    assert out.token_ids == ref[: k + 1]  # the stop token stays in token_ids ...
     assert out.text == tokenizer.decode(ref[:k])  # ... but not in the text (vLLM's detokenizer)
     assert (out.finish_reason, out.stop_reason) == ("stop", ref[k])
-    kept = llm.generate([prompt], greedy(24, stop_token_ids=[ref[k]], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
-    assert kept.token_ids == ref[:k + 1] and kept.text == tokenizer.decode(ref[:k + 1])
+    kept = llm.generate([prompt], greedy(24, stop_token_ids=[ref[k]], include_stop_str_in_output=True), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert kept.token_ids == ref[: k + 1] and kept.text == tokenizer.decode(ref[: k + 1])
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(llm, prompts):
     prompt, ref, k = ascii_reference(llm, prompts)
     full = llm.get_tokenizer().decode(ref)
-    stop = full[len(llm.get_tokenizer().decode(ref[:k])):][:2]  # text that first shows up at token k
+    stop = full[len(llm.get_tokenizer().decode(ref[:k])) :][:2]  # text that first shows up at token k
     cut = llm.generate([prompt], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     kept = llm.generate([prompt], greedy(24, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept.text == cut.text + stop and full.startswith(kept.text) and stop not in cut.text
@@ -202,11 +265,15 @@ def test_spaces_between_special_tokens_reaches_the_tokenizer(llm):
     specials = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     bias = {token_id: 100.0 for token_id in specials}
     for spaces in (True, False):
-        out = llm.generate("def f():", greedy(4, logit_bias=bias, skip_special_tokens=False,
-                                              spaces_between_special_tokens=spaces), use_tqdm=False)[0]
+        out = llm.generate(
+            "def f():",
+            greedy(4, logit_bias=bias, skip_special_tokens=False, spaces_between_special_tokens=spaces),
+            use_tqdm=False,
+        )[0]
         assert set(out.token_ids) <= set(specials)
-        assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=False,
-                                            spaces_between_special_tokens=spaces)
+        assert out.text == tokenizer.decode(
+            out.token_ids, skip_special_tokens=False, spaces_between_special_tokens=spaces
+        )
 
 
 # --------------------------------------------------------------------------- logprobs, bias
@@ -247,4 +314,5 @@ def test_prompt_logprobs_survive_chunked_prefill(model_dir, prompts):
     assert len(a.prompt_logprobs) == len(prompts[1])
     for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
         assert list(x) == list(y) and [v.logprob for v in x.values()] == pytest.approx(
-            [v.logprob for v in y.values()], abs=1e-4)
+            [v.logprob for v in y.values()], abs=1e-4
+        )

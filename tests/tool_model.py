@@ -1,10 +1,10 @@
 """A tiny random Qwen2 model whose chat template knows tools, as Qwen2.5's does (Hermes
 `<tool_call>` blocks, `<tool_response>` results), built at test time from model_factory."""
+
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from model_factory import build_tiny_model
+from transformers import AutoTokenizer
 
 HERMES_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
@@ -14,7 +14,7 @@ HERMES_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
@@ -26,7 +26,7 @@ HERMES_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"

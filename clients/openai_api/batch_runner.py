@@ -34,14 +34,20 @@ from typing import Any, Callable
 from clients.async_client import AsyncClient
 from clients.errors import ConveyorError, InvalidJob, JobCancelled, JobConflict, JobFailed, QueueFull
 from clients.event_reader import outcome, terminal_from_hash
-from clients.openai_api.batch_store import (
-    ANY_ENDPOINT, BATCH_TTL_S, MAX_ERRORS, OK, TERMINAL, BatchStore, derived_file_id,
-)  # fmt: skip
-from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over
-from clients.openai_api.errors import OpenAIError, from_conveyor
-from clients.openai_api.work_caps import WorkCaps
 from clients.job_record import FINAL_STATUSES
 from clients.model_info import fetch_model_info_async
+from clients.openai_api.batch_store import (
+    ANY_ENDPOINT,
+    BATCH_TTL_S,
+    MAX_ERRORS,
+    OK,
+    TERMINAL,
+    BatchStore,
+    derived_file_id,
+)
+from clients.openai_api.errors import OpenAIError, from_conveyor
+from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over
+from clients.openai_api.work_caps import WorkCaps
 from clients.submission import build_job
 
 log = logging.getLogger("conveyor.batch")
@@ -83,8 +89,10 @@ class Endpoint:
 def default_endpoints() -> dict[str, Endpoint]:
     from clients.openai_api import translate  # the gateway's own mapping: one source of truth
 
-    return {"/v1/chat/completions": Endpoint(translate.job_from_chat, translate.chat_body, "chatcmpl-", True),
-            "/v1/completions": Endpoint(translate.job_from_completion, translate.completion_body, "cmpl-")}  # fmt: skip
+    return {
+        "/v1/chat/completions": Endpoint(translate.job_from_chat, translate.chat_body, "chatcmpl-", True),
+        "/v1/completions": Endpoint(translate.job_from_completion, translate.completion_body, "cmpl-"),
+    }
 
 
 def new_owner() -> str:
@@ -119,10 +127,16 @@ def line_job_id(job_key: str, custom_id: str, raw: bytes, model: str | None) -> 
     return f"batch-{digest.hexdigest()[:40]}"
 
 
-def parse_input(content: bytes, batch_id: str, endpoint: str, endpoints: dict[str, Endpoint],
-                model: str | None = None, job_result_ttl: int = RunnerSettings.job_result_ttl,
-                job_key: str | None = None,
-                caps: WorkCaps | None = None) -> tuple[list[BatchLine], list[dict[str, Any]]]:  # fmt: skip
+def parse_input(
+    content: bytes,
+    batch_id: str,
+    endpoint: str,
+    endpoints: dict[str, Endpoint],
+    model: str | None = None,
+    job_result_ttl: int = RunnerSettings.job_result_ttl,
+    job_key: str | None = None,
+    caps: WorkCaps | None = None,
+) -> tuple[list[BatchLine], list[dict[str, Any]]]:
     """Every request line checked: (lines, errors in OpenAI's shape, at most MAX_ERRORS).
 
     `model` replaces every body's model (`conveyor batch`); job ids hash `job_key` (default:
@@ -134,11 +148,13 @@ def parse_input(content: bytes, batch_id: str, endpoint: str, endpoints: dict[st
         if not raw.strip():
             continue
         try:
-            line = _parse_line(raw, number, len(lines), batch_id, endpoint, endpoints, model, job_result_ttl,
-                               job_key or batch_id, caps)
+            line = _parse_line(
+                raw, number, len(lines), batch_id, endpoint, endpoints, model, job_result_ttl, job_key or batch_id, caps
+            )
             if line.custom_id in seen:
-                raise LineError("duplicate_custom_id", f"custom_id {line.custom_id!r} is used more than once",
-                                "custom_id")  # fmt: skip
+                raise LineError(
+                    "duplicate_custom_id", f"custom_id {line.custom_id!r} is used more than once", "custom_id"
+                )
         except LineError as exc:
             if len(errors) < MAX_ERRORS:
                 errors.append({"code": exc.code, "message": exc.message, "param": exc.param, "line": number})
@@ -146,14 +162,22 @@ def parse_input(content: bytes, batch_id: str, endpoint: str, endpoints: dict[st
         seen.add(line.custom_id)
         lines.append(line)
     if not lines and not errors:
-        errors.append({"code": "empty_file", "message": "the input file has no requests", "param": None,
-                       "line": None})  # fmt: skip
+        errors.append({"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None})
     return lines, errors
 
 
-def _parse_line(raw: bytes, number: int, index: int, batch_id: str, endpoint: str, endpoints: dict[str, Endpoint],
-                model: str | None, job_result_ttl: int, job_key: str,
-                caps: WorkCaps | None = None) -> BatchLine:  # fmt: skip
+def _parse_line(
+    raw: bytes,
+    number: int,
+    index: int,
+    batch_id: str,
+    endpoint: str,
+    endpoints: dict[str, Endpoint],
+    model: str | None,
+    job_result_ttl: int,
+    job_key: str,
+    caps: WorkCaps | None = None,
+) -> BatchLine:
     try:
         item = json.loads(raw)
     except ValueError as exc:
@@ -161,32 +185,37 @@ def _parse_line(raw: bytes, number: int, index: int, batch_id: str, endpoint: st
     except RecursionError:  # deeper than the parser goes
         item = TOO_DEEP
     if item is TOO_DEEP or depth_over(item, MAX_JSON_DEPTH):
-        raise LineError("invalid_json_line", f"line {number} nests objects and arrays more than {MAX_JSON_DEPTH} "
-                        "levels deep")  # fmt: skip
+        raise LineError(
+            "invalid_json_line", f"line {number} nests objects and arrays more than {MAX_JSON_DEPTH} levels deep"
+        )
     if not isinstance(item, dict):
         raise LineError("invalid_json_line", f"line {number} is not a JSON object")
     custom_id, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
-        raise LineError("invalid_custom_id", f"custom_id must be a string of 1..{MAX_CUSTOM_ID_CHARS} characters",
-                        "custom_id")  # fmt: skip
+        raise LineError(
+            "invalid_custom_id", f"custom_id must be a string of 1..{MAX_CUSTOM_ID_CHARS} characters", "custom_id"
+        )
     if item.get("method") != "POST":
         raise LineError("invalid_method", f"method must be POST, got {item.get('method')!r}", "method")
     if url not in endpoints or (endpoint != ANY_ENDPOINT and url != endpoint):
         expected = sorted(endpoints) if endpoint == ANY_ENDPOINT else [endpoint]
-        raise LineError("invalid_url", f"url must be {' or '.join(expected)} (the batch's endpoint), got {url!r}",
-                        "url")  # fmt: skip
+        raise LineError(
+            "invalid_url", f"url must be {' or '.join(expected)} (the batch's endpoint), got {url!r}", "url"
+        )
     if not isinstance(body, dict):
         raise LineError("invalid_request", "body must be a JSON object", "body")
     body = {k: v for k, v in body.items() if k not in STREAM_FIELDS}
     if model:
         body["model"] = model
-    job = _job_of(endpoints[url], body, batch_id, custom_id, line_job_id(job_key, custom_id, raw, model),
-                  job_result_ttl, caps)  # fmt: skip
+    job = _job_of(
+        endpoints[url], body, batch_id, custom_id, line_job_id(job_key, custom_id, raw, model), job_result_ttl, caps
+    )
     return BatchLine(index, number, custom_id, body.get("model"), endpoints[url], job)
 
 
-def _job_of(endpoint: Endpoint, body: dict, batch_id: str, custom_id: str, job_id: str, ttl: int,
-            caps: WorkCaps | None = None) -> dict[str, Any]:  # fmt: skip
+def _job_of(
+    endpoint: Endpoint, body: dict, batch_id: str, custom_id: str, job_id: str, ttl: int, caps: WorkCaps | None = None
+) -> dict[str, Any]:
     try:
         job = dict(endpoint.to_job(body))
         if caps:
@@ -218,8 +247,9 @@ def output_line(line: BatchLine, event: Any) -> tuple[dict[str, Any], bool, tupl
         return None
     except JobFailed as exc:
         return error_line(line, exc), False, (0, 0)
-    body = line.endpoint.to_body(result, request_id=line.endpoint.id_prefix + line.job_id, model=line.model,
-                                 created=int(time.time()))  # fmt: skip
+    body = line.endpoint.to_body(
+        result, request_id=line.endpoint.id_prefix + line.job_id, model=line.model, created=int(time.time())
+    )
     usage = (result.usage.prompt_tokens, result.usage.completion_tokens)
     return _line(line, {"status_code": 200, "request_id": line.job_id, "body": body}), True, usage
 
@@ -237,8 +267,7 @@ def expired_line(line: BatchLine) -> dict[str, Any]:
 
 
 def _line(line: BatchLine, response: dict[str, Any] | None) -> dict[str, Any]:
-    return {"id": f"batch_req_{line.job_id[-24:]}", "custom_id": line.custom_id, "response": response,
-            "error": None}  # fmt: skip
+    return {"id": f"batch_req_{line.job_id[-24:]}", "custom_id": line.custom_id, "response": response, "error": None}
 
 
 # ---------------------------------------------------------------- one batch
@@ -281,9 +310,16 @@ class LeaseLost(Exception):
 class BatchRun:
     """Drives one batch whose lease `lease` holds, to a final status (or until the lease is lost)."""
 
-    def __init__(self, store: BatchStore, client: AsyncClient, batch_id: str, lease: Lease,
-                 settings: RunnerSettings = RunnerSettings(), endpoints: dict[str, Endpoint] | None = None,
-                 on_progress: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: BatchStore,
+        client: AsyncClient,
+        batch_id: str,
+        lease: Lease,
+        settings: RunnerSettings = RunnerSettings(),
+        endpoints: dict[str, Endpoint] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.store, self.client, self.batch_id, self.lease, self.settings = store, client, batch_id, lease, settings
         self.endpoints = endpoints or default_endpoints()
         self.on_progress = on_progress or (lambda done, total: None)
@@ -320,16 +356,36 @@ class BatchRun:
     async def _parse(self, fields: dict[str, str]) -> tuple[list[BatchLine], list[dict]]:
         content = await self.store.file_content(fields["input_file_id"])
         if content is None:
-            return [], [{"code": "file_not_found", "message": f"input file {fields['input_file_id']} not found "
-                         "(expired or deleted)", "param": "input_file_id", "line": None}]  # fmt: skip
+            return [], [
+                {
+                    "code": "file_not_found",
+                    "message": f"input file {fields['input_file_id']} not found (expired or deleted)",
+                    "param": "input_file_id",
+                    "line": None,
+                }
+            ]
         try:
-            return await asyncio.to_thread(parse_input, content, self.batch_id, fields["endpoint"], self.endpoints,
-                                           fields.get("model_override") or None, self.settings.job_result_ttl,
-                                           fields.get("job_key") or None, self.settings.caps)  # fmt: skip
+            return await asyncio.to_thread(
+                parse_input,
+                content,
+                self.batch_id,
+                fields["endpoint"],
+                self.endpoints,
+                fields.get("model_override") or None,
+                self.settings.job_result_ttl,
+                fields.get("job_key") or None,
+                self.settings.caps,
+            )
         except Exception as exc:  # a line no check foresaw: the batch fails now, it is not parsed again
             log.warning("batch %s: the input file cannot be parsed: %s", self.batch_id, type(exc).__name__)
-            return [], [{"code": "invalid_file", "message": f"the input file cannot be parsed ({type(exc).__name__})",
-                         "param": "input_file_id", "line": None}]  # fmt: skip
+            return [], [
+                {
+                    "code": "invalid_file",
+                    "message": f"the input file cannot be parsed ({type(exc).__name__})",
+                    "param": "input_file_id",
+                    "line": None,
+                }
+            ]
 
     async def _validated(self, errors: list[dict]) -> str:
         self._check_lease()
@@ -337,8 +393,14 @@ class BatchRun:
         if errors:
             return await self._fail(errors, allowed=("validating",))
         model = next((line.model for line in self.lines if line.model), "")
-        _, status = await self.store.transition(self.batch_id, ("validating",), "in_progress", total=len(self.lines),
-                                                in_progress_at=int(time.time()), model=model)  # fmt: skip
+        _, status = await self.store.transition(
+            self.batch_id,
+            ("validating",),
+            "in_progress",
+            total=len(self.lines),
+            in_progress_at=int(time.time()),
+            model=model,
+        )
         return status
 
     async def _unknown_models(self) -> list[dict]:
@@ -347,9 +409,16 @@ class BatchRun:
         published = await self._published_models()
         if not published:
             return []
-        return [{"code": "model_not_found", "message": f"The model `{line.model}` does not exist (served here: "
-                 f"{', '.join(sorted(published))})", "param": "body.model", "line": line.number}
-                for line in self.lines if line.model and line.model not in published][:MAX_ERRORS]  # fmt: skip
+        return [
+            {
+                "code": "model_not_found",
+                "message": f"The model `{line.model}` does not exist (served here: {', '.join(sorted(published))})",
+                "param": "body.model",
+                "line": line.number,
+            }
+            for line in self.lines
+            if line.model and line.model not in published
+        ][:MAX_ERRORS]
 
     async def _published_models(self) -> set[str]:
         names = sorted(n.decode() for n in await self.client.redis.smembers(self.client.keys.models))
@@ -360,8 +429,9 @@ class BatchRun:
 
     async def _fail(self, errors: list[dict], allowed: tuple[str, ...]) -> str:
         payload = json.dumps({"object": "list", "data": errors})
-        _, status = await self.store.transition(self.batch_id, allowed, "failed", errors=payload,
-                                                failed_at=int(time.time()))  # fmt: skip
+        _, status = await self.store.transition(
+            self.batch_id, allowed, "failed", errors=payload, failed_at=int(time.time())
+        )
         return status
 
     # ---- in_progress
@@ -379,8 +449,9 @@ class BatchRun:
             await self._fill(pending, in_flight)
             await asyncio.sleep(self.settings.poll_s)
             await self._collect(in_flight, pending)
-        _, status = await self.store.transition(self.batch_id, ("in_progress",), "finalizing",
-                                                finalizing_at=int(time.time()))  # fmt: skip
+        _, status = await self.store.transition(
+            self.batch_id, ("in_progress",), "finalizing", finalizing_at=int(time.time())
+        )
         return status
 
     async def _status(self, expires_at: float) -> str:
@@ -498,9 +569,13 @@ class BatchRun:
                 (outputs if value[:1] == OK else errors).append(value[1:])
             elif final == "expired":
                 errors.append(json.dumps(expired_line(line), separators=(",", ":")).encode())
-        fields = {"completed": len(outputs), "failed": len(errors), f"{final}_at": int(time.time()),
-                  "output_file_id": await self._write_file("output", outputs),
-                  "error_file_id": await self._write_file("error", errors)}  # fmt: skip
+        fields = {
+            "completed": len(outputs),
+            "failed": len(errors),
+            f"{final}_at": int(time.time()),
+            "output_file_id": await self._write_file("output", outputs),
+            "error_file_id": await self._write_file("error", errors),
+        }
         changed, status = await self.store.transition(self.batch_id, allowed, final, **fields)
         if changed:
             await self.store.drop_results(self.batch_id)
@@ -510,10 +585,15 @@ class BatchRun:
         if not lines:
             return ""
         file_id = derived_file_id(self.batch_id, kind)
-        await self.store.put_file(b"\n".join(lines) + b"\n", filename=f"{self.batch_id}_{kind}.jsonl",
-                                  purpose="batch_output", file_id=file_id, ttl_s=BATCH_TTL_S, lines=len(lines))  # fmt: skip
+        await self.store.put_file(
+            b"\n".join(lines) + b"\n",
+            filename=f"{self.batch_id}_{kind}.jsonl",
+            purpose="batch_output",
+            file_id=file_id,
+            ttl_s=BATCH_TTL_S,
+            lines=len(lines),
+        )
         return file_id
-
 
 
 # ---------------------------------------------------------------- every batch of a gateway
@@ -524,8 +604,12 @@ class BatchRunners:
     each with a lease and drives it; a batch whose runner died is taken over once its lease
     expires. Namespaces are added with `watch(client)` (one AsyncClient per tenant)."""
 
-    def __init__(self, settings: RunnerSettings = RunnerSettings(), endpoints: dict[str, Endpoint] | None = None,
-                 owner: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: RunnerSettings = RunnerSettings(),
+        endpoints: dict[str, Endpoint] | None = None,
+        owner: str | None = None,
+    ) -> None:
         self.settings, self.owner = settings, owner or new_owner()
         self.endpoints = endpoints
         self._stores: dict[str, tuple[BatchStore, AsyncClient]] = {}
@@ -576,8 +660,9 @@ class BatchRunners:
     async def _waiting(self, store: BatchStore, ns: str) -> list[tuple[str, bool]]:
         """(batch id, cancelling) of the namespace's active batches this gateway does not drive;
         a run that raised is retried after FAILED_RETRY_S, not at every scan."""
-        ids = [i for i in await store.active_batch_ids() if (ns, i) not in self._running
-               and (ns, i) not in self._failed_at]  # fmt: skip
+        ids = [
+            i for i in await store.active_batch_ids() if (ns, i) not in self._running and (ns, i) not in self._failed_at
+        ]
         statuses = await store.statuses(ids)
         return [(i, status == "cancelling") for i, status in zip(ids, statuses)]
 
@@ -593,8 +678,7 @@ class BatchRunners:
         run = BatchRun(store, client, lease.batch_id, lease, self.settings, self.endpoints)
         try:
             status = await run.run()
-            log.info("batch %s: %s (%d jobs submitted, %d reused)", lease.batch_id, status, run.submitted,
-                     run.reused)  # fmt: skip
+            log.info("batch %s: %s (%d jobs submitted, %d reused)", lease.batch_id, status, run.submitted, run.reused)
         except LeaseLost:
             pass
         except Exception:
@@ -632,7 +716,7 @@ class FairShare:
         """(namespace, batch id, cancelling): cancelling ones first, then one of each namespace in turn."""
         names = sorted(waiting)
         self._turn += 1
-        names = names[self._turn % len(names):] + names[:self._turn % len(names)] if names else []
+        names = names[self._turn % len(names) :] + names[: self._turn % len(names)] if names else []
         lists = [[(ns, i, c) for i, c in waiting[ns]] for ns in names]
         interleaved = [item for rank in itertools.zip_longest(*lists) for item in rank if item]
         return sorted(interleaved, key=lambda item: not item[2])  # stable: the turns stay in order

@@ -159,8 +159,9 @@ class FileInUse(Exception):
     """A file that a batch which has not finished reads: not deleted."""
 
     def __init__(self, file_id: str, batch_id: str) -> None:
-        super().__init__(f"file {file_id} is the input of batch {batch_id}, which has not finished: "
-                         "cancel it or wait for it to end")  # fmt: skip
+        super().__init__(
+            f"file {file_id} is the input of batch {batch_id}, which has not finished: cancel it or wait for it to end"
+        )
         self.batch_id = batch_id
 
 
@@ -209,8 +210,10 @@ def check_metadata(metadata: Any) -> dict[str, str]:
         raise ValueError(f"metadata must be an object of at most {MAX_METADATA_PAIRS} key-value pairs")
     for key, value in metadata.items():
         if not isinstance(value, str) or len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-            raise ValueError(f"metadata[{key[:64]!r}]: keys are strings of at most {MAX_METADATA_KEY} "
-                             f"characters, values strings of at most {MAX_METADATA_VALUE}")  # fmt: skip
+            raise ValueError(
+                f"metadata[{key[:64]!r}]: keys are strings of at most {MAX_METADATA_KEY} "
+                f"characters, values strings of at most {MAX_METADATA_VALUE}"
+            )
     return dict(metadata)
 
 
@@ -229,14 +232,28 @@ class BatchStore:
 
     # ---------------------------------------------------------------- files
 
-    async def put_file(self, content: bytes, *, filename: str, purpose: str, file_id: str | None = None,
-                       ttl_s: int = FILE_TTL_S, lines: int | None = None) -> dict[str, Any]:  # fmt: skip
+    async def put_file(
+        self,
+        content: bytes,
+        *,
+        filename: str,
+        purpose: str,
+        file_id: str | None = None,
+        ttl_s: int = FILE_TTL_S,
+        lines: int | None = None,
+    ) -> dict[str, Any]:
         """Store a file (content first, then its object) and return its OpenAI file object."""
         file_id = file_id or new_file_id()
         now = int(time.time())
-        fields = {"id": file_id, "filename": filename, "purpose": purpose, "bytes": len(content),
-                  "lines": content.count(b"\n") if lines is None else lines, "created_at": now,
-                  "expires_at": now + ttl_s}  # fmt: skip
+        fields = {
+            "id": file_id,
+            "filename": filename,
+            "purpose": purpose,
+            "bytes": len(content),
+            "lines": content.count(b"\n") if lines is None else lines,
+            "created_at": now,
+            "expires_at": now + ttl_s,
+        }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.file_content(file_id), content, ex=ttl_s)
             pipe.delete(self.keys.file(file_id))
@@ -249,8 +266,9 @@ class BatchStore:
             await pipe.execute()
         return file_object(fields)
 
-    async def list_files(self, limit: int, after: str | None, order: str = "desc",
-                         purpose: str | None = None) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+    async def list_files(
+        self, limit: int, after: str | None, order: str = "desc", purpose: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
         """Files by creation time (`order` desc: newest first), `limit` of them after the file
         `after`, only `purpose`'s when given: (objects, has_more). Reads at most
         MAX_FILES_SCANNED ids; expired files leave the listing as they are met."""
@@ -314,17 +332,31 @@ class BatchStore:
 
     # ---------------------------------------------------------------- batches
 
-    async def create_batch(self, *, input_file_id: str, endpoint: str, completion_window: str,
-                           metadata: dict[str, str], batch_id: str | None = None,
-                           **extra: str) -> tuple[dict[str, Any], bool]:  # fmt: skip
+    async def create_batch(
+        self,
+        *,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str],
+        batch_id: str | None = None,
+        **extra: str,
+    ) -> tuple[dict[str, Any], bool]:
         """Create a batch in `validating` (or find the one with `batch_id`): (object, created).
         `extra` fields are kept for the runner (e.g. `model_override` of `conveyor batch`)."""
         batch_id = batch_id or new_batch_id()
         now = time.time()
-        fields = {"id": batch_id, "input_file_id": input_file_id, "endpoint": endpoint,
-                  "completion_window": completion_window, "metadata": json.dumps(metadata),
-                  "status": "validating", "created_at": int(now),
-                  "expires_at": int(now) + COMPLETION_WINDOWS[completion_window], **extra}  # fmt: skip
+        fields = {
+            "id": batch_id,
+            "input_file_id": input_file_id,
+            "endpoint": endpoint,
+            "completion_window": completion_window,
+            "metadata": json.dumps(metadata),
+            "status": "validating",
+            "created_at": int(now),
+            "expires_at": int(now) + COMPLETION_WINDOWS[completion_window],
+            **extra,
+        }
         created_ms = int(now * 1000)
         args = [batch_id, created_ms, BATCH_TTL_S, created_ms - BATCH_TTL_S * 1000, *_flat(fields)]
         created = await self._create_batch([self.keys.batch(batch_id), self.keys.batches, self.keys.active], args)
@@ -355,8 +387,7 @@ class BatchStore:
         found = [batch_object(_text_fields(f)) for f in await pipe.execute() if f]
         return found, len(ids) > limit
 
-    async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str,
-                         **fields: Any) -> tuple[bool, str]:  # fmt: skip
+    async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> tuple[bool, str]:
         """Set `status` (and `fields`) if the current status is in `allowed`: (changed, status now)."""
         terminal = "1" if status in TERMINAL else "0"
         args = [",".join(allowed), status, terminal, batch_id, *_flat(fields)]
@@ -391,8 +422,9 @@ class BatchStore:
 
     # ---------------------------------------------------------------- results
 
-    async def queue_record(self, pipe: Any, batch_id: str, index: int, line: dict[str, Any], ok: bool,
-                     usage: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
+    async def queue_record(
+        self, pipe: Any, batch_id: str, index: int, line: dict[str, Any], ok: bool, usage: tuple[int, int] = (0, 0)
+    ) -> None:
         """Queue the store of one output line on `pipe` (stored once; counted once)."""
         value = (OK if ok else FAILED) + json.dumps(line, separators=(",", ":")).encode()
         args = [index, value, "completed" if ok else "failed", usage[0], usage[1], BATCH_TTL_S]
@@ -405,7 +437,7 @@ class BatchStore:
         """Stored lines (prefix + JSON) of `indexes`, read in chunks."""
         found: dict[int, bytes] = {}
         for start in range(0, len(indexes), chunk):
-            part = indexes[start:start + chunk]
+            part = indexes[start : start + chunk]
             values = await self.redis.hmget(self.keys.results(batch_id), part)
             found.update((i, v) for i, v in zip(part, values) if v is not None)
         return found
@@ -433,38 +465,64 @@ class BatchStore:
 
 
 def file_object(fields: dict[str, Any]) -> dict[str, Any]:
-    return {"id": fields["id"], "object": "file", "bytes": int(fields["bytes"]),
-            "created_at": int(fields["created_at"]), "expires_at": int(fields["expires_at"]),
-            "filename": fields["filename"], "purpose": fields["purpose"], "status": "processed",
-            "status_details": None}  # fmt: skip
+    return {
+        "id": fields["id"],
+        "object": "file",
+        "bytes": int(fields["bytes"]),
+        "created_at": int(fields["created_at"]),
+        "expires_at": int(fields["expires_at"]),
+        "filename": fields["filename"],
+        "purpose": fields["purpose"],
+        "status": "processed",
+        "status_details": None,
+    }
 
 
-TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at",
-              "cancelled_at")  # fmt: skip
+TIMESTAMPS = (
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
 
 
 def batch_object(fields: dict[str, str]) -> dict[str, Any]:
     """The OpenAI batch object of a batch hash (fields as text)."""
+
     def number(name: str) -> int:
         return int(fields.get(name) or 0)
 
     errors = json.loads(fields["errors"]) if fields.get("errors") else None
     return {
-        "id": fields["id"], "object": "batch", "endpoint": fields["endpoint"], "errors": errors,
-        "input_file_id": fields["input_file_id"], "completion_window": fields["completion_window"],
-        "status": fields["status"], "output_file_id": fields.get("output_file_id") or None,
-        "error_file_id": fields.get("error_file_id") or None, "created_at": number("created_at"),
+        "id": fields["id"],
+        "object": "batch",
+        "endpoint": fields["endpoint"],
+        "errors": errors,
+        "input_file_id": fields["input_file_id"],
+        "completion_window": fields["completion_window"],
+        "status": fields["status"],
+        "output_file_id": fields.get("output_file_id") or None,
+        "error_file_id": fields.get("error_file_id") or None,
+        "created_at": number("created_at"),
         **{name: (number(name) if fields.get(name) else None) for name in ("expires_at", *TIMESTAMPS)},
         "request_counts": {"total": number("total"), "completed": number("completed"), "failed": number("failed")},
         "usage": usage_object(number("input_tokens"), number("output_tokens")),
-        "metadata": json.loads(fields.get("metadata") or "{}") or None, "model": fields.get("model") or None,
-    }  # fmt: skip
+        "metadata": json.loads(fields.get("metadata") or "{}") or None,
+        "model": fields.get("model") or None,
+    }
 
 
 def usage_object(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": input_tokens + output_tokens}  # fmt: skip
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
 
 
 def _text_fields(fields: dict) -> dict[str, str]:

@@ -1,4 +1,5 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with a status."""
+
 from __future__ import annotations
 
 import re
@@ -6,16 +7,26 @@ from typing import Any
 
 from clients.errors import InvalidJob, JobConflict, JobFailed, QueueFull, Timeout
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-         500: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}  # fmt: skip
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
 
 
 class OpenAIError(Exception):
     """An error a request gets back; ``param`` names the offending field."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -34,9 +45,15 @@ def invalid(message: str, param: str | None = None, code: str | None = "invalid_
 # Status of a job that ended with an error event (by its code, docs/protocol.md "Error codes").
 # Unknown codes are the server's problem (500), as the protocol says to treat them as permanent.
 JOB_ERROR_STATUS = {
-    "invalid_request": 400, "invalid_job": 400, "bad_encoding": 400, "too_large": 400,
-    "unsupported_version": 400, "deadline_exceeded": 504, "cancelled": 409, "conflict": 409,
-}  # fmt: skip
+    "invalid_request": 400,
+    "invalid_job": 400,
+    "bad_encoding": 400,
+    "too_large": 400,
+    "unsupported_version": 400,
+    "deadline_exceeded": 504,
+    "cancelled": 409,
+    "conflict": 409,
+}
 FIELD_PREFIX = re.compile(r"^(?:invalid job: )?([A-Za-z_][\w.\[\]]*): ")
 
 
@@ -55,8 +72,7 @@ def from_conveyor(exc: Exception, params: dict[str, str] | None = None) -> OpenA
     if isinstance(exc, Timeout):
         return OpenAIError(504, "the request's deadline passed before the job finished", code="deadline_exceeded")
     if isinstance(exc, JobFailed):
-        return OpenAIError(JOB_ERROR_STATUS.get(exc.code, 500), exc.reason, param=_param_of(exc, params),
-                           code=exc.code)
+        return OpenAIError(JOB_ERROR_STATUS.get(exc.code, 500), exc.reason, param=_param_of(exc, params), code=exc.code)
     return OpenAIError(500, "internal error", code="internal_error")
 
 

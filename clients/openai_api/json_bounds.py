@@ -1,6 +1,7 @@
 """JSON from untrusted hands, bounded: an object no deeper than MAX_JSON_DEPTH (a 400 naming
 what was parsed, never a RecursionError's 500). The gateway's bodies and the Batch API's
 input lines both go through here."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 `parallel_tool_calls` and the history's tool messages -> job fields. The job's own
 validation (clients/tool_schema.py) checks them in depth; the replica renders them for the
 model's chat template (engine/chat_tools.py)."""
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,12 @@ def counted_messages(fields: dict) -> list[dict]:
     messages = fields["messages"]
     if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return messages
-    plain = [{"role": "user" if m["role"] == "tool" else m["role"],
-              "content": (m.get("content") or "") + json.dumps(m.get("tool_calls") or "")} for m in messages]
+    plain = [
+        {
+            "role": "user" if m["role"] == "tool" else m["role"],
+            "content": (m.get("content") or "") + json.dumps(m.get("tool_calls") or ""),
+        }
+        for m in messages
+    ]
     listing = json.dumps(tools or []) + " x" * (COUNT_MARGIN_CHARS // 2)
     return [{"role": "system", "content": listing}, *plain]

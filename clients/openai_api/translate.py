@@ -7,6 +7,7 @@ A field is accepted only if the job honours it or it cannot change the output (`
 field (as OpenAI does: a new SDK option is never silently dropped). `n` is the job's `n`:
 its outputs are `choices[i]`.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,27 +49,78 @@ def _no_tool(value: Any) -> bool:
 
 # name -> "this value changes nothing"; any other value is unsupported (400)
 COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "best_of": _one, "echo": _false, "suffix": _absent, "logit_bias": _absent,
-}  # fmt: skip
+    "best_of": _one,
+    "echo": _false,
+    "suffix": _absent,
+    "logit_bias": _absent,
+}
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _absent, "functions": _absent,
-    "function_call": _no_tool, "audio": _absent, "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _absent, "web_search_options": _absent, "reasoning_effort": _absent, "verbosity": _absent,
+    "logit_bias": _absent,
+    "functions": _absent,
+    "function_call": _no_tool,
+    "audio": _absent,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _absent,
+    "web_search_options": _absent,
+    "reasoning_effort": _absent,
+    "verbosity": _absent,
     "moderation": _absent,
-}  # fmt: skip
+}
 # accepted and not passed on: they do not change what is generated
-NEUTRAL = ("user", "metadata", "store", "stream", "stream_options", "service_tier",
-           "safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options")  # fmt: skip
+NEUTRAL = (
+    "user",
+    "metadata",
+    "store",
+    "stream",
+    "stream_options",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
 # OpenAI's sampling fields and vLLM's extras: same names and meaning as the job's
-SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-            "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "n")  # fmt: skip
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "n",
+)
 # the output's shape: OpenAI's response_format (json_object, json_schema), or vLLM's structured_outputs
 STRUCTURED = ("response_format", "structured_outputs")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "logprobs", *SAMPLING, *STRUCTURED, *NEUTRAL,
-                     *COMPLETION_UNSUPPORTED}  # fmt: skip
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", *SAMPLING,
-               *STRUCTURED, *NEUTRAL, *CHAT_UNSUPPORTED, *TOOL_FIELDS}  # fmt: skip
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "logprobs",
+    *SAMPLING,
+    *STRUCTURED,
+    *NEUTRAL,
+    *COMPLETION_UNSUPPORTED,
+}
+CHAT_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    *SAMPLING,
+    *STRUCTURED,
+    *NEUTRAL,
+    *CHAT_UNSUPPORTED,
+    *TOOL_FIELDS,
+}
 
 
 def _check_fields(body: Any, known: set[str], unsupported: dict[str, Callable[[Any], bool]]) -> None:
@@ -76,11 +128,11 @@ def _check_fields(body: Any, known: set[str], unsupported: dict[str, Callable[[A
         raise invalid("the request body must be a JSON object", code="invalid_request")
     for name, value in body.items():
         if name not in known:
-            raise invalid(f"Unrecognized request argument supplied: {name}", param=name,
-                          code="unrecognized_argument")
+            raise invalid(f"Unrecognized request argument supplied: {name}", param=name, code="unrecognized_argument")
         if name in unsupported and not unsupported[name](value):
-            raise invalid(f"{name}={_short(value)} is not supported by this server", param=name,
-                          code="unsupported_value")
+            raise invalid(
+                f"{name}={_short(value)} is not supported by this server", param=name, code="unsupported_value"
+            )
 
 
 # ---------------------------------------------------------------- requests -> jobs
@@ -90,8 +142,12 @@ def job_from_completion(body: dict) -> dict:
     """Keyword arguments of AsyncClient.submit for a /v1/completions body; OpenAIError(400)."""
     _check_fields(body, COMPLETION_FIELDS, COMPLETION_UNSUPPORTED)
     stream_flags(body)
-    fields = {**_common(body), **_prompt(body.get("prompt")), "max_tokens": body.get("max_tokens"),
-              "logprobs": body.get("logprobs")}  # fmt: skip
+    fields = {
+        **_common(body),
+        **_prompt(body.get("prompt")),
+        "max_tokens": body.get("max_tokens"),
+        "logprobs": body.get("logprobs"),
+    }
     return _validated(fields, {"prompt_token_ids": "prompt", **_structured_params(body)})
 
 
@@ -103,8 +159,13 @@ def job_from_chat(body: dict) -> dict:
     _check_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
     stream_flags(body)
     limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    fields = {**_common(body), "messages": _messages(body.get("messages")), "max_tokens": body.get(limit_name),
-              "logprobs": _chat_logprobs(body), **tool_fields(body)}  # fmt: skip
+    fields = {
+        **_common(body),
+        "messages": _messages(body.get("messages")),
+        "max_tokens": body.get(limit_name),
+        "logprobs": _chat_logprobs(body),
+        **tool_fields(body),
+    }
     top = "top_logprobs" if body.get("top_logprobs") is not None else "logprobs"
     return _validated(fields, {"max_tokens": limit_name, "logprobs": top, **_structured_params(body)})
 
@@ -131,8 +192,9 @@ def priority_of_tier(tier: Any) -> str | None:
         return "batch"
     if tier in INTERACTIVE_TIERS:
         return "interactive"
-    raise invalid(f"service_tier must be one of {(*INTERACTIVE_TIERS, *BATCH_TIERS)}, got {_short(tier)}",
-                  param="service_tier")
+    raise invalid(
+        f"service_tier must be one of {(*INTERACTIVE_TIERS, *BATCH_TIERS)}, got {_short(tier)}", param="service_tier"
+    )
 
 
 def _common(body: dict) -> dict:
@@ -142,8 +204,13 @@ def _common(body: dict) -> dict:
     fields = {name: body.get(name) for name in SAMPLING}
     if fields["seed"] is None:  # a rerun after a replica crash must reproduce the same tokens
         fields["seed"] = secrets.randbits(63)
-    return {"model": model, **fields, "priority_class": priority_of_tier(body.get("service_tier")),
-            "metadata": _metadata(body), "structured_outputs": _structured_outputs(body)}  # fmt: skip
+    return {
+        "model": model,
+        **fields,
+        "priority_class": priority_of_tier(body.get("service_tier")),
+        "metadata": _metadata(body),
+        "structured_outputs": _structured_outputs(body),
+    }
 
 
 def _structured_outputs(body: dict) -> dict | None:
@@ -158,16 +225,21 @@ def _structured_outputs(body: dict) -> dict | None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind not in RESPONSE_FORMATS:
-        raise invalid(f"response_format.type must be one of {RESPONSE_FORMATS}, got {_short(kind)}",
-                      param="response_format.type", code="unsupported_value")
+        raise invalid(
+            f"response_format.type must be one of {RESPONSE_FORMATS}, got {_short(kind)}",
+            param="response_format.type",
+            code="unsupported_value",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
         return {"json_object": True}
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-        raise invalid("response_format.json_schema.schema must be a JSON Schema object",
-                      param="response_format.json_schema.schema")
+        raise invalid(
+            "response_format.json_schema.schema must be a JSON Schema object",
+            param="response_format.json_schema.schema",
+        )
     return {"json": spec["schema"]}
 
 
@@ -188,13 +260,15 @@ def _prompt(prompt: Any) -> dict:
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if not isinstance(prompt, list) or not prompt:
-        raise invalid("prompt must be a string, a list of token ids, or a one-item list of either",
-                      param="prompt")
+        raise invalid("prompt must be a string, a list of token ids, or a one-item list of either", param="prompt")
     if all(_is_int(item) for item in prompt):
         return {"prompt_token_ids": prompt}
     if len(prompt) > 1 and all(isinstance(item, (str, list)) for item in prompt):
-        raise invalid(f"a request holds one prompt, got {len(prompt)}: send one request per prompt",
-                      param="prompt", code="unsupported_value")
+        raise invalid(
+            f"a request holds one prompt, got {len(prompt)}: send one request per prompt",
+            param="prompt",
+            code="unsupported_value",
+        )
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return {"prompt": prompt[0]}
     if len(prompt) == 1 and isinstance(prompt[0], list) and prompt[0] and all(map(_is_int, prompt[0])):
@@ -222,11 +296,15 @@ def _message(index: int, message: Any) -> dict:
         raise invalid(f"{where}.role must be one of {CHAT_ROLES}, got {_short(role)}{hint}", param=f"{where}.role")
     for name, value in message.items():
         if name not in MESSAGE_FIELDS and not _absent(value):
-            raise invalid(f"{where}.{name} is not supported by this server", param=f"{where}.{name}",
-                          code="unsupported_value")
+            raise invalid(
+                f"{where}.{name} is not supported by this server", param=f"{where}.{name}", code="unsupported_value"
+            )
     extras = message_tool_fields(where, message)
-    content = None if extras.get("tool_calls") and not message.get("content") else \
-        _content(where, message.get("content"), role)
+    content = (
+        None
+        if extras.get("tool_calls") and not message.get("content")
+        else _content(where, message.get("content"), role)
+    )
     return {"role": role, **({} if content is None else {"content": content}), **extras}
 
 
@@ -242,8 +320,11 @@ def _content(where: str, content: Any, role: str) -> str:
     for number, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
-            raise invalid(f"{where}.content[{number}]: only text parts are supported, got {_short(kind)}",
-                          param=f"{where}.content[{number}]", code="unsupported_value")
+            raise invalid(
+                f"{where}.content[{number}]: only text parts are supported, got {_short(kind)}",
+                param=f"{where}.content[{number}]",
+                code="unsupported_value",
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -281,47 +362,85 @@ class Vocabulary(Protocol):
 
 
 def usage_body(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
 
 
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def completion_body(result: JobResult, *, request_id: str, model: str, created: int,
-                    logprobs: dict[int, dict] | None = None) -> dict:  # fmt: skip
+def completion_body(
+    result: JobResult, *, request_id: str, model: str, created: int, logprobs: dict[int, dict] | None = None
+) -> dict:
     """A `text_completion` object, one choice per job output; `logprobs`: by choice index,
     as completion_logprobs renders them."""
-    choices = [{"index": output.index, "text": output.text, "logprobs": (logprobs or {}).get(output.index),
-                "finish_reason": finish_reason(output.finish_reason)} for output in result.outputs]  # fmt: skip
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_body(result.usage)}  # fmt: skip
+    choices = [
+        {
+            "index": output.index,
+            "text": output.text,
+            "logprobs": (logprobs or {}).get(output.index),
+            "finish_reason": finish_reason(output.finish_reason),
+        }
+        for output in result.outputs
+    ]
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(result.usage),
+    }
 
 
-def chat_body(result: JobResult, *, request_id: str, model: str, created: int,
-              logprobs: dict[int, list] | None = None, service_tier: str | None = None) -> dict:  # fmt: skip
+def chat_body(
+    result: JobResult,
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    logprobs: dict[int, list] | None = None,
+    service_tier: str | None = None,
+) -> dict:
     """A `chat.completion` object, one choice per job output; `logprobs`: by choice index,
     the `content` list chat_logprobs renders."""
     rendered = logprobs or {}
-    choices = [{"index": output.index, "message": {"role": "assistant", "content": output.text},
-                "logprobs": {"content": rendered[output.index]} if output.index in rendered else None,
-                "finish_reason": finish_reason(output.finish_reason)} for output in result.outputs]  # fmt: skip
-    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_body(result.usage)}  # fmt: skip
+    choices = [
+        {
+            "index": output.index,
+            "message": {"role": "assistant", "content": output.text},
+            "logprobs": {"content": rendered[output.index]} if output.index in rendered else None,
+            "finish_reason": finish_reason(output.finish_reason),
+        }
+        for output in result.outputs
+    ]
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_body(result.usage),
+    }
     if service_tier:
         body["service_tier"] = service_tier
     return body
 
 
-def completion_chunk(base: dict, text: str, *, logprobs: dict | None = None, finish: str | None = None,
-                     index: int = 0) -> dict:  # fmt: skip
+def completion_chunk(
+    base: dict, text: str, *, logprobs: dict | None = None, finish: str | None = None, index: int = 0
+) -> dict:
     """`base`: id, object ("text_completion"), created, model (+ usage None with include_usage)."""
     return {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_chunk(base: dict, delta: dict, *, logprobs: list | None = None, finish: str | None = None,
-               index: int = 0) -> dict:  # fmt: skip
+def chat_chunk(
+    base: dict, delta: dict, *, logprobs: list | None = None, finish: str | None = None, index: int = 0
+) -> dict:
     """`base`: id, object ("chat.completion.chunk"), created, model (+ usage None)."""
     rendered = None if logprobs is None else {"content": logprobs}
     return {**base, "choices": [{"index": index, "delta": delta, "logprobs": rendered, "finish_reason": finish}]}
@@ -351,9 +470,13 @@ def completion_logprobs(entries: Iterable[dict], vocab: Vocabulary, text_offset:
 
 def chat_logprobs(entries: Iterable[dict], vocab: Vocabulary) -> list[dict]:
     """The `logprobs.content` list of a chat choice."""
-    return [{**_token_logprob(vocab, entry["token_id"], entry["logprob"]),
-             "top_logprobs": [_token_logprob(vocab, t, lp) for t, lp in entry.get("top") or []]}
-            for entry in entries]  # fmt: skip
+    return [
+        {
+            **_token_logprob(vocab, entry["token_id"], entry["logprob"]),
+            "top_logprobs": [_token_logprob(vocab, t, lp) for t, lp in entry.get("top") or []],
+        }
+        for entry in entries
+    ]
 
 
 def _token_logprob(vocab: Vocabulary, token_id: int, logprob: float) -> dict:

@@ -2,6 +2,7 @@
 and n x max_tokens (--max-total-tokens), since every sample decodes up to max_tokens in
 the same engine steps as everyone else's work. A request over either gets a 400 naming the
 field and the limit; a chat naming no max_tokens gets at most its share of the total."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,11 @@ class WorkCaps:
             raise invalid(f"n: {n} is over this gateway's limit of {self.max_samples} (--max-samples)", param="n")
         max_tokens = fields.get("max_tokens", DEFAULT_MAX_TOKENS)
         if n * max_tokens > self.max_total_tokens:
-            raise invalid(f"n x max_tokens: {n} x {max_tokens} = {n * max_tokens} is over this gateway's limit of "
-                          f"{self.max_total_tokens} (--max-total-tokens)", param=max_tokens_param)  # fmt: skip
+            raise invalid(
+                f"n x max_tokens: {n} x {max_tokens} = {n * max_tokens} is over this gateway's limit of "
+                f"{self.max_total_tokens} (--max-total-tokens)",
+                param=max_tokens_param,
+            )
 
     def share(self, fields: dict) -> int:
         """The most max_tokens a job with this n may get by default."""

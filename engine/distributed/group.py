@@ -2,6 +2,7 @@
 all-reduces, with a timeout, and one for step plans, which may wait as long as the
 replica is idle. Built on a TCPStore that rank 0 hosts, not on torch.distributed's global
 default group, so several engines (and tests) can live in one process."""
+
 import os
 from datetime import timedelta
 
@@ -22,8 +23,9 @@ class TPGroup:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device):
         self.rank, self.size, self.device = rank, size, device
         self.store = store  # rank 0's hosts the rendezvous: kept alive as long as the group
-        self.compute = _process_group(dist.PrefixStore("compute", store), rank, size, device,
-                                      timedelta(seconds=compute_timeout_s()))
+        self.compute = _process_group(
+            dist.PrefixStore("compute", store), rank, size, device, timedelta(seconds=compute_timeout_s())
+        )
         self.plans = _process_group(dist.PrefixStore("plans", store), rank, size, torch.device("cpu"), IDLE_TIMEOUT)
         # set up: a failed collective's error path also waits on the store (measured: a 3 s
         # all-reduce timeout raised after ~300 s under the setup timeout)
@@ -73,8 +75,12 @@ class TPGroup:
         self.plans.broadcast([tensor], opts).wait()
 
     def stats(self) -> dict:
-        return {"tp_bytes_all_reduced": self.bytes_all_reduced, "tp_num_all_reduces": self.num_all_reduces,
-                "tp_plan_bytes": self.plan_bytes, "tp_num_plans": self.num_plans}
+        return {
+            "tp_bytes_all_reduced": self.bytes_all_reduced,
+            "tp_num_all_reduces": self.num_all_reduces,
+            "tp_plan_bytes": self.plan_bytes,
+            "tp_num_plans": self.num_plans,
+        }
 
 
 def compute_timeout_s() -> float:
@@ -99,8 +105,9 @@ def join_store(port: int, size: int) -> dist.TCPStore:
 
 
 def _store(port: int, size: int, is_host: bool) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, size, is_host, timeout=timedelta(seconds=STORE_TIMEOUT_S),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1", port, size, is_host, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
+    )
 
 
 def _process_group(store, rank: int, size: int, device: torch.device, timeout: timedelta):

@@ -2,6 +2,7 @@
 engine.tp_worker`` process each: unlike multiprocessing's spawn it never re-runs
 the caller's main script), watches that they live, and turns a dead or hung rank into one
 clear error."""
+
 import contextlib
 import logging
 import pickle
@@ -59,8 +60,11 @@ class Workers:
 
     def _dead(self) -> str:
         hung = " (killed: a step outlasted CONVEYOR_TP_TIMEOUT_S)" if self.watchdog.fired else ""
-        return "; ".join(f"rank {rank} (pid {p.pid}) exited with code {p.returncode}{hung}"
-                         for rank, p in enumerate(self.processes, start=1) if p.poll() is not None)
+        return "; ".join(
+            f"rank {rank} (pid {p.pid}) exited with code {p.returncode}{hung}"
+            for rank, p in enumerate(self.processes, start=1)
+            if p.poll() is not None
+        )
 
     @contextlib.contextmanager
     def watch(self):
@@ -77,8 +81,10 @@ class Workers:
                 time.sleep(0.02)
             dead = self._dead()
             if dead or "gloo" in str(exc).lower() or "nccl" in str(exc).lower():
-                raise RankFailed(f"tensor parallel: {dead or 'a collective failed'} ({str(exc)[:300]}); "
-                                 f"this engine stops (its jobs go back to the queue)") from exc
+                raise RankFailed(
+                    f"tensor parallel: {dead or 'a collective failed'} ({str(exc)[:300]}); "
+                    f"this engine stops (its jobs go back to the queue)"
+                ) from exc
             raise
         finally:
             self.watchdog.end_step()
@@ -97,10 +103,10 @@ class Workers:
 
 def _start_rank(config, rank: int, port: int, max_model_len: int) -> subprocess.Popen:
     """One rank's process; its arguments travel pickled on its stdin (trusted: our own child)."""
-    process = subprocess.Popen([sys.executable, "-m", "engine.tp_worker"], stdin=subprocess.PIPE,
-                               env=child_env())
-    arguments = dict(config=config, rank=rank, port=port, max_model_len=max_model_len,
-                     num_threads=torch.get_num_threads())  # as many as rank 0 uses: the ranks share the machine
+    process = subprocess.Popen([sys.executable, "-m", "engine.tp_worker"], stdin=subprocess.PIPE, env=child_env())
+    arguments = dict(
+        config=config, rank=rank, port=port, max_model_len=max_model_len, num_threads=torch.get_num_threads()
+    )  # as many as rank 0 uses: the ranks share the machine
     with process.stdin:
         process.stdin.write(pickle.dumps(arguments))
     return process

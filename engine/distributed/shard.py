@@ -3,6 +3,7 @@ its linears: attention heads and the MLP's intermediate columns are split over t
 (qkv and gate_up column-parallel, o and down row-parallel, each followed by one
 all-reduce), norms, the embedding and the output head stay whole on every rank (a
 replicated head: only rank 0 computes logits). Each rank's KV cache holds its own heads."""
+
 import torch
 from torch import nn
 
@@ -26,19 +27,24 @@ class RowParallelLinear(nn.Module):
 def check_shardable(model_class, hf_config, size: int, quantization: str) -> None:
     """ModelLoadError naming what cannot be split ``size`` ways."""
     if model_class is not LlamaForCausalLM:
-        raise ModelLoadError(f"tensor_parallel_size={size}: only the Llama family (Llama, Mistral, Qwen2, "
-                             f"Qwen3) can be split; run this model with tensor_parallel_size=1")
+        raise ModelLoadError(
+            f"tensor_parallel_size={size}: only the Llama family (Llama, Mistral, Qwen2, "
+            f"Qwen3) can be split; run this model with tensor_parallel_size=1"
+        )
     if quantization == "gguf":
-        raise ModelLoadError(f"tensor_parallel_size={size}: GGUF blocks are not split; use quantization='auto' "
-                             f"or 'none' (the shards are then dequantized)")
+        raise ModelLoadError(
+            f"tensor_parallel_size={size}: GGUF blocks are not split; use quantization='auto' "
+            f"or 'none' (the shards are then dequantized)"
+        )
     heads = hf_config.num_attention_heads
-    counts = {"num_attention_heads": heads,
-              "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
-              "intermediate_size": hf_config.intermediate_size}
+    counts = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
+        "intermediate_size": hf_config.intermediate_size,
+    }
     for name, count in counts.items():
         if count % size:
-            raise ModelLoadError(f"tensor_parallel_size={size}: the model's {name} ({count}) is not a "
-                                 f"multiple of it")
+            raise ModelLoadError(f"tensor_parallel_size={size}: the model's {name} ({count}) is not a multiple of it")
 
 
 @torch.no_grad()
@@ -51,9 +57,11 @@ def shard_model(model: LlamaForCausalLM, rank: int, size: int, group) -> None:
 def _shard_attention(attn, rank: int, size: int, group) -> None:
     head_dim, heads, kv_heads = attn.head_dim, attn.num_heads // size, attn.num_kv_heads // size
     q, kv = heads * head_dim, kv_heads * head_dim
-    rows = [range(rank * q, (rank + 1) * q),  # this rank's query heads, then its key and value heads
-            range(attn.q_size + rank * kv, attn.q_size + (rank + 1) * kv),
-            range(attn.q_size + attn.kv_size + rank * kv, attn.q_size + attn.kv_size + (rank + 1) * kv)]
+    rows = [
+        range(rank * q, (rank + 1) * q),  # this rank's query heads, then its key and value heads
+        range(attn.q_size + rank * kv, attn.q_size + (rank + 1) * kv),
+        range(attn.q_size + attn.kv_size + rank * kv, attn.q_size + attn.kv_size + (rank + 1) * kv),
+    ]
     attn.qkv_proj = _rows(attn.qkv_proj, torch.tensor([i for part in rows for i in part]))
     attn.o_proj = RowParallelLinear(_columns(attn.o_proj, rank * q, q, rank), group)
     attn.q_size, attn.kv_size, attn.num_heads, attn.num_kv_heads = q, kv, heads, kv_heads
@@ -63,8 +71,9 @@ def _shard_attention(attn, rank: int, size: int, group) -> None:
 def _shard_mlp(mlp, rank: int, size: int, group) -> None:
     inter = mlp.down_proj.in_features
     part = inter // size
-    gate_up = torch.cat([torch.arange(rank * part, (rank + 1) * part),
-                         torch.arange(inter + rank * part, inter + (rank + 1) * part)])
+    gate_up = torch.cat(
+        [torch.arange(rank * part, (rank + 1) * part), torch.arange(inter + rank * part, inter + (rank + 1) * part)]
+    )
     mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up)
     mlp.down_proj = RowParallelLinear(_columns(mlp.down_proj, rank * part, part, rank), group)
 
@@ -79,7 +88,7 @@ def _rows(linear: nn.Linear, index: torch.Tensor) -> nn.Linear:
 def _columns(linear: nn.Linear, start: int, count: int, rank: int) -> nn.Linear:
     """Row-parallel: the input features ``start:start+count``; the bias on rank 0 only."""
     bias = linear.bias.clone() if linear.bias is not None and rank == 0 else None
-    return _linear(linear.weight[:, start:start + count].contiguous(), bias)
+    return _linear(linear.weight[:, start : start + count].contiguous(), bias)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

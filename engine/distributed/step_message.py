@@ -2,6 +2,7 @@
 tokens, scheduled ids with their counts and new blocks, preempted / finished / trimmed
 ids) and the tokens rank 0 sampled in the step before (``tails``). Sampling parameters and
 grammars stay on rank 0: only it computes logits and samples."""
+
 import msgpack
 
 from engine.plan import NewSeqData, ScheduledSeq, StepPlan
@@ -12,17 +13,29 @@ Tail = tuple[str, int, list[int]]
 
 
 def encode_step(plan: StepPlan, tails: list[Tail]) -> bytes:
-    return msgpack.packb([
-        plan.step_id,
-        [(new.seq_id, new.token_ids) for new in plan.new_seqs],
-        [(s.seq_id, s.num_computed, s.num_new, s.new_block_ids, s.draft_token_ids) for s in plan.scheduled],
-        plan.preempted_ids, plan.finished_ids, plan.trimmed_tables, tails])
+    return msgpack.packb(
+        [
+            plan.step_id,
+            [(new.seq_id, new.token_ids) for new in plan.new_seqs],
+            [(s.seq_id, s.num_computed, s.num_new, s.new_block_ids, s.draft_token_ids) for s in plan.scheduled],
+            plan.preempted_ids,
+            plan.finished_ids,
+            plan.trimmed_tables,
+            tails,
+        ]
+    )
 
 
 def decode_step(message: bytes) -> tuple[StepPlan, list[Tail]]:
     step_id, new, scheduled, preempted, finished, trimmed, tails = msgpack.unpackb(message, strict_map_key=False)
-    plan = StepPlan(step_id, [NewSeqData(seq_id, tokens, FOLLOWER_PARAMS) for seq_id, tokens in new],
-                    [ScheduledSeq(*item) for item in scheduled], preempted, finished, trimmed)
+    plan = StepPlan(
+        step_id,
+        [NewSeqData(seq_id, tokens, FOLLOWER_PARAMS) for seq_id, tokens in new],
+        [ScheduledSeq(*item) for item in scheduled],
+        preempted,
+        finished,
+        trimmed,
+    )
     return plan, [tuple(tail) for tail in tails]
 
 

@@ -3,6 +3,7 @@ frozen VM, SIGSTOP, a deadlock): a step in flight longer than the timeout gets t
 ranks killed, which closes their sockets, so rank 0's waiting collective fails at once.
 gloo's own timeout is not enough: measured here, a 3 s all-reduce timeout raised after
 ~300 s (its error path waited on the rendezvous store) or never fired at all."""
+
 import logging
 import threading
 import time
@@ -32,8 +33,12 @@ class StepWatchdog:
         while not self._closed.wait(POLL_S):
             started = self.step_started
             if started is not None and time.monotonic() - started > self.timeout_s:
-                log.error("tensor parallel: a step has run %.0f s (CONVEYOR_TP_TIMEOUT_S=%g): killing the other "
-                          "ranks, which do not answer", time.monotonic() - started, self.timeout_s)
+                log.error(
+                    "tensor parallel: a step has run %.0f s (CONVEYOR_TP_TIMEOUT_S=%g): killing the other "
+                    "ranks, which do not answer",
+                    time.monotonic() - started,
+                    self.timeout_s,
+                )
                 self.fired = True
                 for process in self.processes:
                     process.kill()

@@ -5,6 +5,7 @@ no modules_to_save) on the decoder's projections (q, k, v, o, gate, up, down), r
 the engine's `max_lora_rank`. Scaling is `lora_alpha / r` (`/ sqrt(r)` with rslora), folded
 into B when read.
 """
+
 import json
 import math
 import re

@@ -5,6 +5,7 @@ which on CPU cost more than the matmuls themselves).
 
 A packed projection (qkv, gate_up) holds its parts' adapters side by side: A stacks the
 parts' A matrices, B is block diagonal, so one shrink and one expand serve all parts."""
+
 from dataclasses import dataclass, field
 
 import torch
@@ -19,8 +20,17 @@ class LoRABatch:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, parts: list[tuple[str, int, int]], in_features: int, max_loras: int,
-                 max_rank: int, batch: LoRABatch, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        base: nn.Module,
+        parts: list[tuple[str, int, int]],
+        in_features: int,
+        max_loras: int,
+        max_rank: int,
+        batch: LoRABatch,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         """``parts``: (target name, first output, outputs) of each projection packed in ``base``."""
         super().__init__()
         self.base, self.parts, self.max_rank, self.batch = base, parts, max_rank, batch
@@ -38,7 +48,7 @@ class LoRALinear(nn.Module):
                 a, b = weights[target]
                 cols = slice(index * self.max_rank, index * self.max_rank + a.shape[0])
                 self.lora_a[slot, cols] = a
-                self.lora_b[slot, first:first + size, cols] = b
+                self.lora_b[slot, first : first + size, cols] = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)

@@ -3,6 +3,7 @@ reused least-recently-used first; before each forward, which rows use which slot
 
 Llama family only (engine/models/llama.py): the decoder's qkv, o, gate_up and down
 projections of every layer are wrapped; embeddings and the LM head are not."""
+
 from collections import OrderedDict
 
 import torch
@@ -24,8 +25,12 @@ class LoRAManager:
         self.loads = 0  # adapters read from disk so far
 
     def _wrap(self, arch, layer) -> dict[str, LoRALinear]:
-        q, kv, inter, hidden = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
-            arch.intermediate_size, arch.hidden_size
+        q, kv, inter, hidden = (
+            arch.num_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+            arch.intermediate_size,
+            arch.hidden_size,
+        )
         attn, mlp = layer.self_attn, layer.mlp
         wrapped = {
             "qkv": (attn, "qkv_proj", [("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)], hidden),
@@ -35,8 +40,16 @@ class LoRAManager:
         }
         out = {}
         for key, (owner, name, parts, in_features) in wrapped.items():
-            lora = LoRALinear(getattr(owner, name), parts, in_features, self.max_loras, self.max_rank, self.batch,
-                              self.dtype, self.device)
+            lora = LoRALinear(
+                getattr(owner, name),
+                parts,
+                in_features,
+                self.max_loras,
+                self.max_rank,
+                self.batch,
+                self.dtype,
+                self.device,
+            )
             setattr(owner, name, lora)
             out[key] = lora
         return out

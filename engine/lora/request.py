@@ -1,4 +1,5 @@
 """vLLM's LoRARequest: which adapter a request runs with."""
+
 from dataclasses import dataclass
 
 

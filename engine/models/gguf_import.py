@@ -1,4 +1,5 @@
 """GGUF -> Hugging Face directory, once, through transformers' GGUF loader; cached on disk."""
+
 import hashlib
 import importlib.util
 import logging
@@ -44,6 +45,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
         raise ModelLoadError("model: reading .gguf files needs the `gguf` package (pip install gguf)") from exc
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     log.info("converting %s to %s (once)", gguf_path.name, target)
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     kwargs = dict(gguf_file=gguf_path.name)
@@ -58,13 +60,17 @@ def _save_plain(model, target: Path) -> None:
     """transformers refuses to re-save a GGUF-loaded model; its tensors are plain dequantized
     float32, so write them as safetensors with a config that no longer says "quantized"."""
     from safetensors.torch import save_file
+
     target.mkdir(parents=True, exist_ok=True)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()
-             if not (tied and name == "lm_head.weight")}
+    state = {
+        name: tensor.detach().contiguous()
+        for name, tensor in model.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
     save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(target)
     model.generation_config.save_pretrained(target)

@@ -8,6 +8,7 @@ the tensors of the converted checkpoint: llama.cpp stores the q/k rows of "llama
 files permuted for its rotary layout, and transformers permutes them back (a row gather,
 which block quantization survives since blocks run along rows).
 """
+
 import logging
 import mmap
 import re
@@ -22,9 +23,15 @@ from kernels.quant import BLOCK, BLOCK_BYTES, QuantEmbedding, QuantLinear, pack_
 
 log = logging.getLogger(__name__)
 LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight$")
-LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-               "ffn_down": "mlp.down_proj"}
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")  # GGUF general.architecture values we map
 
@@ -78,7 +85,7 @@ def read_header(data) -> tuple[str, dict[str, tuple[list[int], int, int]]]:
 
     def string(at: int) -> tuple[str, int]:
         (length,) = struct.unpack_from("<Q", data, at)
-        return bytes(data[at + 8:at + 8 + length]).decode("utf-8", "replace"), at + 8 + length
+        return bytes(data[at + 8 : at + 8 + length]).decode("utf-8", "replace"), at + 8 + length
 
     def value(kind: int, at: int):
         if kind == 8:
@@ -124,8 +131,11 @@ def place(model: nn.Module, packed: dict[str, torch.Tensor]) -> set[str]:
     for module_name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear):
             leaf = module_name.rsplit(".", 1)[-1]
-            parts = [f"{module_name.rsplit('.', 1)[0]}.{p}.weight" for p in FUSED[leaf]] if leaf in FUSED \
+            parts = (
+                [f"{module_name.rsplit('.', 1)[0]}.{p}.weight" for p in FUSED[leaf]]
+                if leaf in FUSED
                 else [f"{module_name}.weight"]
+            )
             if all(p in packed for p in parts) and len({packed[p].dtype for p in parts}) == 1:
                 weight = torch.cat([packed[p] for p in parts]) if len(parts) > 1 else packed[parts[0]]
                 if weight.shape[0] == module.out_features:
@@ -135,8 +145,11 @@ def place(model: nn.Module, packed: dict[str, torch.Tensor]) -> set[str]:
             _set(model, module_name, QuantEmbedding(packed[f"{module_name}.weight"]))
             served.add(f"{module_name}.weight")
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if isinstance(embed, QuantEmbedding) and getattr(model, "lm_head", None) is not None \
-            and not isinstance(model.lm_head, (nn.Linear, QuantLinear)):  # tied head: the same blocks
+    if (
+        isinstance(embed, QuantEmbedding)
+        and getattr(model, "lm_head", None) is not None
+        and not isinstance(model.lm_head, (nn.Linear, QuantLinear))
+    ):  # tied head: the same blocks
         model.lm_head = QuantLinear(embed.weight)
     return served
 

@@ -1,4 +1,5 @@
 """GPT-2 on paged attention: learned positions, LayerNorm, fused c_attn (Conv1D weights)."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,8 +20,10 @@ UNSUPPORTED_FLAGS = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn
 
 def _check_supported(config) -> None:
     if config.activation_function not in ACTIVATIONS:
-        raise ModelLoadError(f"config: activation_function {config.activation_function!r} unsupported; "
-                             f"supported: {', '.join(ACTIVATIONS)}")
+        raise ModelLoadError(
+            f"config: activation_function {config.activation_function!r} unsupported; "
+            f"supported: {', '.join(ACTIVATIONS)}"
+        )
     for flag in UNSUPPORTED_FLAGS:
         if getattr(config, flag, False):
             raise ModelLoadError(f"config: {flag}=True is unsupported for GPT-2")
@@ -34,13 +37,12 @@ class GPT2Attention(nn.Module):
         self.head_dim = self.hidden // self.num_heads
         self.c_attn = nn.Linear(self.hidden, 3 * self.hidden)
         self.c_proj = nn.Linear(self.hidden, self.hidden)
-        scale = self.head_dim ** -0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        scale = self.head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, scale)
 
     def forward(self, x, meta: AttentionMetadata):
         tokens = x.shape[0]
-        q, k, v = (t.reshape(tokens, self.num_heads, self.head_dim)
-                   for t in self.c_attn(x).split(self.hidden, dim=-1))
+        q, k, v = (t.reshape(tokens, self.num_heads, self.head_dim) for t in self.c_attn(x).split(self.hidden, dim=-1))
         return self.c_proj(self.attn(q, k, v, meta).reshape(tokens, self.hidden))
 
 
@@ -78,8 +80,9 @@ class GPT2LMHeadModel(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = TiedHead(self.wte) if self.tie_word_embeddings else \
-            nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = (
+            TiedHead(self.wte) if self.tie_word_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x = self.wte(input_ids) + self.wpe(positions)
@@ -92,8 +95,11 @@ class GPT2LMHeadModel(nn.Module):
 
     def load_weights(self, weights) -> None:
         # HF GPT-2 stores Conv1D weights as [in, out]; nn.Linear wants [out, in]
-        loader = WeightLoader(self, transposed=("c_attn.weight", "c_proj.weight", "c_fc.weight"),
-                              ignored=(".attn.bias", ".attn.masked_bias"))
+        loader = WeightLoader(
+            self,
+            transposed=("c_attn.weight", "c_proj.weight", "c_fc.weight"),
+            ignored=(".attn.bias", ".attn.masked_bias"),
+        )
         loader.load(weights, rename=self._rename)
         loader.check_complete()
 

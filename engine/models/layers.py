@@ -1,4 +1,5 @@
 """Building blocks shared by the model families: norms, rotary embedding, paged attention."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,8 +52,14 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
         self.triton = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """With ``cos_sin``, ``q`` and ``k`` get the rotary embedding first."""
         if self.triton is not None:
             return self._forward_triton(q, k, v, meta, cos_sin)
@@ -68,8 +75,9 @@ class PagedAttention(nn.Module):
             out[:num_decode] = self._decode(q[:num_decode], meta)
         for span in meta.prefills:
             rows = slice(span.start, span.end)
-            out[rows] = prefill_attention(q[rows], k[rows], v[rows], self.k_cache, self.v_cache,
-                                          span.block_table, span.prefix_len, self.scale)
+            out[rows] = prefill_attention(
+                q[rows], k[rows], v[rows], self.k_cache, self.v_cache, span.block_table, span.prefix_len, self.scale
+            )
         return out
 
     def _forward_triton(self, q, k, v, meta: AttentionMetadata, cos_sin) -> torch.Tensor:
@@ -79,22 +87,39 @@ class PagedAttention(nn.Module):
         kernels.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == q.shape[0]:
-            return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, self.scale)
+            return kernels.paged_decode_attention(
+                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+            )
         out = torch.empty_like(q)
         if num_decode:
-            out[:num_decode] = kernels.paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache,
-                                                              meta.decode_block_tables, meta.decode_context_lens,
-                                                              self.scale)
+            out[:num_decode] = kernels.paged_decode_attention(
+                q[:num_decode],
+                self.k_cache,
+                self.v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+            )
         packed = meta.packed_prefills
-        kernels.prefill_attention_varlen(q, self.k_cache, self.v_cache, out, packed.starts, packed.lens,
-                                         packed.prefix_lens, packed.block_tables, packed.max_len, self.scale,
-                                         exact=q.dtype == torch.float32)
+        kernels.prefill_attention_varlen(
+            q,
+            self.k_cache,
+            self.v_cache,
+            out,
+            packed.starts,
+            packed.lens,
+            packed.prefix_lens,
+            packed.block_tables,
+            packed.max_len,
+            self.scale,
+            exact=q.dtype == torch.float32,
+        )
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, self.scale)
+        return paged_decode_attention(
+            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        )
 
 
 class TiedHead(nn.Module):

@@ -1,5 +1,6 @@
 """The Llama family on paged attention: Llama 2/3 (incl. llama3 rope scaling), SmolLM2,
 Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm)."""
+
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +45,21 @@ class LlamaArch:
         attention_bias = bool(getattr(config, "attention_bias", False))
         heads = config.num_attention_heads
         return cls(
-            vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers, num_heads=heads,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate_size=config.intermediate_size, rms_norm_eps=config.rms_norm_eps,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias={"attention_bias": attention_bias, "none": False, "qkv_only": True}[bias_rule],
             o_bias=attention_bias and bias_rule == "attention_bias",
-            mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=qk_norm,
-            max_positions=max_context(config))
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=qk_norm,
+            max_positions=max_context(config),
+        )
 
 
 def rope_type(config) -> str:
@@ -73,8 +79,9 @@ def _check_supported(config) -> None:
     if config.hidden_act not in ("silu", "swish"):
         raise ModelLoadError(f"config: hidden_act {config.hidden_act!r} unsupported; supported: silu")
     if rope_type(config) not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"config: rope type {rope_type(config)!r} unsupported; "
-                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ModelLoadError(
+            f"config: rope type {rope_type(config)!r} unsupported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         raise ModelLoadError("config: pretraining_tp > 1 unsupported")
 
@@ -82,6 +89,7 @@ def _check_supported(config) -> None:
 def rotary_for(config, architecture: str, max_positions: int) -> RotaryEmbedding:
     """Frequencies from the family's own transformers initialiser (load time only)."""
     import importlib
+
     family = architecture.removesuffix("ForCausalLM")
     module = importlib.import_module(f"transformers.models.{family.lower()}.modeling_{family.lower()}")
     hf_rotary = getattr(module, f"{family}RotaryEmbedding")(config)
@@ -100,7 +108,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
         self.qk_norm = arch.qk_norm
-        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim ** -0.5)
+        self.attn = PagedAttention(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
 
     def forward(self, x, cos_sin, meta: AttentionMetadata):
         tokens = x.shape[0]
@@ -158,8 +166,11 @@ class LlamaForCausalLM(nn.Module):
         self.arch = LlamaArch.from_hf(config, architecture)
         self.model = LlamaModel(self.arch)
         self.rotary = rotary_for(config, architecture, max_model_len)
-        self.lm_head = TiedHead(self.model.embed_tokens) if self.arch.tie_word_embeddings else \
-            nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        self.lm_head = (
+            TiedHead(self.model.embed_tokens)
+            if self.arch.tie_word_embeddings
+            else nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         x, residual = self.model.embed_tokens(input_ids), None
@@ -174,9 +185,13 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights) -> None:
         a = self.arch
         q, kv, inter = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        packed = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
-                  "v_proj": ("qkv_proj", q + kv, kv),
-                  "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+        packed = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
         loader = WeightLoader(self, packed, ignored=("rotary_emb.inv_freq",))
         skip_head = a.tie_word_embeddings
         loader.load(weights, rename=lambda n: None if skip_head and n.startswith("lm_head") else n)

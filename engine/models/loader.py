@@ -1,5 +1,6 @@
 """Find a model (local HF directory, .gguf file, or the default SmolLM2), read its config,
 build our implementation of its architecture and load its weights."""
+
 import json
 import logging
 from dataclasses import dataclass
@@ -10,8 +11,8 @@ import torch
 from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
 from engine.models.gguf_import import converted_dir, smollm2_gguf
-from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.gguf_weights import place, read_packed
+from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, max_context, rotary_for
 from engine.models.weights import iter_checkpoint
 from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
@@ -57,12 +58,15 @@ def resolve_model(model: str) -> tuple[Path, Path | None]:
     ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1:
         return converted_dir(ggufs[0]), ggufs[0]
-    raise ModelLoadError(f"model: {model!r} is not a local Hugging Face directory (config.json + "
-                         f"*.safetensors), a .gguf file, or {DEFAULT_MODEL!r}")
+    raise ModelLoadError(
+        f"model: {model!r} is not a local Hugging Face directory (config.json + "
+        f"*.safetensors), a .gguf file, or {DEFAULT_MODEL!r}"
+    )
 
 
 def load_spec(model: str) -> ModelSpec:
     from transformers import AutoConfig
+
     model_dir, gguf_path = resolve_model(model)
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -105,8 +109,9 @@ def gguf_kernel_mode(quantization: str) -> str:
     return "blocks"
 
 
-def build_model(spec: ModelSpec, max_model_len: int, dtype: torch.dtype,
-                device: torch.device, quantization: str = "none") -> torch.nn.Module:
+def build_model(
+    spec: ModelSpec, max_model_len: int, dtype: torch.dtype, device: torch.device, quantization: str = "none"
+) -> torch.nn.Module:
     """The plain model on ``device``; its backend (kernels.prepare.prepare) readies it further.
     See ``native_quantization`` for ``quantization``: packed GGUF blocks replace the layers
     whose weights have them, and the float32 load skips those checkpoint tensors."""

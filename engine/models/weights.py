@@ -1,4 +1,5 @@
 """Reading checkpoint tensors and copying them into our modules (fused projections too)."""
+
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -12,6 +13,7 @@ def iter_checkpoint(model_dir: Path, skip=lambda name: False) -> Iterator[tuple[
     """Every tensor of a Hugging Face checkpoint: ``*.safetensors`` (sharded too) or ``*.bin``;
     names ``skip`` accepts are not read (safetensors) or not yielded."""
     from safetensors import SafetensorError, safe_open
+
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         for file in files:
@@ -37,8 +39,13 @@ class WeightLoader:
     e.g. q/k/v projections land in one fused ``qkv_proj`` matrix.
     """
 
-    def __init__(self, module: nn.Module, packed: dict[str, tuple[str, int, int]] | None = None,
-                 transposed: tuple[str, ...] = (), ignored: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        module: nn.Module,
+        packed: dict[str, tuple[str, int, int]] | None = None,
+        transposed: tuple[str, ...] = (),
+        ignored: tuple[str, ...] = (),
+    ):
         # packed GGUF blocks (integer parameters) arrive whole before the float load
         self.params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
         self.packed = packed or {}
@@ -59,7 +66,7 @@ class WeightLoader:
         for fragment, (fused, offset, rows) in self.packed.items():
             if fragment in name:
                 target = name.replace(fragment, fused)
-                self._fill(self._param(target, name).data[offset:offset + rows], tensor, name)
+                self._fill(self._param(target, name).data[offset : offset + rows], tensor, name)
                 self.filled.add(f"{target}#{fragment}")
                 return
         self._fill(self._param(name, name).data, tensor, name)
@@ -74,8 +81,9 @@ class WeightLoader:
     def _required(self) -> set[str]:
         required = set()
         for name in self.params:
-            parts = [f"{name}#{fragment}" for fragment, (fused, _, _) in self.packed.items()
-                     if f".{fused}." in f".{name}"]
+            parts = [
+                f"{name}#{fragment}" for fragment, (fused, _, _) in self.packed.items() if f".{fused}." in f".{name}"
+            ]
             required.update(parts or [name])
         return required
 

@@ -9,6 +9,7 @@ verifying them costs more than it saves (a saturated CPU batch is compute-bound)
 keys are refused by name (vLLM's other methods need a draft model, which this engine does
 not load).
 """
+
 import json
 from dataclasses import dataclass, fields
 
@@ -71,8 +72,10 @@ def _checked(options: dict) -> dict:
     if options.get("disable_by_batch_size") is not None:
         _positive(options, "disable_by_batch_size", MAX_BATCH_SIZE)
     if options["prompt_lookup_min"] > options["prompt_lookup_max"]:
-        raise ValueError(f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
-                         f"({options['prompt_lookup_max']}), got {options['prompt_lookup_min']}")
+        raise ValueError(
+            f"speculative_config.prompt_lookup_min: must be <= prompt_lookup_max "
+            f"({options['prompt_lookup_max']}), got {options['prompt_lookup_min']}"
+        )
     return options
 
 

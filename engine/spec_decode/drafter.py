@@ -6,6 +6,7 @@ at most ``num_speculative_tokens``, and never more than it may still emit less o
 step emits the accepted drafts plus one token), nor past ``max_model_len``. The scheduler
 further caps them by what the step leaves of its token budget and free KV slots.
 """
+
 import numpy as np
 
 from engine.sampling_params import SamplingParams
@@ -34,11 +35,11 @@ class TokenHistory:
         assert len(token_ids) >= self.length, "a sequence's tokens only grow"
         if len(token_ids) > len(self.array):
             grown = np.empty(max(len(token_ids), 2 * len(self.array)), dtype=np.int64)
-            grown[:self.length] = self.array[:self.length]
+            grown[: self.length] = self.array[: self.length]
             self.array = grown
-        self.array[self.length:len(token_ids)] = token_ids[self.length:]
+        self.array[self.length : len(token_ids)] = token_ids[self.length :]
         self.length = len(token_ids)
-        return self.array[:self.length]
+        return self.array[: self.length]
 
 
 class Drafter:
@@ -58,8 +59,12 @@ class Drafter:
 
     def drafts_for(self, seq: Sequence, room: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last token; ``room``: what the step can hold."""
-        limit = min(self.config.num_speculative_tokens, room, seq.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens - 1)
+        limit = min(
+            self.config.num_speculative_tokens,
+            room,
+            seq.max_tokens - seq.num_output_tokens - 1,
+            self.max_model_len - seq.num_tokens - 1,
+        )
         if limit <= 0 or not speculates(seq.params):
             return []
         history = self.histories.setdefault(seq, TokenHistory())
@@ -80,8 +85,11 @@ class Drafter:
 
 def spec_stats(drafter: "Drafter | None") -> dict:
     """Cumulative counts (zeros without speculation), vLLM's metric names."""
-    drafts, drafted, accepted = (drafter.num_drafts, drafter.num_draft_tokens, drafter.num_accepted_tokens) \
-        if drafter is not None else (0, 0, 0)
+    drafts, drafted, accepted = (
+        (drafter.num_drafts, drafter.num_draft_tokens, drafter.num_accepted_tokens)
+        if drafter is not None
+        else (0, 0, 0)
+    )
     return {
         "spec_decode_num_drafts": drafts,
         "spec_decode_num_draft_tokens": drafted,

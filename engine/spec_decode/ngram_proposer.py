@@ -11,6 +11,7 @@ The search is vectorised over the whole sequence for its last token, then narrow
 few candidate positions only, one token further back at a time: O(length) numpy work and
 O(max_n) Python steps per call, with no per-sequence index to keep.
 """
+
 import numpy as np
 
 
@@ -36,4 +37,4 @@ class NgramProposer:
         if n < self.min_n or not ends.size:
             return []
         start = int(ends[-1]) + 1  # the most recent occurrence
-        return tokens[start:start + k].tolist()
+        return tokens[start : start + k].tolist()

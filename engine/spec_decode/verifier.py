@@ -18,6 +18,7 @@ Per-request seeds: a seeded row draws one noise row per verified position; after
 generator is rewound to have drawn exactly one per emitted token, so its stream is consumed
 as without speculation: token i always uses draw i, whatever the drafts or the batch.
 """
+
 from engine.plan import StepResult
 from engine.sampler import Sampler, SamplingRow
 
@@ -25,6 +26,7 @@ from engine.sampler import Sampler, SamplingRow
 class PositionRow:
     """A SamplingRow as it is at one verified position: its first ``length`` tokens (all
     else is the row's own)."""
+
     __slots__ = ("row", "length")
 
     def __init__(self, row: SamplingRow, length: int):
@@ -33,12 +35,18 @@ class PositionRow:
     def __getattr__(self, name: str):
         return getattr(self.row, name)
 
-    token_ids = property(lambda self: self.row.token_ids[:self.length])
+    token_ids = property(lambda self: self.row.token_ids[: self.length])
     num_output_tokens = property(lambda self: self.length - self.row.num_prompt_tokens)
 
 
-def verify(sampler: Sampler, logits, seq_ids: list[str], rows: list[SamplingRow],
-           drafts: dict[str, list[int]], grammar_masks=None) -> StepResult:
+def verify(
+    sampler: Sampler,
+    logits,
+    seq_ids: list[str],
+    rows: list[SamplingRow],
+    drafts: dict[str, list[int]],
+    grammar_masks=None,
+) -> StepResult:
     """``logits``: per row, one row per verified position (1 + its drafts); each row's
     ``token_ids`` end with its drafts. Leaves every row with its kept tokens. Rows with a
     grammar (never drafted, see speculates()) are masked and advanced by ``grammar_masks``
@@ -63,9 +71,9 @@ def verify(sampler: Sampler, logits, seq_ids: list[str], rows: list[SamplingRow]
             result.errors[seq_id] = failed_positions[offset]
             offset += 1
             continue
-        draft, picked = row.token_ids[len(row.token_ids) - count:], targets[offset:offset + count + 1]
+        draft, picked = row.token_ids[len(row.token_ids) - count :], targets[offset : offset + count + 1]
         accepted = _num_agreeing(draft, picked)
-        del row.token_ids[len(row.token_ids) - count + accepted:]  # the rejected drafts
+        del row.token_ids[len(row.token_ids) - count + accepted :]  # the rejected drafts
         row.token_ids.append(picked[accepted])
         if state is not None:
             row.generator.set_state(state)
@@ -73,7 +81,7 @@ def verify(sampler: Sampler, logits, seq_ids: list[str], rows: list[SamplingRow]
         result.seq_ids.append(seq_id)
         result.token_ids.append(picked[0])
         if accepted:
-            result.extra_token_ids[seq_id] = picked[1:accepted + 1]
+            result.extra_token_ids[seq_id] = picked[1 : accepted + 1]
         if offset in logprobs:
             result.logprobs[seq_id] = logprobs[offset]
         offset += count + 1

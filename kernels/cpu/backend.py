@@ -1,4 +1,5 @@
 """``prepare(model)`` for CPU and the backend it returns."""
+
 from typing import Callable
 
 import torch
@@ -11,8 +12,9 @@ from kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
 from kernels.cpu.memory import move_weights_to_huge_pages, release_freed_memory
 
 
-def prepare(model: nn.Module, layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None,
-            gguf_mode: str = "blocks") -> "CpuBackend":
+def prepare(
+    model: nn.Module, layout_of: Callable[[nn.Module], DecoderLayout | None] | None = None, gguf_mode: str = "blocks"
+) -> "CpuBackend":
     """Swap ``model``'s linears for CpuLinears, move its weights into huge pages and pack
     them, in place; the compiled kernels are built or loaded now, not inside the first step.
     ``gguf_mode``: how GGUF-block layers run (``CpuLinear.pack``)."""
@@ -31,6 +33,7 @@ class CpuBackend(Backend):
     ``CpuLinear.FEW_ROWS`` over float32 weights, ``CpuLinear.QUANT_MAX_ROWS`` over GGUF blocks
     (whose few-row kernel serves the layers up to there too; a speculative step verifying
     drafts is a few decode tokens per sequence)."""
+
     name = "cpu"
 
     def __init__(self, model: nn.Module, kernels, layout_of):

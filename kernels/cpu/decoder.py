@@ -1,4 +1,5 @@
 """The compiled whole-model decoder (kernels/csrc/decode_cpu.cpp) from a DecoderLayout."""
+
 import torch
 
 from kernels.backend import DecoderLayout
@@ -24,12 +25,19 @@ def build_decoder(kernels, layout: DecoderLayout):
         per_layer.append([t.detach() for t in tensors] + [k_cache, v_cache])
     if int8_isa(linears):  # the decoder runs float32 activations only: the layers' path serves
         return False
-    return kernels.LlamaDecoder(per_layer, layout.final_norm.detach(), layout.eps, layout.num_heads,
-                                layout.num_kv_heads, layout.head_dim, layout.scale)
+    return kernels.LlamaDecoder(
+        per_layer,
+        layout.final_norm.detach(),
+        layout.eps,
+        layout.num_heads,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.scale,
+    )
 
 
 def int8_isa(linears: list[CpuLinear]) -> str:
     """The integer-dot variant for GGUF blocks in the decoder ("": float32 activations): the
     layers' own choice for a decode step of one token."""
     path = gguf_linear_path(cpu_flags(), 1, linears[0].activations)
-    return path[len("int8:"):] if path.startswith("int8:") else ""
+    return path[len("int8:") :] if path.startswith("int8:") else ""

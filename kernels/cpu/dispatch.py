@@ -1,6 +1,7 @@
 """Which CPU path serves what: pure functions of the CPU's ISA flags (the names of
 /proc/cpuinfo's ``flags`` line), so every choice is tested on any machine with every ISA
 combination (tests/test_cpu_dispatch.py); ``cpu_flags()`` reads this machine's."""
+
 import functools
 from pathlib import Path
 

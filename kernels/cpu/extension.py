@@ -5,6 +5,7 @@ the shared library exists for this exact source, it is imported directly: no loc
 process killed mid-load can never leave others waiting. Without a compiler the torch
 reference path is used instead.
 """
+
 import functools
 import hashlib
 import importlib.machinery
@@ -19,9 +20,15 @@ import torch
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent.parent / "csrc"
-SOURCES = [CSRC / "bindings.cpp", CSRC / "paged_attention_cpu.cpp", CSRC / "linear_cpu.cpp",
-           CSRC / "layer_ops_cpu.cpp", CSRC / "decode_cpu.cpp", CSRC / "quant_linear_cpu.cpp",
-           CSRC / "int8_dot_cpu.cpp"]
+SOURCES = [
+    CSRC / "bindings.cpp",
+    CSRC / "paged_attention_cpu.cpp",
+    CSRC / "linear_cpu.cpp",
+    CSRC / "layer_ops_cpu.cpp",
+    CSRC / "decode_cpu.cpp",
+    CSRC / "quant_linear_cpu.cpp",
+    CSRC / "int8_dot_cpu.cpp",
+]
 HEADERS = [CSRC / "cpu_kernels.h", CSRC / "int8_dot_kernel.inc"]
 # -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they
 # are compiled with OpenMP; at run time they share the libgomp torch has already loaded.
@@ -55,6 +62,7 @@ def for_tensors(*tensors):
 
 def _build_location() -> tuple[str, Path]:
     from torch.utils.cpp_extension import _get_build_directory
+
     code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     digest = hashlib.sha256(code + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:10]
     name = f"conveyor_cpu_kernels_{digest}"
@@ -63,11 +71,18 @@ def _build_location() -> tuple[str, Path]:
 
 def _build(name: str, build_dir: Path):
     from torch.utils.cpp_extension import load as load_extension
+
     if shutil.which("ninja") is None:  # the `ninja` wheel installs next to this interpreter
         os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     log.info("building the CPU kernels (once)")
-    return load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS,
-                          extra_ldflags=LDFLAGS, build_directory=str(build_dir), verbose=False)
+    return load_extension(
+        name=name,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
 
 
 def _import(name: str, path: Path):  # torch is imported above: the library links against it

@@ -1,5 +1,6 @@
 """CpuLinear, the fast float32 linear layer, and the pass that swaps a model's linears for it
 and packs their weights (oneDNN blocked copies, row-interleaved copies in a huge-page arena)."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -7,7 +8,6 @@ from torch import nn
 from kernels.cpu.dispatch import cpu_flags, gguf_linear_path
 from kernels.cpu.memory import huge_page_copies
 from kernels.quant import QuantLinear, dequantize, is_packed
-
 
 GGUF_MODES = ("blocks", "int8", "float32_copy")  # see CpuLinear.pack
 
@@ -86,7 +86,7 @@ class CpuLinear(nn.Module):
         if weight.dtype is not torch.float32:  # GGUF blocks
             path = gguf_linear_path(cpu_flags(), rows, self.activations)
             if path != "float32":
-                return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:"):])
+                return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:") :])
             if packed is None or rows <= self.QUANT_MAX_ROWS:
                 return self.kernels.quantized_linear(x, weight, bias)
             return onednn_linear(x, packed, bias)
@@ -142,8 +142,14 @@ def pack_linears(model: nn.Module, kernels, gguf_mode: str = "blocks") -> None:
     compiled ``kernels`` support it and the shape allows."""
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
     can_interleave = kernels is not None and kernels.interleaved_supported()
-    interleavable = [m for m in linears if can_interleave and m.weight.dtype == torch.float32
-                     and m.weight.shape[0] % 16 == 0 and m.weight.shape[1] % 16 == 0]
+    interleavable = [
+        m
+        for m in linears
+        if can_interleave
+        and m.weight.dtype == torch.float32
+        and m.weight.shape[0] % 16 == 0
+        and m.weight.shape[1] % 16 == 0
+    ]
     copies = huge_page_copies([kernels.interleave_rows(m.weight.detach()) for m in interleavable])
     interleaved = {id(m): copy for m, copy in zip(interleavable, copies)}
     for module in linears:

@@ -4,6 +4,7 @@ A decode step streams every weight from memory once; with 2 MiB pages instead of
 ones the page walks all but vanish and the matrix-vector kernels read 5-10% faster
 (measured with benchmarks/cpu_speed.py). Linux only; elsewhere the weights stay put.
 """
+
 import ctypes
 import ctypes.util
 import logging
@@ -41,7 +42,7 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     copies = []
     for tensor, offset in zip(tensors, offsets):
         nbytes = tensor.numel() * tensor.element_size()
-        copy = raw[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        copy = raw[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
         copy.copy_(tensor)
         copies.append(copy)
     return copies

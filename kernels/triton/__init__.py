@@ -7,6 +7,7 @@ machines verify it against the torch reference; a GPU compiles it.
 Every kernel loads its inputs, computes in float32 and stores in the output's dtype (the
 interpreter has no bfloat16 arithmetic, and float32 accumulation is what a GPU wants too).
 """
+
 import importlib.util
 import os
 
@@ -17,6 +18,7 @@ def interpreted() -> bool:
 
 if interpreted():
     from kernels.triton.interpreter import patch_once_per_launch
+
     patch_once_per_launch()
 
 
@@ -25,8 +27,10 @@ def unusable_reason(device_type: str) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "the triton package is not installed (pip install 'triton>=3.9')"
     if device_type == "cpu" and not interpreted():
-        return ("on CPU it runs only under Triton's interpreter: set TRITON_INTERPRET=1 in the "
-                "environment before the engine starts (slow; meant for tests)")
+        return (
+            "on CPU it runs only under Triton's interpreter: set TRITON_INTERPRET=1 in the "
+            "environment before the engine starts (slow; meant for tests)"
+        )
     if device_type not in ("cpu", "cuda"):
         return f"no Triton kernels for device {device_type!r}"
     return None

@@ -2,6 +2,7 @@
 layers.py ``PagedAttention``, when the runner selected ``attention_backend="triton"``):
 rotary in place, the cache write, one decode launch for the step's decode rows and one
 varlen prefill launch for all its prompt spans."""
+
 import torch
 
 from kernels.triton.cache_write import write_kv_cache

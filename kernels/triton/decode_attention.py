@@ -6,6 +6,7 @@ computed in parallel (split-K, flash-decoding). Each split leaves its partial ou
 log-sum-exp; a second pass merges them per query head. Keys are gathered token by token
 through the block table, so a tile may span cache blocks and any block size works.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -20,12 +21,32 @@ MAX_SPLITS = 16
 
 
 @triton.jit
-def _decode_split_kernel(query, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse,
-                         scale, num_splits, query_stride_b, query_stride_h, table_stride_b,
-                         cache_stride_h, cache_stride_b,
-                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                         output, out_stride_b, out_stride_h, DIRECT: tl.constexpr):
+def _decode_split_kernel(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    partial_out,
+    partial_lse,
+    scale,
+    num_splits,
+    query_stride_b,
+    query_stride_h,
+    table_stride_b,
+    cache_stride_h,
+    cache_stride_b,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    output,
+    out_stride_b,
+    out_stride_h,
+    DIRECT: tl.constexpr,
+):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     context = tl.load(context_lens + seq)
     tiles = tl.cdiv(context, TILE_N)
@@ -35,8 +56,11 @@ def _decode_split_kernel(query, k_cache, v_cache, block_tables, context_lens, pa
     rows, dims = tl.arange(0, GROUP_P), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + rows
     row_ok, dim_ok = rows < GROUP, dims < HEAD_DIM
-    q = tl.load(query + seq * query_stride_b + heads[:, None] * query_stride_h + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(
+        query + seq * query_stride_b + heads[:, None] * query_stride_h + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
@@ -61,8 +85,11 @@ def _decode_split_kernel(query, k_cache, v_cache, block_tables, context_lens, pa
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
     if DIRECT:  # one split: its result is the output
-        tl.store(output + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
-                 out.to(output.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            output + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
+            out.to(output.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
     else:
         slot = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, H_q, S] flat
         tl.store(partial_out + slot[:, None] * BLOCK_D + dims[None, :], out, mask=row_ok[:, None])
@@ -70,9 +97,19 @@ def _decode_split_kernel(query, k_cache, v_cache, block_tables, context_lens, pa
 
 
 @triton.jit
-def _merge_splits_kernel(partial_out, partial_lse, output, num_splits, out_stride_b, out_stride_h,
-                         num_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P: tl.constexpr,
-                         HEADS_P: tl.constexpr):
+def _merge_splits_kernel(
+    partial_out,
+    partial_lse,
+    output,
+    num_splits,
+    out_stride_b,
+    out_stride_h,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    HEADS_P: tl.constexpr,
+):
     """One program per sequence, all its query heads: [heads, splits, dims] tiles."""
     seq = tl.program_id(0)
     heads, splits, dims = tl.arange(0, HEADS_P), tl.arange(0, SPLITS_P), tl.arange(0, BLOCK_D)
@@ -85,8 +122,11 @@ def _merge_splits_kernel(partial_out, partial_lse, output, num_splits, out_strid
     parts = tl.load(partial_out + slots[:, :, None] * BLOCK_D + dims[None, None, :], mask=ok[:, :, None], other=0.0)
     total = tl.sum(weights, axis=1)
     merged = tl.sum(parts * weights[:, :, None], axis=1) / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(output + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
-             merged.to(output.dtype.element_ty), mask=(heads[:, None] < num_heads) & (dims[None, :] < HEAD_DIM))
+    tl.store(
+        output + seq * out_stride_b + heads[:, None] * out_stride_h + dims[None, :],
+        merged.to(output.dtype.element_ty),
+        mask=(heads[:, None] < num_heads) & (dims[None, :] < HEAD_DIM),
+    )
 
 
 def choose_splits(max_blocks: int, block_size: int, parallel_programs: int, tile: int = TILE) -> int:
@@ -98,9 +138,16 @@ def choose_splits(max_blocks: int, block_size: int, parallel_programs: int, tile
     return min(MAX_SPLITS, by_length, wanted)
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, tile: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    tile: int | None = None,
+) -> torch.Tensor:
     """Same contract as ``kernels.attention.paged_decode_attention_reference``; a context
     length of 0 (a padded row) gives zeros. ``num_splits``/``tile`` (keys per iteration, a
     power of 2) default to choices by shape."""
@@ -121,14 +168,43 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     partial_out = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(partial_shape[:3], dtype=torch.float32, device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, context_lens, partial_out, partial_lse, scale, num_splits,
-        query.stride(0), query.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1),
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, TILE_N=tile, output=output, out_stride_b=output.stride(0),
-        out_stride_h=output.stride(1), DIRECT=direct)
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        partial_out,
+        partial_lse,
+        scale,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        GROUP=group,
+        GROUP_P=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile,
+        output=output,
+        out_stride_b=output.stride(0),
+        out_stride_h=output.stride(1),
+        DIRECT=direct,
+    )
     if not direct:
         _merge_splits_kernel[(batch,)](
-            partial_out, partial_lse, output, num_splits, output.stride(0), output.stride(1), num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_P=triton.next_power_of_2(num_splits),
-            HEADS_P=triton.next_power_of_2(num_heads))
+            partial_out,
+            partial_lse,
+            output,
+            num_splits,
+            output.stride(0),
+            output.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            SPLITS_P=triton.next_power_of_2(num_splits),
+            HEADS_P=triton.next_power_of_2(num_heads),
+        )
     return output

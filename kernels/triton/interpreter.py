@@ -6,6 +6,7 @@ a small kernel's time. Here a launch patches both language modules once (``trito
 and ``triton.language.core``, which the helpers use) and helpers inside it skip the
 redundant patching; the launch restores everything as before. Only the interpreter is
 touched: a GPU never runs this."""
+
 import inspect
 
 
@@ -25,10 +26,12 @@ class _Scopes:
 
 
 def patch_once_per_launch() -> None:
-    from triton.runtime import interpreter
     import triton.language as tl
+    from triton.runtime import interpreter
+
     if getattr(interpreter, "_patched_once_per_launch", False) or not all(
-            hasattr(interpreter, name) for name in ("_patch_lang", "_patch_builtin", "_patch_attr")):
+        hasattr(interpreter, name) for name in ("_patch_lang", "_patch_builtin", "_patch_attr")
+    ):
         return  # done, or a Triton whose interpreter is laid out differently: left as it is
     original = interpreter._patch_lang
     core_user = tl.standard.sum.fn  # a function whose globals hold triton.language.core

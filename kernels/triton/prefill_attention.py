@@ -7,6 +7,7 @@ table and one launch covers every span of the step.
 One program per (query tile, span, query head): flash attention's online softmax over key
 tiles up to the tile's last query position.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -20,20 +21,42 @@ BLOCK_N = 128 if interpreted() else 32
 
 
 @triton.jit
-def _prefill_kernel(query, k_cache, v_cache, output, span_starts, span_lens, prefix_lens, block_tables,
-                    scale, query_stride_t, query_stride_h, out_stride_t, out_stride_h, table_stride,
-                    cache_stride_h, cache_stride_b,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, TILE_M: tl.constexpr, TILE_N: tl.constexpr,
-                    IEEE_DOT: tl.constexpr):
+def _prefill_kernel(
+    query,
+    k_cache,
+    v_cache,
+    output,
+    span_starts,
+    span_lens,
+    prefix_lens,
+    block_tables,
+    scale,
+    query_stride_t,
+    query_stride_h,
+    out_stride_t,
+    out_stride_h,
+    table_stride,
+    cache_stride_h,
+    cache_stride_b,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
     tile_m, span, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(span_lens + span)
     if tile_m * TILE_M < length:
         start, prefix = tl.load(span_starts + span), tl.load(prefix_lens + span)
         rows, dims = tile_m * TILE_M + tl.arange(0, TILE_M), tl.arange(0, BLOCK_D)
         row_ok, dim_ok = rows < length, dims < HEAD_DIM
-        q = tl.load(query + (start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :],
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.load(
+            query + (start + rows)[:, None] * query_stride_t + head * query_stride_h + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         q_pos = prefix + rows
         m_i = tl.full([TILE_M], float("-inf"), tl.float32)
         l_i = tl.zeros([TILE_M], tl.float32)
@@ -65,15 +88,28 @@ def _prefill_kernel(query, k_cache, v_cache, output, span_starts, span_lens, pre
                 acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(output + (start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
-                 out.to(output.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            output + (start + rows)[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
+            out.to(output.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
 
 
-def prefill_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             output: torch.Tensor, span_starts: torch.Tensor, span_lens: torch.Tensor,
-                             prefix_lens: torch.Tensor, block_tables: torch.Tensor, max_span_len: int,
-                             scale: float, exact: bool = True, block_m: int = BLOCK_M,
-                             block_n: int = BLOCK_N) -> None:
+def prefill_attention_varlen(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    output: torch.Tensor,
+    span_starts: torch.Tensor,
+    span_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_span_len: int,
+    scale: float,
+    exact: bool = True,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+) -> None:
     """Writes the rows of ``output`` ``[T, H, D]`` that the spans cover. Per span ``i``: rows
     ``span_starts[i] : span_starts[i] + span_lens[i]`` of ``query``, ``prefix_lens[i]`` cached
     tokens before them, block table row ``block_tables[i]``. ``max_span_len`` (a host int)
@@ -86,8 +122,27 @@ def prefill_attention_varlen(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         return
     grid = (triton.cdiv(max_span_len, block_m), num_spans, num_heads)
     _prefill_kernel[grid](
-        query, k_cache, v_cache, output, span_starts, span_lens, prefix_lens, block_tables, scale,
-        query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, TILE_M=block_m, TILE_N=block_n, IEEE_DOT=exact)
+        query,
+        k_cache,
+        v_cache,
+        output,
+        span_starts,
+        span_lens,
+        prefix_lens,
+        block_tables,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        TILE_M=block_m,
+        TILE_N=block_n,
+        IEEE_DOT=exact,
+    )

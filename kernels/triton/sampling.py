@@ -13,6 +13,7 @@ passes over the row (a pass counts tokens, or sums probability mass, above the m
 which pins the threshold between two adjacent float32 values. Tied logits at a top-k
 boundary are all kept (the sorting reference keeps the first k).
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -24,8 +25,7 @@ BISECTION_STEPS = 40
 
 
 @triton.jit
-def _penalize_kernel(logits, seen, counts, repetition, presence, frequency, vocab, stride,
-                     BLOCK: tl.constexpr):
+def _penalize_kernel(logits, seen, counts, repetition, presence, frequency, vocab, stride, BLOCK: tl.constexpr):
     row, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     ok = cols < vocab
@@ -67,8 +67,9 @@ def _first_argmax(best, best_id, vocab):
 
 
 @triton.jit
-def _draw_kernel(logits, noise, out, temperature, top_k, top_p, min_p, vocab, stride,
-                 BLOCK: tl.constexpr, STEPS: tl.constexpr):
+def _draw_kernel(
+    logits, noise, out, temperature, top_k, top_p, min_p, vocab, stride, BLOCK: tl.constexpr, STEPS: tl.constexpr
+):
     row = tl.program_id(0)
     base = row * stride
     temp = tl.load(temperature + row)
@@ -122,20 +123,33 @@ def _draw_kernel(logits, noise, out, temperature, top_k, top_p, min_p, vocab, st
     tl.store(out + row, best_id.to(tl.int64))
 
 
-def apply_penalties_(logits: torch.Tensor, seen_mask: torch.Tensor, output_counts: torch.Tensor,
-                     repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties_(
+    logits: torch.Tensor,
+    seen_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
     """``kernels.sampling.apply_penalties`` on float32 ``logits`` ``[B, V]``, in place."""
     rows, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.is_contiguous()
     seen = seen_mask.to(torch.uint8).contiguous()
     counts = output_counts.float().contiguous()
-    _penalize_kernel[(rows, triton.cdiv(vocab, BLOCK_V))](logits, seen, counts, repetition, presence, frequency,
-                                                          vocab, logits.stride(0), BLOCK=BLOCK_V)
+    _penalize_kernel[(rows, triton.cdiv(vocab, BLOCK_V))](
+        logits, seen, counts, repetition, presence, frequency, vocab, logits.stride(0), BLOCK=BLOCK_V
+    )
     return logits
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    exp_noise: torch.Tensor,
+) -> torch.Tensor:
     """Token ids ``[B]`` (int64, on the device): temperature 0 is greedy. ``logits``
     ``[B, V]`` float32 (penalties already applied); ``exp_noise`` ``[B, V]``: Exp(1) draws;
     per-row ``top_k`` (0 off), ``top_p`` (1 off), ``min_p`` (0 off)."""
@@ -143,6 +157,17 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     assert logits.dtype == exp_noise.dtype == torch.float32 and logits.is_contiguous() and exp_noise.is_contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _draw_kernel[(rows,)](logits, exp_noise, out, temperature.float(), top_k.to(torch.int32), top_p.float(),
-                              min_p.float(), vocab, logits.stride(0), BLOCK=BLOCK_V, STEPS=BISECTION_STEPS)
+        _draw_kernel[(rows,)](
+            logits,
+            exp_noise,
+            out,
+            temperature.float(),
+            top_k.to(torch.int32),
+            top_p.float(),
+            min_p.float(),
+            vocab,
+            logits.stride(0),
+            BLOCK=BLOCK_V,
+            STEPS=BISECTION_STEPS,
+        )
     return out
