@@ -10,6 +10,7 @@ loads the model."""
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import socket
 import subprocess
@@ -66,10 +67,9 @@ class ThreadStart:
     def __init__(self, core_end: socket.socket, engine=None):
         # imported here, before the thread starts: transformers' lazy modules are not safe to
         # import from two threads at once (seen: "cannot import name AutoTokenizer")
-        from transformers import AutoTokenizer  # noqa: F401
-
-        import engine.input_processor  # noqa: F401
-        import engine.llm_engine  # noqa: F401
+        for module in ("transformers", "engine.input_processor", "engine.llm_engine"):
+            importlib.import_module(module)
+        importlib.import_module("transformers").AutoTokenizer  # noqa: B018 - resolves the lazy name here
         from engine.engine_core import serve
 
         self.pid = None

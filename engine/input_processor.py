@@ -2,6 +2,8 @@
 
 import time
 
+from jinja2.exceptions import TemplateError
+
 from engine import chat_tools
 from engine.core_request import EngineCoreRequest
 from engine.errors import InvalidRequest
@@ -63,10 +65,13 @@ class InputProcessor:
                 or not isinstance(message.get("content", ""), str)
             ):
                 raise InvalidRequest(f"messages[{index}]", "must be {'role': str, 'content': str}")
-        if chat_tools.uses_tools(messages, tools):
-            text = chat_tools.chat_text(self.tokenizer, messages, tools)
-        else:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            if chat_tools.uses_tools(messages, tools):
+                text = chat_tools.chat_text(self.tokenizer, messages, tools)
+            else:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as exc:  # the template needs what these messages lack (e.g. a content)
+            raise InvalidRequest("messages", f"this model's chat template cannot render them: {exc}") from None
         return self.tokenize(text, add_special_tokens=False)  # the template has them
 
     def tool_parser(self) -> str:

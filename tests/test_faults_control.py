@@ -288,4 +288,7 @@ def test_serve_num_kv_blocks_flag_reaches_the_engine_as_an_int(tiny_model):
     parser = argparse.ArgumentParser()
     _add_engine_options(parser)
     engine = build_engine(parser.parse_args(["--model", tiny_model, "--num-kv-blocks", "64"]))
-    assert engine.runner.num_blocks == 64
+    try:
+        assert engine.facts.max_pool_tokens == 64 * 16  # 64 blocks of the default 16 tokens
+    finally:
+        engine.close()
