@@ -59,11 +59,7 @@ class InputProcessor:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("messages", "this model's tokenizer has no chat template")
         for index, message in enumerate(messages):
-            if (
-                not isinstance(message, dict)
-                or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content", ""), str)
-            ):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not _has_content(message):
                 raise InvalidRequest(f"messages[{index}]", "must be {'role': str, 'content': str}")
         try:
             if chat_tools.uses_tools(messages, tools):
@@ -158,3 +154,11 @@ class InputProcessor:
 
     def _empty(self):
         raise InvalidRequest("prompt", "tokenizes to zero tokens")
+
+
+def _has_content(message: dict) -> bool:
+    """A string content; only an assistant's message of tool calls may go without one."""
+    content = message.get("content")
+    if content is None:
+        return message.get("role") == "assistant" and bool(message.get("tool_calls"))
+    return isinstance(content, str)

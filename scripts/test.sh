@@ -6,6 +6,7 @@ bash scripts/setup.sh
 # one formatter and linter (pyproject.toml [tool.ruff]): the tree must be formatted and clean
 .venv/bin/ruff format --check --quiet .
 .venv/bin/ruff check --quiet .
-# two test workers, one per core (a module's tests stay together: its fixtures start once);
-# the ten slowest tests are printed at the end
-exec .venv/bin/python -m pytest -q -n "${CONVEYOR_TEST_WORKERS:-2}" --dist loadfile --durations=10 "$@"
+# three test workers on the 2-core box: much of the suite waits on leases, grace periods and
+# child processes (a module's tests stay together: its fixtures start once); the ten
+# slowest tests are printed at the end
+exec .venv/bin/python -m pytest -q -n "${CONVEYOR_TEST_WORKERS:-3}" --dist loadfile --durations=10 "$@"
