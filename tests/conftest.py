@@ -21,6 +21,43 @@ if str(REPO_ROOT) not in sys.path:  # so plain `pytest` finds clients/, actors/,
     sys.path.insert(0, str(REPO_ROOT))
 
 
+# The modules that take longest (replicas, rank processes, the real model) start first, so
+# that the test workers end together instead of waiting on one long module at the end.
+LONGEST_FIRST = (
+    "test_tensor_parallel",
+    "test_faults_crash",
+    "test_int8_quality",
+    "test_redis_cluster",
+    "test_exactness",
+    "test_faults_shutdown",
+    "test_engine_core",
+    "test_faults_input",
+    "test_summarize",
+    "test_real_model",
+    "test_security_auth",
+    "test_tools_and_responses",
+    "test_first_hour",
+    "test_summarize_pipeline",
+    "test_hostile_producers",
+    "test_triton_exactness",
+    "test_hostile_tenants",
+    "test_gateway",
+    "test_spec_decode",
+    "test_faults_poison",
+    "test_structured_output",
+    "test_replica",
+    "test_faults_control",
+    "test_compose",
+    "test_batch_api",
+    "test_lora",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's own order is kept
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory):
     url = os.environ.get("REDIS_URL")
