@@ -533,6 +533,17 @@ def test_an_oversized_tokenizer_is_never_read(gateway, admin, model_info):
         assert reply.status_code == 400 and error_of(reply)["param"] == "logprobs", reply.text
 
 
+def test_oversized_small_fields_of_a_model_record_are_never_read(gateway, admin, model_info):
+    """The gateway's model directory measures each small field (HSTRLEN) before it reads it: a
+    30 MB lora_adapters or published_at costs nothing and the model stays served."""
+    admin.hset(model_info, mapping={"lora_adapters": b"[" * (30 << 20), "published_at": b"9" * (30 << 20)})
+    with Watch(gateway, "30 MB lora_adapters and published_at"):
+        time.sleep(0.5)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        reply = httpx.post(f"{gateway.base_url}/chat/completions", json=body, headers=headers("key-b"), timeout=120)
+        assert reply.status_code == 200, reply.text
+
+
 # ------------------------------------------------------------------ ACL lines (docs/security.md)
 
 
