@@ -18,7 +18,7 @@ from actors.resilience import retrying
 from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from clients.model_info import ModelInfo, publish_model_info_async
-from clients.redis_cluster import queue_script
+from clients.redis_cluster import FAILOVER_ERRORS, queue_script
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000
@@ -116,6 +116,9 @@ class Streams:
             lost_group = next((r for r in replies if _is_nogroup(r)), None)
             if lost_group is not None:
                 raise lost_group  # retrying recreates the groups and sends it all again
+            failover = next((r for r in replies if isinstance(r, FAILOVER_ERRORS)), None)
+            if failover is not None and all(isinstance(r, Exception) for r in replies):
+                raise failover  # nothing went through (e.g. CLUSTERDOWN while a master fails over): all again
             return replies
 
         return await self.resilient(attempt, what)
