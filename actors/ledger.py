@@ -148,6 +148,7 @@ class JobLedger(Actor):
             return True
         self.parked.setdefault(job_id, []).append(entry)
         self._forget_intake(entry.stream, entry.entry_id)
+        self._grant_credits()  # its bytes are free now (its credit stays taken)
         return False
 
     def track(self, delivery: Delivery) -> None:
