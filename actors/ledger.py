@@ -2,9 +2,9 @@
 whose job runs here, credits and bytes in flight) and of their leases: it renews them,
 reclaims entries whose owner stopped renewing (a crashed replica) and hands the rest back
 at shutdown. Others send it the messages of actors/messages.py; ingest, on the same event
-loop, calls its intake methods instead (``entries_read``, ``may_start``, ``track``): they
-change the ledger's state without awaiting, so a job's entry goes from read to held in one
-step, counted once, and ingest never waits on an answer per job.
+loop, calls its intake methods instead (``entries_read``, ``may_start``, ``track``,
+``entry_done``): they change the ledger's state without awaiting, so a job's entry goes
+from read to held in one step, counted once, and ingest never waits on an answer per job.
 
 The lease measures how fast a crash is noticed, never how long a job may run: in-flight
 entries are re-claimed by their owner (XCLAIM ... JUSTID resets their idle time) every
