@@ -196,6 +196,7 @@ class DeadSummary:
     letter: DeadLetter  # without its payload's fields
     payload_kept: bool
     refused: tuple[str, str] | None  # refusal(): why requeue would not take it
+    raw_job_id: str  # the letter's job_id field as written (letter.job_id: only a valid one)
 
 
 def dead_page_args(keys: Keys, before: str | None, count: int) -> tuple:
@@ -211,7 +212,7 @@ def dead_page_from(keys: Keys, reply) -> list[DeadSummary]:
         fields = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
         kept = fields.pop(b"kept", b"0") == b"1"
         letter = _parse(dead_id, fields)
-        summaries.append(DeadSummary(letter, kept, refusal(keys, letter, kept)))
+        summaries.append(DeadSummary(letter, kept, refusal(keys, letter, kept), _text(fields.get(b"job_id", b""))))
     return summaries
 
 

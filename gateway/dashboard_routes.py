@@ -133,6 +133,7 @@ async def dead_letters(request: Request, viewer: Viewer = Depends(viewer_of)) ->
             "dead_id": s.letter.dead_id,
             "at": s.letter.at,
             "job_id": s.letter.job_id or "",
+            "raw_job_id": "" if s.letter.job_id else s.raw_job_id,  # not a valid id: shown as written
             "stream": s.letter.stream,
             "reason": s.letter.reason,
             "payload_kept": s.payload_kept,

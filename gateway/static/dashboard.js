@@ -123,7 +123,7 @@ async function refreshDead() {
   $("dead-older").disabled = !data.next;
   $("dead-total").textContent = data.total;
   fill("dead", data.letters.map(d => row([
-    d.dead_id, when(d.at), d.job_id || "?", d.stream, d.reason, requeueButton(d),
+    d.dead_id, when(d.at), d.job_id || (d.raw_job_id ? "invalid id: " + d.raw_job_id : "?"), d.stream, d.reason, requeueButton(d),
   ])), state.deadBefore ? "no older dead letters" : "no dead letters");
 }
 
