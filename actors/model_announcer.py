@@ -14,8 +14,8 @@ from redis.exceptions import ResponseError
 
 from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
-from actors.streams import Streams
 from actors.metrics import ReplicaMetrics
+from actors.streams import Streams
 from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
 from clients.replica_records import REPLICA_BEAT_S, record_fields
 from engine.engine_core import CoreFacts

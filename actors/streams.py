@@ -18,8 +18,8 @@ from actors.resilience import retrying
 from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from clients.model_info import ModelInfo, publish_model_info_async
-from clients.replica_records import queue_beat
 from clients.redis_cluster import queue_script
+from clients.replica_records import queue_beat
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000

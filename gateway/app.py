@@ -47,8 +47,8 @@ from clients.openai_api.translate import (
     stream_flags,
 )
 from clients.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
-from gateway.adapters import adapter_objects, resolve_model
 from gateway import dashboard_routes
+from gateway.adapters import adapter_objects, resolve_model
 from gateway.body_limit import BodyLimit, read_json
 from gateway.queue_gauges import QueueCollector
 from gateway.queue_watch import QueueWatches

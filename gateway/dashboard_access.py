@@ -39,7 +39,9 @@ def viewer_of(request: Request) -> Viewer:
     key = bearer_token(request.headers.get("authorization"))
     grant = state.keyring.grant_for(key) if key else None
     if grant is None:
-        raise OpenAIError(401, "the dashboard needs an API key (an admin key for every namespace)", code="invalid_api_key")
+        raise OpenAIError(
+            401, "the dashboard needs an API key (an admin key for every namespace)", code="invalid_api_key"
+        )
     if grant.admin:
         namespaces = tuple(state.keyring.namespaces())
         return Viewer(_allowed(asked, grant.namespace, namespaces), True, namespaces)

@@ -160,7 +160,9 @@ async def requeue_dead(request: Request, viewer: Viewer = Depends(actor_of)) -> 
     ids = body.get("ids") if isinstance(body, dict) else None
     every = isinstance(body, dict) and body.get("all") is True
     if not every and not (
-        isinstance(ids, list) and 0 < len(ids) <= MAX_REQUEUE_IDS and all(isinstance(i, str) and DEAD_ID.fullmatch(i) for i in ids)
+        isinstance(ids, list)
+        and 0 < len(ids) <= MAX_REQUEUE_IDS
+        and all(isinstance(i, str) and DEAD_ID.fullmatch(i) for i in ids)
     ):
         raise invalid(f'send {{"ids": [up to {MAX_REQUEUE_IDS} dead-letter ids]}} or {{"all": true}}', param="ids")
     client = request.app.state.namespaces.client(viewer.namespace)

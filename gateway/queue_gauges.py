@@ -16,7 +16,11 @@ from clients.queue_metrics import NamespaceFacts
 STREAM_LABELS = ["namespace", "model", "priority_class", "partition"]
 STREAM_GAUGES = (
     ("conveyor_queue_length", "Entries in the request stream (waiting + in flight)", "length"),
-    ("conveyor_queue_pending", "Entries delivered to a replica and not yet finished (the engines group's PEL)", "pending"),
+    (
+        "conveyor_queue_pending",
+        "Entries delivered to a replica and not yet finished (the engines group's PEL)",
+        "pending",
+    ),
     ("conveyor_queue_lag", "Entries not yet delivered to any replica (waiting)", "lag"),
     ("conveyor_queue_oldest_age_seconds", "Age of the oldest waiting entry (0: none waits)", "oldest_age_s"),
     ("conveyor_queue_consumers", "Consumers (replicas, live or not) of the engines group", "consumers"),

@@ -23,7 +23,9 @@ RATE_WINDOW_S = 60.0
 @dataclass(frozen=True)
 class Sample:
     at: float  # monotonic
-    delivered: dict[tuple[str, str, int], tuple[int | None, int]]  # (model, class, partition) -> (entries read, pending)
+    delivered: dict[
+        tuple[str, str, int], tuple[int | None, int]
+    ]  # (model, class, partition) -> (entries read, pending)
     tokens_per_s: float  # the live replicas' sum
 
 

@@ -135,9 +135,7 @@ def _grant(value: Any, where: str) -> Grant:
             namespace, _, priority_class = value.partition(":")
             return Grant(namespace, priority_class or INTERACTIVE)
         if isinstance(value, dict):
-            return Grant(
-                value.get("namespace"), value.get("priority_class") or INTERACTIVE, value.get("admin", False)
-            )
+            return Grant(value.get("namespace"), value.get("priority_class") or INTERACTIVE, value.get("admin", False))
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     raise ValueError(f"{where}: expected 'namespace[:class]' or {{namespace, priority_class}}")

@@ -81,9 +81,7 @@ def tenant_ns(redis_url):
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory, ns, tenant_ns):
     path = tmp_path_factory.mktemp("dash_keys") / "keys.json"
-    path.write_text(
-        json.dumps({ADMIN_KEY: {"namespace": ns, "admin": True}, TENANT_KEY: {"namespace": tenant_ns}})
-    )
+    path.write_text(json.dumps({ADMIN_KEY: {"namespace": ns, "admin": True}, TENANT_KEY: {"namespace": tenant_ns}}))
     return path
 
 
@@ -238,7 +236,12 @@ def test_the_page_follows_the_queue_requeues_a_dead_letter_and_never_runs_plante
         expect(page.locator("#queued-total")).to_have_text("7", timeout=10_000)  # 6 + the planted one
         expect(page.locator("#queues tr", has_text="(any model)")).to_contain_text("6")
         with ReplicaThread(
-            tiny_model, redis_url, ns, consumer="dash-replica", served_model_name=MODEL, max_num_seqs=4,
+            tiny_model,
+            redis_url,
+            ns,
+            consumer="dash-replica",
+            served_model_name=MODEL,
+            max_num_seqs=4,
             kv_cache_memory="64MiB",
         ):
             for job in jobs:
