@@ -19,6 +19,7 @@ from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from clients.model_info import ModelInfo, publish_model_info_async
 from clients.redis_cluster import FAILOVER_ERRORS, queue_script
+from clients.replica_records import queue_beat
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000
@@ -326,6 +327,14 @@ class Streams:
                 pipe.expire(key, ttl_s)
 
         await self.write(queue, "publish limits")
+
+    async def publish_replica_record(self, fields: dict[str, str], now: float) -> None:
+        """This replica's record for operators (clients/replica_records.py): one round trip."""
+
+        async def queue(pipe):
+            queue_beat(pipe, self.keys, self.consumer, fields, now)
+
+        await self.write(queue, "publish the replica record")
 
     async def close(self) -> None:
         await self.redis.aclose()
