@@ -51,10 +51,13 @@ for _, stream in ipairs(KEYS) do
         found = true
         row[2], row[6] = tonumber(info['pending']) or 0, tonumber(info['consumers']) or 0
         row[3], row[4] = tonumber(info['lag']) or -1, tonumber(info['entries-read']) or -1
+        -- a group that never read has no entries-read: it has read none (the rate counts from 0)
+        if row[4] < 0 and info['last-delivered-id'] == '0-0' then row[4] = 0 end
         local waiting = row[3] >= 0 and row[3] or length - row[2]
         if waiting > 0 then row[5] = age_after(stream, '(' .. info['last-delivered-id']) end
       end
     end
+    if not found then row[4] = 0 end  -- no group yet: nothing delivered
     if not found and length > 0 then row[3], row[5] = length, age_after(stream, '-') end
   end
   out[#out + 1] = row

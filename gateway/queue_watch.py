@@ -60,9 +60,12 @@ class QueueWatch:
         minus the growth of those in flight (acked entries are finished or dead-lettered)."""
         if len(self.samples) < 2:
             return {}
-        last = self.samples[-1]
-        first = next((s for s in self.samples if last.at - s.at <= window_s), self.samples[0])
-        return {where: rate for where in last.delivered if (rate := _rate(first, last, where)) is not None}
+        last, rates = self.samples[-1], {}
+        for where in last.delivered:  # from the stream's first counted sample in the window: it may be new
+            first = next((s for s in self.samples if last.at - s.at <= window_s and _counted(s, where)), last)
+            if (rate := _rate(first, last, where)) is not None:
+                rates[where] = rate
+        return rates
 
     def series(self) -> dict[str, list[float]]:
         """The chart's points: seconds ago, jobs done per second, tokens per second."""
@@ -74,6 +77,11 @@ class QueueWatch:
             done.append(round(sum(rates), 2))
             tokens.append(round(after.tokens_per_s, 1))
         return {"seconds_ago": ago, "done_per_s": done, "tokens_per_s": tokens}
+
+
+def _counted(sample: Sample, where: tuple[str, str, int]) -> bool:
+    """The stream was there and its group's entries-read known (None until the group first reads)."""
+    return where in sample.delivered and sample.delivered[where][0] is not None
 
 
 def _rate(before: Sample, after: Sample, where: tuple[str, str, int]) -> float | None:

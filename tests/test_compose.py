@@ -638,3 +638,72 @@ def test_gateway_needs_api_keys_from_a_secret(compose):
         env=env,
     )
     assert refused.returncode == 2 and "no API keys" in refused.stderr, refused.stderr
+
+
+# --- Monitoring (the `monitoring` profile) -------------------------------------------------
+
+MONITORING = ("prometheus", "grafana")
+
+
+def exported_series() -> dict[str, set[str]]:
+    """Every sample name the engine's and the gateway's /metrics can carry, with its labels
+    (Prometheus adds `instance` and `job`), from the real metric objects."""
+    from actors.metrics import ReplicaMetrics
+    from gateway.app import Metrics
+    from gateway.queue_gauges import QueueCollector
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    series: dict[str, set[str]] = {}
+    gateway = Metrics()
+    labelled = {m._name: set(m._labelnames) for m in (gateway.requests, gateway.latency, gateway.in_flight)}
+    for family in [*ReplicaMetrics().registry.collect(), *gateway.registry.collect(), *QueueCollector().collect()]:
+        labels = labelled.get(family.name, set(getattr(family, "_labelnames", ())))
+        for suffix in suffixes[family.type]:
+            series[family.name + suffix] = labels | {"instance", "job"} | ({"le"} if suffix == "_bucket" else set())
+    return series
+
+
+def test_monitoring_is_off_by_default_and_mounts_files_that_exist(compose):
+    for name, service in compose["services"].items():
+        assert (service.get("profiles") == ["monitoring"]) == (name in MONITORING), name
+    for name in MONITORING:
+        for volume in compose["services"][name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (COMPOSE / source).exists(), f"{name} mounts {source}, which compose/ lacks"
+
+
+def test_prometheus_scrapes_every_engine_replica_and_the_gateway_on_their_ports(compose):
+    config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    engine_port = int(flag_value(compose["services"]["engine"]["command"], "--metrics-port"))
+    gateway_port = int(flag_value(compose["services"]["gateway"]["command"], "--port"))
+    (engines,) = jobs["conveyor-engine"]["dns_sd_configs"]  # the service name: every --scale replica
+    assert (engines["names"], engines["type"], engines["port"]) == (["engine"], "A", engine_port)
+    assert jobs["conveyor-gateway"]["static_configs"] == [{"targets": [f"gateway:{gateway_port}"]}]
+
+
+def test_the_grafana_board_queries_only_series_the_code_exports():
+    """A renamed metric or label would leave a panel empty without any error: every series
+    and every `by (...)` label of every panel is one the engine or the gateway exports."""
+    import json
+
+    sources = yaml.safe_load((COMPOSE / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    board = json.loads((COMPOSE / "grafana/dashboards/conveyor.json").read_text())
+    series = exported_series()
+    wanted = ("conveyor_queue_lag", "conveyor_queue_oldest_age_seconds", "conveyor_dead_letters")
+    wanted += ("conveyor_time_to_first_token_seconds_bucket", "conveyor_inter_token_latency_seconds_bucket")
+    wanted += ("conveyor_kv_cache_usage_perc", "conveyor_generation_tokens_total")
+    queried = set()
+    for panel in board["panels"]:
+        assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+        for target in panel["targets"]:
+            names = set(re.findall(r"\bconveyor_[a-z_]+", target["expr"]))
+            assert names and names <= series.keys(), (panel["title"], names - series.keys())
+            for group in re.findall(r"by \(([^)]*)\)", target["expr"]):
+                for label in (part.strip() for part in group.split(",")):
+                    assert all(label in series[name] for name in names), (panel["title"], label)
+            queried |= names
+    assert set(wanted) <= queried, set(wanted) - queried

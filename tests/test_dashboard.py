@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import uuid
@@ -246,6 +247,11 @@ def test_the_page_follows_the_queue_requeues_a_dead_letter_and_never_runs_plante
         ):
             for job in jobs:
                 assert job.result(timeout=60).token_ids
+            # the default stream appeared after the page's first samples: its rate still counts
+            overview = lambda: httpx.get(f"{gateway.url}/dashboard/api/overview", headers=auth(ADMIN_KEY)).json()  # noqa: E731
+            wait_until(lambda: any(q["done_per_s"] > 0 for q in overview()["queues"]), 15, "a done/s above 0")
+            assert max(overview()["throughput"]["done_per_s"]) > 0
+            expect(page.locator("#chart polyline.done")).to_have_attribute("points", re.compile(r"\d"), timeout=10_000)
             expect(page.locator("#replicas")).to_contain_text("dash-replica", timeout=10_000)
             expect(page.locator("#replicas tr", has_text="dash-replica")).to_contain_text("serving")
             expect(page.locator("#queued-total")).to_have_text("1", timeout=10_000)

@@ -78,6 +78,8 @@ def replica_acl(ns: str) -> list[str]:
         "+multi",
         "+exec",
         "+sadd",  # model info
+        "+zadd",
+        "+zremrangebyscore",  # its replica record's beat (clients/replica_records.py)
         "+subscribe",
     ]  # cancel channel
 
