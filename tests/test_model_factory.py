@@ -74,6 +74,27 @@ def test_llama3_rope_scaling_changes_some_frequencies(model_dirs):
     assert changed.any() and not changed.all()
 
 
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "gpt2"])
+def test_the_engines_rotary_frequencies_are_the_families_own(model_dirs, arch):
+    """engine/models/llama.py computes them without importing the family's modeling module:
+    they must stay what that module's RotaryEmbedding computes (default and llama3 rope)."""
+    import importlib
+
+    from engine.models.layers import RotaryEmbedding
+    from engine.models.llama import rotary_for
+
+    config = load_model(model_dirs[arch]).config
+    (architecture,) = config.architectures
+    family = architecture.removesuffix("ForCausalLM")
+    module = importlib.import_module(f"transformers.models.{family.lower()}.modeling_{family.lower()}")
+    theirs = getattr(module, f"{family}RotaryEmbedding")(config)
+    ours, expected = (
+        rotary_for(config, architecture, 64),
+        RotaryEmbedding(theirs.inv_freq, theirs.attention_scaling, 64),
+    )
+    assert torch.equal(ours.cos, expected.cos) and torch.equal(ours.sin, expected.sin)
+
+
 def test_mixed_workload_is_deterministic_and_mixed():
     prompts = mixed_prompts(768, n=12, seed=3)
     assert prompts == mixed_prompts(768, n=12, seed=3)

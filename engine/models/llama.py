@@ -87,13 +87,25 @@ def _check_supported(config) -> None:
 
 
 def rotary_for(config, architecture: str, max_positions: int) -> RotaryEmbedding:
-    """Frequencies from the family's own transformers initialiser (load time only)."""
-    import importlib
+    """Frequencies as the family's transformers `<Family>RotaryEmbedding` computes them: its
+    default formula (the same in all four families), else transformers' ROPE_INIT_FUNCTIONS.
+    Importing the family's modeling module instead would pull in transformers' generation
+    stack and torch._dynamo: seconds of every replica start (tests/test_model_factory.py
+    checks the two agree)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    family = architecture.removesuffix("ForCausalLM")
-    module = importlib.import_module(f"transformers.models.{family.lower()}.modeling_{family.lower()}")
-    hf_rotary = getattr(module, f"{family}RotaryEmbedding")(config)
-    return RotaryEmbedding(hf_rotary.inv_freq, hf_rotary.attention_scaling, max_positions)
+    assert architecture in FAMILIES, architecture
+    kind = config.rope_parameters["rope_type"]
+    with torch.device("cpu"):  # real tables even while the model is built on the meta device
+        inv_freq, scaling = default_rope(config) if kind == "default" else ROPE_INIT_FUNCTIONS[kind](config)
+        return RotaryEmbedding(inv_freq, scaling, max_positions)
+
+
+def default_rope(config) -> tuple[torch.Tensor, float]:
+    """transformers' `compute_default_rope_parameters` of Llama, Mistral, Qwen2 and Qwen3."""
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
 class LlamaAttention(nn.Module):

@@ -3,10 +3,13 @@ build our implementation of its architecture and load its weights."""
 
 import json
 import logging
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.config import DEFAULT_MODEL
 from engine.errors import ModelLoadError
@@ -19,6 +22,8 @@ from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
 
 log = logging.getLogger(__name__)
 QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "none")
+INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "zeros_", "ones_", "constant_")
+_INIT_LOCK = threading.Lock()
 
 ARCHITECTURES = {  # model_type -> (our class, the transformers architecture it mirrors)
     "llama": (LlamaForCausalLM, "LlamaForCausalLM"),
@@ -130,13 +135,37 @@ def _empty_model(cls, spec: ModelSpec, architecture: str, max_model_len: int) ->
     """The model with untouched CPU storage for its weights (built on the meta device, so no
     initialisation writes them: a weight the checkpoint or a packed layer replaces is never
     resident); the one computed buffer, Llama's rotary tables, is built again for real."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_parameter_init():
         model = cls(spec.hf_config, architecture, max_model_len)
     model.to_empty(device="cpu")
     if isinstance(model, LlamaForCausalLM):
         model.rotary = rotary_for(spec.hf_config, architecture, max_model_len)
     assert all(name.startswith("rotary.") for name, _ in model.named_buffers()), "a buffer left uninitialised"
     return model
+
+
+@contextmanager
+def _no_parameter_init():
+    """Layers skip their random initialisation while this thread builds them: on the meta
+    device it writes nothing anyway, but its Python meta kernels import torch._dynamo (over
+    a second of every replica start). Other threads keep the real initialisers; the lock keeps
+    two builds from nesting their patches."""
+    with _INIT_LOCK:
+        builder, saved = threading.get_ident(), {name: getattr(nn.init, name) for name in INIT_FUNCTIONS}
+        for name, original in saved.items():
+            setattr(nn.init, name, _skipped_on(builder, original))
+        try:
+            yield
+        finally:
+            for name, original in saved.items():
+                setattr(nn.init, name, original)
+
+
+def _skipped_on(builder: int, original):
+    def init(tensor, *args, **kwargs):
+        return tensor if threading.get_ident() == builder else original(tensor, *args, **kwargs)
+
+    return init
 
 
 def _eos_ids(model_dir: Path, hf_config) -> set[int]:
