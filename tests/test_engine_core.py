@@ -43,16 +43,25 @@ def greedy(index: int, max_tokens: int = 24) -> dict:
     }
 
 
-def test_jobs_through_the_core_process_match_the_offline_engine(spawn, tiny_model, redis_url, namespace):
-    replica = start_all([spawn(namespace, "core-a", tiny_model)])[0]
+def test_the_core_process_ignores_ctrl_c_matches_the_offline_engine_and_drains_on_sigterm(
+    spawn, tiny_model, redis_url, namespace
+):
+    """One replica (each start costs two interpreters) through the core's life: a Ctrl-C and
+    a SIGTERM sent to the core alone are ignored (a terminal's Ctrl-C reaches the whole
+    process group, `docker stop` without an init signals it too), then its jobs match the
+    offline engine token for token, then the replica's SIGTERM drains through the core."""
+    replica = start_all([spawn(namespace, "core-a", tiny_model, grace_s=30)])[0]
     core = core_of(replica)
     assert core.ppid() == replica.pid
+    os.kill(core.pid, signal.SIGINT)
+    os.kill(core.pid, signal.SIGTERM)
     client = Client(redis_url, namespace=namespace)
     jobs = [client.submit(**greedy(i)) for i in range(6)]
     structured = client.submit(
         prompt_token_ids=[5, 6, 7], max_tokens=40, temperature=0, structured_outputs={"regex": "(yes|no)-[ab]{3}"}
     )
     results = [job.result(timeout=120) for job in jobs]
+    assert core.is_running() and replica.alive()
     with LLM(tiny_model, num_kv_blocks=256) as llm:
         expected = llm.generate(
             [greedy(i)["prompt_token_ids"] for i in range(6)],
@@ -63,8 +72,16 @@ def test_jobs_through_the_core_process_match_the_offline_engine(spawn, tiny_mode
     text = structured.result(timeout=120).text  # the grammar crossed to the core and held
     assert re.fullmatch("(yes|no)-[ab]{3}", text), text
 
+    job = client.submit(**greedy(1, max_tokens=200))
+    wait_until(lambda: client.job(job.job_id).status().status == "running", 30, "the job to start")
+    replica.sigterm()
+    assert len(job.result(timeout=60).token_ids) == 200  # finished within the grace period
+    assert replica.wait(30) == 0, replica.log_tail()
+    wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 10, "the core to stop")
+
 
 def test_a_dead_core_stops_its_replica_and_another_finishes_the_jobs(spawn, tiny_model, redis_url, namespace, raw):
+    """Then the survivor's front door is killed (-9): its core dies with it."""
     victim, survivor = start_all([spawn(namespace, f"core-{n}", tiny_model, lease_s=2.0) for n in "ab"])
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     jobs = [client.submit(**greedy(i, max_tokens=400)) for i in range(4)]
@@ -77,34 +94,12 @@ def test_a_dead_core_stops_its_replica_and_another_finishes_the_jobs(spawn, tiny
     assert all(len(r.token_ids) == 400 for r in results)
     assert ledger.summary([j.job_id for j in jobs])["lost"] == 0
     assert survivor.alive() and survivor_core.is_running()
-
-
-def test_the_core_ignores_a_ctrl_c_and_dies_with_its_front_door(spawn, tiny_model, redis_url, namespace):
-    replica = start_all([spawn(namespace, "core-c", tiny_model)])[0]
-    core = core_of(replica)
-    os.kill(core.pid, signal.SIGINT)  # as a terminal's Ctrl-C reaches the whole process group
-    os.kill(core.pid, signal.SIGTERM)  # as `docker stop` of a container without an init does
-    client = Client(redis_url, namespace=namespace)
-    assert len(client.submit(**greedy(0)).result(timeout=60).token_ids) == 24
-    assert core.is_running() and replica.alive()
-    replica.kill9()
+    survivor.kill9()
     wait_until(
-        lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE,
+        lambda: not survivor_core.is_running() or survivor_core.status() == psutil.STATUS_ZOMBIE,
         10,
         "the core to die with its front door",
     )
-
-
-def test_sigterm_drains_through_the_core_and_exits_cleanly(spawn, tiny_model, redis_url, namespace):
-    replica = start_all([spawn(namespace, "core-d", tiny_model, grace_s=30)])[0]
-    core = core_of(replica)
-    client = Client(redis_url, namespace=namespace)
-    job = client.submit(**greedy(1, max_tokens=200))
-    wait_until(lambda: client.job(job.job_id).status().status == "running", 30, "the job to start")
-    replica.sigterm()
-    assert len(job.result(timeout=60).token_ids) == 200  # finished within the grace period
-    assert replica.wait(30) == 0, replica.log_tail()
-    wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 10, "the core to stop")
 
 
 def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
