@@ -169,6 +169,16 @@ class Keys:
         return f"{self._prefix(self.partition_of(job_id))}:job:{job_id}"
 
     @property
+    def partition_owners(self) -> str:
+        """Hash of partition leases: field `<k>` -> `<expiry ms> <consumer>` (actors/partitions.py)."""
+        return f"{self._namespace_prefix}:partition-owners"
+
+    @property
+    def live_replicas(self) -> str:
+        """Sorted set of the replicas taking partitions: consumer -> expiry ms (its one slot with partition_owners)."""
+        return f"{self._namespace_prefix}:replicas"
+
+    @property
     def dead(self) -> str:
         return f"{self.ns}:dead"
 
