@@ -17,19 +17,9 @@ from redis.exceptions import ResponseError
 from actors.base import Actor
 from actors.config import ReplicaConfig
 from actors.engine_client import EngineCoreClient
+from actors.ledger import JobLedger
 from actors.log_limits import RateLimitedLog, shown
-from actors.messages import (
-    Delivery,
-    EntriesRead,
-    EntryDone,
-    EntryRefused,
-    JobEnded,
-    MayStart,
-    NewJob,
-    ReadEntry,
-    Track,
-    WantCredits,
-)
+from actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits
 from actors.streams import CONFLICT, DUPLICATE, Streams
 from clients.errors import ProtocolError
 from clients.protocol import JobRequest, decode_job, payload_digest
@@ -51,7 +41,7 @@ class IngestActor(Actor):
         self,
         streams: Streams,
         engine: EngineCoreClient,
-        ledger: Actor,
+        ledger: JobLedger,
         scheduler: Actor,
         publisher: Actor,
         config: ReplicaConfig,
@@ -83,9 +73,9 @@ class IngestActor(Actor):
             credits, budget = await self._credits()
             entries = await self._read(credits, budget, self._plan())
             # leased from the moment they are read: renewed, never reclaimed from under us
-            await self.ledger.send(EntriesRead(entries))
+            self.ledger.entries_read(entries)
             for entry in entries:
-                await self._take_in(entry)
+                await self.accept(entry)
             if entries:
                 idle_s = FIRST_IDLE_POLL_S
                 continue
@@ -140,7 +130,7 @@ class IngestActor(Actor):
         never stuck on either, and reclaimed entries never wait behind new ones."""
         while True:
             if not self.mailbox.empty():
-                await self._take_in(self.mailbox.get_nowait().entry)
+                await self.accept(self.mailbox.get_nowait().entry)
                 continue
             if done.done():
                 return
@@ -151,11 +141,7 @@ class IngestActor(Actor):
                 if not mail.done():
                     mail.cancel()  # a cancelled get takes nothing out of the queue
             if mail.done():
-                await self._take_in(mail.result().entry)
-
-    async def _take_in(self, entry: ReadEntry) -> None:
-        if not await self.accept(entry):  # a refused entry's bytes count until the publisher has written it
-            await self.ledger.send(EntryDone(entry.stream, entry.entry_id))
+                await self.accept(mail.result().entry)
 
     async def _read(self, credits: int, budget: int, plan: list[int]) -> list[ReadEntry]:
         if not plan:
@@ -169,24 +155,24 @@ class IngestActor(Actor):
         self.pending |= more
         return entries
 
-    async def accept(self, entry: ReadEntry) -> bool:
-        """One delivered entry (new, or reclaimed from a dead replica). True when it went to
-        the publisher as refused (the publisher tells the ledger once it is written)."""
+    async def accept(self, entry: ReadEntry) -> None:
+        """One delivered entry (new, or reclaimed from a dead replica). The ledger learns where
+        it went: refused (from the publisher, once it is written: its bytes count until then),
+        parked or started (``may_start``, ``track``), dropped (``entry_done``)."""
         try:
             job = self._decode(entry)
         except ProtocolError as exc:
             await self._refuse(entry, exc.job_id, exc.code or "invalid_job", exc.message)
-            return True
+            return
         misplaced = self._misplaced(entry, job.job_id)
         if misplaced:
             await self._refuse(entry, job.job_id, "wrong_partition", misplaced)
-            return True
-        if not await self.ledger.ask(MayStart(job.job_id, entry)):  # its job runs here: kept until it ends
-            return False
-        return await self._start(entry, job)
+            return
+        if self.ledger.may_start(job.job_id, entry):  # else its job runs here: parked until it ends
+            await self._start(entry, job)
 
-    async def _start(self, entry: ReadEntry, job: JobRequest) -> bool:
-        """Count the attempt on the job's record, then hand the job on (as ``accept``)."""
+    async def _start(self, entry: ReadEntry, job: JobRequest) -> None:
+        """Count the attempt on the job's record, then hand the job on."""
         try:
             attempt, cancelled = await self.streams.start_attempt(
                 job.job_id, entry.entry_id, job.result_ttl, payload_digest(job)
@@ -195,9 +181,10 @@ class IngestActor(Actor):
             await self._refuse(
                 entry, job.job_id, "bad_job_record", f"the job's record cannot be used: {exc}", notify=False
             )
-            return True
+            return
         if attempt in (DUPLICATE, CONFLICT):
-            return await self._drop_second_submission(entry, job, attempt == CONFLICT)
+            await self._drop_second_submission(entry, job, attempt == CONFLICT)
+            return
         delivery = Delivery(
             entry.stream,
             entry.entry_id,
@@ -209,9 +196,8 @@ class IngestActor(Actor):
             entry.size,
             self._tool_reading(job),
         )
-        await self.ledger.send(Track(delivery))
+        self.ledger.track(delivery)
         await self._hand_on(entry, job, delivery, cancelled)
-        return False
 
     async def _hand_on(self, entry: ReadEntry, job: JobRequest, delivery: Delivery, cancelled: bool) -> None:
         """A started job to the scheduler, or its end (cancelled, too late, invalid) to the publisher."""
@@ -262,9 +248,8 @@ class IngestActor(Actor):
             )
         )
 
-    async def _drop_second_submission(self, entry: ReadEntry, job: JobRequest, conflict: bool) -> bool:
-        """Another entry for a job that already has one: the job's own record is left alone.
-        True when it went to the publisher (as ``accept``)."""
+    async def _drop_second_submission(self, entry: ReadEntry, job: JobRequest, conflict: bool) -> None:
+        """Another entry for a job that already has one: the job's own record is left alone."""
         if conflict:
             message = f"job_id {job.job_id!r} reused with a different payload"
             await self.publisher.send(
@@ -279,9 +264,9 @@ class IngestActor(Actor):
                     notify=False,
                 )
             )
-            return True
+            return
         await self.streams.drop_entry(entry.stream, entry.entry_id)
-        return False
+        self.ledger.entry_done(entry.stream, entry.entry_id)
 
     def _reject_reason(self, job: JobRequest, attempt: int, cancelled: bool):
         """(event type, code, message, dead-letter reason) for a job that must not run."""

@@ -1,7 +1,10 @@
 """JobLedger: the one owner of what this replica holds (entries being taken in, deliveries
 whose job runs here, credits and bytes in flight) and of their leases: it renews them,
 reclaims entries whose owner stopped renewing (a crashed replica) and hands the rest back
-at shutdown. Others send it the messages of actors/messages.py.
+at shutdown. Others send it the messages of actors/messages.py; ingest, on the same event
+loop, calls its intake methods instead (``entries_read``, ``may_start``, ``track``,
+``entry_done``): they change the ledger's state without awaiting, so a job's entry goes
+from read to held in one step, counted once, and ingest never waits on an answer per job.
 
 The lease measures how fast a crash is noticed, never how long a job may run: in-flight
 entries are re-claimed by their owner (XCLAIM ... JUSTID resets their idle time) every
@@ -24,15 +27,12 @@ from actors.messages import (
     CancelRequest,
     Delivery,
     Drain,
-    EntriesRead,
     EntryDone,
     HandBack,
     HeldJobs,
-    MayStart,
     ReadEntry,
     Reclaimed,
     Release,
-    Track,
     WantCredits,
 )
 from actors.streams import Streams
@@ -68,9 +68,6 @@ class JobLedger(Actor):
         self.warnings = RateLimitedLog(log)
         self.handlers = {
             WantCredits: self._want_credits,
-            EntriesRead: self._entries_read,
-            MayStart: self._may_start,
-            Track: self._track,
             EntryDone: self._entry_done,
             Release: self._release,
             CancelRequest: self._cancel,
@@ -134,33 +131,50 @@ class JobLedger(Actor):
         assert self.credit_request is None or self.credit_request.done(), "one read at a time"
         self.credit_request = message.reply
 
-    async def _entries_read(self, message: EntriesRead) -> None:
+    async def _entry_done(self, message: EntryDone) -> None:
+        self.entry_done(message.stream, message.entry_id)
+
+    # ---- ingest's calls: no await in any of them ------------------------------------------
+    def entries_read(self, entries: list[ReadEntry]) -> None:
+        """Read with the grant: leased, and their bytes counted, from now on."""
         self.reserved = (0, 0)
-        for entry in message.entries:
+        for entry in entries:
             self._take_in(entry)
 
-    async def _may_start(self, message: MayStart) -> None:
-        """An entry of a job held here (e.g. requeued while its old attempt finishes) waits for
-        its release: starting it now would count a second attempt under the running one."""
-        held = message.job_id in self.held
-        if held:
-            self.parked.setdefault(message.job_id, []).append(message.entry)
-        _answer(message.reply, not held)
+    def may_start(self, job_id: str, entry: ReadEntry) -> bool:
+        """False when this replica runs that job already (e.g. requeued while its old attempt
+        finishes): starting it now would count a second attempt under the running one. The
+        entry is then parked (leased, holding its credit) and goes back to ingest as
+        ``Reclaimed`` once the job is released."""
+        if job_id not in self.held:
+            return True
+        self.parked.setdefault(job_id, []).append(entry)
+        self._forget_intake(entry.stream, entry.entry_id)
+        self._grant_credits()  # its bytes are free now (its credit stays taken)
+        return False
 
-    async def _track(self, message: Track) -> None:
-        delivery = message.delivery
-        assert delivery.job_id not in self.held, delivery.job_id  # ingest asked MayStart first
+    def track(self, delivery: Delivery) -> None:
+        """Ingest started this delivery's attempt: held until released; its entry's bytes
+        move from intake to held."""
+        assert delivery.job_id not in self.held, delivery.job_id  # ingest asked may_start first
         self.held[delivery.job_id] = delivery
         self.bytes_held += delivery.size
+        self._forget_intake(delivery.stream, delivery.entry_id)
 
-    async def _entry_done(self, message: EntryDone) -> None:
-        self.bytes_taking_in -= self.intake.pop((message.stream, message.entry_id), 0)
+    def entry_done(self, stream: str, entry_id: str) -> None:
+        """Done with an entry that started nothing (dropped, or dead-lettered by the publisher)."""
+        self._forget_intake(stream, entry_id)
+        self._grant_credits()  # ingest may be waiting for a grant while it takes in reclaimed entries
+
+    def _forget_intake(self, stream: str, entry_id: str) -> None:
+        self.bytes_taking_in -= self.intake.pop((stream, entry_id), 0)
 
     def _take_in(self, entry: ReadEntry) -> None:
         key = (entry.stream, entry.entry_id)
         self.bytes_taking_in += entry.bytes_read - self.intake.get(key, 0)
         self.intake[key] = entry.bytes_read
 
+    # ---- messages from the publisher, the cancel watcher and the replica -------------------
     async def _release(self, message: Release) -> None:
         delivery = message.delivery
         if self.held.get(delivery.job_id) != delivery:

@@ -111,40 +111,14 @@ class Reclaimed:
 @dataclass
 class WantCredits:
     """Ingest: answered with (entries, bytes) it may read, once both are above zero. They
-    stay reserved until ``EntriesRead``."""
+    stay reserved until ingest calls ``JobLedger.entries_read``."""
 
     reply: asyncio.Future = field(default_factory=_future)
-
-
-@dataclass
-class EntriesRead:
-    """Ingest read these entries with its grant: leased, and their bytes counted, from now on."""
-
-    entries: list[ReadEntry]
-
-
-@dataclass
-class MayStart:
-    """Ingest, before starting the job of ``entry``: answered False when this replica runs
-    that job already; the ledger then keeps the entry (leased, holding its credit) and sends
-    it back to ingest as ``Reclaimed`` once the job is released."""
-
-    job_id: str
-    entry: ReadEntry
-    reply: asyncio.Future = field(default_factory=_future)
-
-
-@dataclass
-class Track:
-    """Ingest started this delivery's attempt: held until released."""
-
-    delivery: Delivery
 
 
 @dataclass
 class EntryDone:
-    """Ingest is done taking this entry in (tracked or dropped), or the publisher has
-    dead-lettered a refused one: its bytes no longer count here."""
+    """The publisher has dead-lettered a refused entry: its bytes no longer count here."""
 
     stream: str
     entry_id: str

@@ -44,11 +44,16 @@ class ReplicaMetrics:
         self.spec_acceptance = gauge("spec_decode_acceptance_rate", "Accepted / drafted tokens since start")
         self._spec_counts = dict.fromkeys(self.spec_counters, 0)
         self._last_token_time: dict[str, float] = {}
+        # what the announcer's replica record reports (plain numbers: no registry reads)
+        self.latest_stats: dict = {}
+        self.generated_tokens_total = 0
+        self.finished_total = 0
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
     def record_step(self, stats: dict, outputs: list[RequestOutput]) -> None:
+        self.latest_stats = stats
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_usage"])
@@ -74,6 +79,7 @@ class ReplicaMetrics:
         if not num_new:
             return
         self.generation_tokens.inc(num_new)
+        self.generated_tokens_total += num_new
         last = self._last_token_time.get(output.request_id)
         if last is not None:
             self.itl.observe((now - last) / max(len(o.new_token_ids) for o in output.outputs))
@@ -82,6 +88,7 @@ class ReplicaMetrics:
     def _record_finish(self, output: RequestOutput) -> None:
         self._last_token_time.pop(output.request_id, None)
         self.finished.inc()
+        self.finished_total += 1
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         metrics = output.metrics
         if metrics is None:

@@ -1,18 +1,23 @@
 """ModelAnnouncer: publishes what light clients need about the served model (name, context,
 EOS, chat template, tokenizer) under ``<ns>:model:<name>``, and the operator's queue bound
 under ``<ns>:limits`` (the submit script enforces it), at start and periodically (both have
-a TTL, so what nobody serves any more disappears)."""
+a TTL, so what nobody serves any more disappears). Every REPLICA_BEAT_S it also writes this
+replica's record for operators (clients/replica_records.py: state, running and waiting
+sequences, KV use, tokens/s), a fixed set of small fields."""
 
 import asyncio
 import dataclasses
 import logging
+import time
 
 from redis.exceptions import ResponseError
 
 from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
+from actors.metrics import ReplicaMetrics
 from actors.streams import Streams
 from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
+from clients.replica_records import REPLICA_BEAT_S, record_fields
 from engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
@@ -31,9 +36,15 @@ class ModelAnnouncer(Actor):
         max_queue_len: int | None = None,
         max_tokens_cap: int | None = None,
         lora_adapters: tuple[str, ...] = (),
+        metrics: ReplicaMetrics | None = None,
     ):
         super().__init__()
         self.streams = streams
+        self.metrics = metrics or ReplicaMetrics()
+        self.max_num_seqs = facts.max_num_seqs
+        self.state = "serving"  # the replica sets draining; farewell() writes stopped
+        self.started_at = time.time()
+        self._last_beat = (time.monotonic(), 0)  # when, and the generated tokens then
         # what producers should know of the operator's limits (the submit script and the gateway read them)
         self.limits = {
             name: value
@@ -50,11 +61,45 @@ class ModelAnnouncer(Actor):
 
     async def run(self) -> None:
         warnings = RateLimitedLog(log)
+        published = float("-inf")
         while not self.stopped:
-            try:
-                await self.streams.publish_model_info(self.info, MODEL_INFO_TTL_S)
-            except ResponseError as exc:  # e.g. a producer replaced <ns>:models by another type
-                warnings.warning("publish", "cannot publish the model info: %s", shown(str(exc), 200))
-            if self.limits:
-                await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
-            await asyncio.sleep(MODEL_INFO_REPUBLISH_S)
+            if time.monotonic() - published >= MODEL_INFO_REPUBLISH_S:
+                await self._publish_model(warnings)
+                published = time.monotonic()
+            await self.streams.publish_replica_record(self.record(), time.time())
+            await asyncio.sleep(REPLICA_BEAT_S)
+
+    async def farewell(self, timeout_s: float = 2.0) -> None:
+        """A last record saying `stopped` (bounded: Redis may be gone by now)."""
+        self.state = "stopped"
+        try:
+            await asyncio.wait_for(self.streams.publish_replica_record(self.record(), time.time()), timeout_s)
+        except (asyncio.TimeoutError, OSError, ResponseError):
+            log.info("could not write the stopped replica record")
+
+    async def _publish_model(self, warnings: RateLimitedLog) -> None:
+        try:
+            await self.streams.publish_model_info(self.info, MODEL_INFO_TTL_S)
+        except ResponseError as exc:  # e.g. a producer replaced <ns>:models by another type
+            warnings.warning("publish", "cannot publish the model info: %s", shown(str(exc), 200))
+        if self.limits:
+            await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
+
+    def record(self) -> dict[str, str]:
+        stats, now = self.metrics.latest_stats, time.monotonic()
+        generated = self.metrics.generated_tokens_total
+        before, tokens_before = self._last_beat
+        self._last_beat = (now, generated)
+        return record_fields(
+            model=self.info.name,
+            state=self.state,
+            started_at=round(self.started_at, 3),
+            seen_at=round(time.time(), 3),
+            running=stats.get("num_running", 0),
+            waiting=stats.get("num_waiting", 0),
+            max_num_seqs=self.max_num_seqs,
+            kv_usage=round(float(stats.get("kv_usage", 0.0)), 4),
+            tokens_per_s=round((generated - tokens_before) / max(now - before, 1e-3), 1),
+            generated_tokens=generated,
+            finished=self.metrics.finished_total,
+        )

@@ -63,6 +63,7 @@ class Replica:
             config.max_queue_len,
             config.max_tokens_cap,
             tuple(config.lora_modules),
+            self.metrics,
         )
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
@@ -86,6 +87,9 @@ class Replica:
         if self.crash is None:
             await self._drain()
         await self._stop_actors()
+        if self.crash is None:
+            await self.announcer.farewell()
+        await self.streams.close()
         return 1 if self.crash else 0
 
     def request_stop(self) -> None:
@@ -107,6 +111,7 @@ class Replica:
     async def _drain(self) -> None:
         """Stop taking work; let in-flight jobs finish within the grace period; hand back
         the rest only once no step can publish them any more (no result after hand-back)."""
+        self.announcer.state = "draining"
         await self.ingest.stop()
         await self.partitions.stop()
         await self.partitions.release()  # others take its partitions at their next check
@@ -125,4 +130,3 @@ class Replica:
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):
             await actor.stop()
-        await self.streams.close()

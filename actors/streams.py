@@ -19,7 +19,8 @@ from actors.resilience import retrying
 from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from clients.model_info import ModelInfo, publish_model_info_async
-from clients.redis_cluster import queue_script
+from clients.redis_cluster import FAILOVER_ERRORS, queue_script
+from clients.replica_records import queue_beat
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000
@@ -119,6 +120,9 @@ class Streams:
             lost_group = next((r for r in replies if _is_nogroup(r)), None)
             if lost_group is not None:
                 raise lost_group  # retrying recreates the groups and sends it all again
+            failover = next((r for r in replies if isinstance(r, FAILOVER_ERRORS)), None)
+            if failover is not None and all(isinstance(r, Exception) for r in replies):
+                raise failover  # nothing went through (e.g. CLUSTERDOWN while a master fails over): all again
             return replies
 
         return await self.resilient(attempt, what)
@@ -388,6 +392,14 @@ class Streams:
                 pipe.expire(key, ttl_s)
 
         await self.write(queue, "publish limits")
+
+    async def publish_replica_record(self, fields: dict[str, str], now: float) -> None:
+        """This replica's record for operators (clients/replica_records.py): one round trip."""
+
+        async def queue(pipe):
+            queue_beat(pipe, self.keys, self.consumer, fields, now)
+
+        await self.write(queue, "publish the replica record")
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -38,7 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import describe_cpu, embedded_valkey, spawned_gateway, spawned_replica, write_json  # noqa: E402
 
 MODES = ("ours", "langchain", "direct")
-HTML_PAGES = [Path("/usr/share/doc/libjson-c5/README.html")]
+HTML_PAGES = [  # pages Debian packages ship with their documentation (those this machine has)
+    Path("/usr/share/doc/libjson-c5/README.html"),
+    Path("/usr/share/doc/base-passwd/users-and-groups.html"),
+    Path("/usr/share/doc/zlib1g-dev/examples/zlib_how.html"),
+    Path("/usr/share/doc/libffi8/html/The-Basics.html"),
+]
 BZIP2 = Path("/usr/share/doc/bzip2/manual.html")
 
 
@@ -64,8 +69,8 @@ def make_folder(folder: Path, paragraphs: int) -> list[Path]:
     buffer = io.BytesIO()
     document.save(buffer)
     (folder / "bzip2-part2.docx").write_bytes(buffer.getvalue())
-    for page in HTML_PAGES:
-        (folder / f"{page.parent.name}.html").write_bytes(page.read_bytes())
+    for page in filter(Path.exists, HTML_PAGES):
+        (folder / f"{page.parent.name}-{page.stem}.html").write_bytes(page.read_bytes())
     readme = Path(__file__).resolve().parents[1] / "README.md"
     (folder / "README.md").write_text(readme.read_text()[:3000])
     return sorted(folder.iterdir())

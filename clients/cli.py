@@ -88,14 +88,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gateway",
         help="OpenAI-compatible HTTP gateway: a program of its own (python -m gateway; `conveyor gateway --help`)",
     )
+    subparsers.add_parser(
+        "dashboard",
+        help="the operator's web dashboard alone (python -m gateway.dashboard; `conveyor dashboard --help`)",
+    )
     register_batch(subparsers, connection)
 
 
 def start_other_program(argv: list[str]) -> None:
     """`conveyor gateway ...` becomes the gateway's own program (gateway/, the HTTP room, which
-    the light client never imports): this process is replaced by ``python -m gateway ...``."""
+    the light client never imports): this process is replaced by ``python -m gateway ...``;
+    `conveyor dashboard ...` likewise by ``python -m gateway.dashboard ...``."""
     if argv[:1] == ["gateway"]:
         os.execv(sys.executable, [sys.executable, "-m", "gateway", *argv[1:]])
+    if argv[:1] == ["dashboard"]:
+        os.execv(sys.executable, [sys.executable, "-m", "gateway.dashboard", *argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:

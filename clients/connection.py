@@ -75,6 +75,11 @@ NO_RETRY = Retry(NoBackoff(), 0)
 GIVEN = "as given"
 MASK = "***"
 SCHEMES = ("redis", "rediss", "unix")
+# An asyncio process (replica, gateway, batch runner) may have hundreds of commands in the
+# air at once. redis-py 8's pools hold 100 connections and raise past that; a single
+# server's async clients wait for a free connection instead (up to POOL_WAIT_S).
+ASYNC_POOL_SIZE = 256
+POOL_WAIT_S = 30.0
 
 
 class ServerUnavailable(ConveyorError):
@@ -115,8 +120,13 @@ class RedisSettings:
         return kind.from_url(self.url, **{**self._connection_kwargs(), **self._following(False), **options})
 
     def async_client(self, **options: Any) -> aioredis.Redis | async_cluster.RedisCluster:
-        kind = async_cluster.RedisCluster if self.cluster else aioredis.Redis
-        return kind.from_url(self.url, **{**self._connection_kwargs(), **self._following(True), **options})
+        """An asyncio redis-py client whose pool waits for a free connection rather than
+        failing a command under load (a cluster client: a larger per-node pool)."""
+        kwargs = {**self._connection_kwargs(), **self._following(True), **options}
+        if self.cluster:
+            return async_cluster.RedisCluster.from_url(self.url, **{"max_connections": ASYNC_POOL_SIZE, **kwargs})
+        pool_options = {"max_connections": ASYNC_POOL_SIZE, "timeout": POOL_WAIT_S, **kwargs}
+        return aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(self.url, **pool_options))
 
     def _following(self, asynchronous: bool) -> dict[str, Any]:
         return following_options(Path(self.local_dir), asynchronous) if self.local_dir else {}

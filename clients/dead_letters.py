@@ -63,18 +63,54 @@ def requeue(
     not one of this namespace's request streams, or one Redis refuses, fails alone)."""
     new_ids, skipped, failed = [], [], []
     for letter in _selected(redis, keys, dead_ids):
-        if letter.truncated or not letter.fields or not letter.stream:
-            skipped.append(letter)
-        elif not _is_request_stream(keys, letter.stream):
-            failed.append((letter, f"stream: {letter.stream[:200]!r} is not a request stream of this namespace"))
-        elif letter.job_id is not None and keys.partition_of_stream(letter.stream) != keys.partition_of(letter.job_id):
-            failed.append((letter, f"stream: {letter.stream[:200]!r} is not the partition of job {letter.job_id!r}"))
-        else:
+        refused = refusal(keys, letter)
+        if refused is None:
             try:
-                new_ids.append(_requeue_one(redis, keys, letter))
+                new_ids.append(_text(redis.eval(*_requeue_call(keys, letter))))
+                _forget_partitioned(redis, keys, letter)
             except ResponseError as exc:
                 failed.append((letter, str(exc)[:200]))
+        elif refused[0] == SKIPPED:
+            skipped.append(letter)
+        else:
+            failed.append((letter, refused[1]))
     return new_ids, skipped, failed
+
+
+async def requeue_async(
+    redis, keys: Keys, dead_ids: list[str] | None = None
+) -> tuple[list[str], list[DeadLetter], list[tuple[DeadLetter, str]]]:
+    """`requeue` on a redis.asyncio client (the dashboard's): the same rules, the same script."""
+    new_ids, skipped, failed = [], [], []
+    async for letter in _selected_async(redis, keys, dead_ids):
+        refused = refusal(keys, letter)
+        if refused is None:
+            try:
+                new_ids.append(_text(await redis.eval(*_requeue_call(keys, letter))))
+                if keys.partitioned:
+                    await redis.xdel(keys.dead, letter.dead_id)
+            except ResponseError as exc:
+                failed.append((letter, str(exc)[:200]))
+        elif refused[0] == SKIPPED:
+            skipped.append(letter)
+        else:
+            failed.append((letter, refused[1]))
+    return new_ids, skipped, failed
+
+
+SKIPPED, FAILED = "skipped", "failed"
+
+
+def refusal(keys: Keys, letter: DeadLetter, payload_kept: bool | None = None) -> tuple[str, str] | None:
+    """Why `conveyor dead requeue` would not requeue this letter ((SKIPPED or FAILED, why)), or None."""
+    kept = bool(letter.fields) if payload_kept is None else payload_kept
+    if letter.truncated or not kept or not letter.stream:
+        return SKIPPED, "payload not kept (unreadable, invalid or conflicting: it would fail again)"
+    if not _is_request_stream(keys, letter.stream):
+        return FAILED, f"stream: {letter.stream[:200]!r} is not a request stream of this namespace"
+    if letter.job_id is not None and keys.partition_of_stream(letter.stream) != keys.partition_of(letter.job_id):
+        return FAILED, f"stream: {letter.stream[:200]!r} is not the partition of job {letter.job_id!r}"
+    return None
 
 
 def _is_request_stream(keys: Keys, stream: str) -> bool:
@@ -90,18 +126,94 @@ def _selected(redis, keys: Keys, dead_ids: list[str] | None) -> Iterator[DeadLet
             yield _parse(row_id, fields)
 
 
-def _requeue_one(redis, keys: Keys, letter: DeadLetter) -> str:
-    """One atomic step (REQUEUE_LUA): a new entry, the letter gone, the job hash queued.
-    Partitioned layout: the letter is deleted in a second step (another slot)."""
+async def _selected_async(redis, keys: Keys, dead_ids: list[str] | None):
+    if dead_ids is None:
+        start = "-"
+        while True:
+            rows = await redis.xrange(keys.dead, min=start, count=PAGE)
+            for dead_id, fields in rows:
+                yield _parse(dead_id, fields)
+            if len(rows) < PAGE:
+                return
+            start = "(" + _text(rows[-1][0])
+    for dead_id in dead_ids or ():
+        for row_id, fields in await redis.xrange(keys.dead, min=dead_id, max=dead_id):
+            yield _parse(row_id, fields)
+
+
+def _requeue_call(keys: Keys, letter: DeadLetter) -> tuple:
+    """EVAL's arguments for one letter (REQUEUE_LUA): a new entry, the letter gone, the job
+    hash queued. Partitioned layout: the letter is deleted in a second step (another slot)."""
     job_hash = [keys.job(letter.job_id)] if letter.job_id is not None else []
     pairs = [item for name, value in letter.fields.items() for item in (name, value)]
     dead = letter.stream if keys.partitioned else keys.dead
-    entry_id = redis.eval(
-        REQUEUE_LUA, 2 + len(job_hash), letter.stream, dead, *job_hash, letter.dead_id, repr(time.time()), *pairs
+    return (
+        REQUEUE_LUA,
+        2 + len(job_hash),
+        letter.stream,
+        dead,
+        *job_hash,
+        letter.dead_id,
+        repr(time.time()),
+        *pairs,
     )
+
+
+def _forget_partitioned(redis, keys: Keys, letter: DeadLetter) -> None:
     if keys.partitioned:
         redis.xdel(keys.dead, letter.dead_id)
-    return _text(entry_id)
+
+
+# ---------------------------------------------------------------- newest first, for a page
+
+SUMMARY_FIELDS = ("stream", "entry_id", "reason", "at", "job_id", "truncated", "size")
+SUMMARY_CUT = 1024  # bytes of each summary field that leave the server
+# KEYS: the dead stream. ARGV: the newest id to show ('+' or '(<id>'), count, bytes per field,
+# the summary fields. Per letter: {id, {field, value, ..., 'kept', 0|1}}: never the payload.
+DEAD_PAGE_LUA = """
+local rows = redis.call('XREVRANGE', KEYS[1], ARGV[1], '-', 'COUNT', tonumber(ARGV[2]))
+local cut, wanted, out = tonumber(ARGV[3]), {}, {}
+for i = 4, #ARGV do wanted[ARGV[i]] = true end
+for _, row in ipairs(rows) do
+  local fields, kept, small = row[2], 0, {}
+  for i = 1, #fields - 1, 2 do
+    if string.sub(fields[i], 1, 6) == 'field:' then kept = 1
+    elseif wanted[fields[i]] then
+      small[#small + 1] = fields[i]
+      small[#small + 1] = string.sub(fields[i + 1], 1, cut)
+    end
+  end
+  small[#small + 1] = 'kept'
+  small[#small + 1] = tostring(kept)
+  out[#out + 1] = {row[1], small}
+end
+return out
+"""
+
+
+@dataclass
+class DeadSummary:
+    letter: DeadLetter  # without its payload's fields
+    payload_kept: bool
+    refused: tuple[str, str] | None  # refusal(): why requeue would not take it
+    raw_job_id: str  # the letter's job_id field as written (letter.job_id: only a valid one)
+
+
+def dead_page_args(keys: Keys, before: str | None, count: int) -> tuple:
+    """EVAL's arguments of DEAD_PAGE_LUA: `count` letters older than `before` (newest when None)."""
+    newest = "(" + before if before else "+"
+    return DEAD_PAGE_LUA, 1, keys.dead, newest, count, SUMMARY_CUT, *SUMMARY_FIELDS
+
+
+def dead_page_from(keys: Keys, reply) -> list[DeadSummary]:
+    summaries = []
+    for row in reply if isinstance(reply, list) else []:
+        dead_id, flat = row
+        fields = {flat[i]: flat[i + 1] for i in range(0, len(flat) - 1, 2)}
+        kept = fields.pop(b"kept", b"0") == b"1"
+        letter = _parse(dead_id, fields)
+        summaries.append(DeadSummary(letter, kept, refusal(keys, letter, kept), _text(fields.get(b"job_id", b""))))
+    return summaries
 
 
 def _parse(dead_id, fields: dict) -> DeadLetter:

@@ -156,6 +156,15 @@ class Keys:
         """Set of the names whose model info was published (one slot with model_info: one MULTI)."""
         return f"{self._namespace_prefix}:models"
 
+    def replica(self, consumer: str) -> str:
+        """Hash a replica writes about itself every few seconds (clients/replica_records.py)."""
+        return f"{self._namespace_prefix}:replica:{consumer}"
+
+    @property
+    def replicas(self) -> str:
+        """Sorted set of replica consumer names by the time of their last record (one slot with them)."""
+        return f"{self._namespace_prefix}:replicas"
+
     @property
     def _namespace_prefix(self) -> str:
         return f"{self.ns}:{{{self.ns}}}" if self.partitioned else self.ns

@@ -1,5 +1,6 @@
 """The gateway's ASGI app: OpenAI's /v1/models, /v1/completions and /v1/chat/completions on
-the queue, plus /health and /metrics. Stateless: each request is one job (submit, then
+the queue, plus /health, /metrics (the gateway's own series and the queue's gauges) and the
+operator's /dashboard (gateway/dashboard_routes.py). Stateless: each request is one job (submit, then
 read its events); any number of gateways may run against one Redis.
 
 Request headers of our own (all optional):
@@ -46,8 +47,11 @@ from clients.openai_api.translate import (
     stream_flags,
 )
 from clients.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
+from gateway import dashboard_routes
 from gateway.adapters import adapter_objects, resolve_model
 from gateway.body_limit import BodyLimit, read_json
+from gateway.queue_gauges import QueueCollector
+from gateway.queue_watch import QueueWatches
 from gateway.settings import GatewaySettings
 from gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
 from gateway.tenant_share import TenantShare
@@ -60,8 +64,11 @@ CANCEL_TIMEOUT_S = 5.0
 TRUE, FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[APIRouter] = ()) -> FastAPI:
-    """The app; `extra_routers` are mounted next to the core routes (they may use tenant_of)."""
+def create_app(
+    settings: GatewaySettings | None = None, extra_routers: Iterable[APIRouter] = (), api: bool = True
+) -> FastAPI:
+    """The app; `extra_routers` are mounted next to the core routes (they may use tenant_of).
+    `api=False` (`conveyor dashboard`): only /health, /metrics and /dashboard."""
     settings = settings or GatewaySettings()
     app = FastAPI(title="Conveyor gateway", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
@@ -75,7 +82,10 @@ def create_app(settings: GatewaySettings | None = None, extra_routers: Iterable[
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     _add_error_handlers(app)
-    app.include_router(router)
+    app.include_router(ops_router)
+    app.include_router(dashboard_routes.router)
+    if api:
+        app.include_router(router)
     for extra in extra_routers:
         app.include_router(extra)
     return app
@@ -103,6 +113,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: GatewaySettings = app.state.settings
     redis = settings.redis.async_client(socket_connect_timeout=5)
     app.state.namespaces = Namespaces(redis, settings.replica_idle_s, settings.model_cache_s, settings.redis.partitions)
+    app.state.watches = QueueWatches(redis, lambda ns: app.state.namespaces.client(ns).keys)
     log.info(
         "gateway on Redis %s, %s",
         settings.redis.describe(),
@@ -140,6 +151,8 @@ class Metrics:
         self.in_flight = Gauge(
             "conveyor_gateway_requests_in_flight", "HTTP requests being served", registry=self.registry
         )
+        self.queues = QueueCollector()
+        self.registry.register(self.queues)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -207,10 +220,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 # ---------------------------------------------------------------- routes
 
+ops_router = APIRouter()
 router = APIRouter()
 
 
-@router.get("/health")
+@ops_router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """200 while Redis answers (the gateway's only dependency), else 503."""
     try:
@@ -220,9 +234,15 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@ops_router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """The gateway's series and the queue's gauges of every configured namespace, read now
+    (or under a second ago: one read per namespace however many scrape)."""
+    state = request.app.state
+    namespaces = state.keyring.namespaces() if state.keyring.enabled else [state.settings.namespace]
+    facts = [await state.watches.of(ns).latest() for ns in namespaces]
+    state.metrics.queues.update(facts)
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")

@@ -110,12 +110,16 @@ OPTIONS = [
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def main(argv: list[str] | None = None) -> int:
+DESCRIPTIONS = {
+    "gateway": "OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/responses, "
+    "Batch API) over the queue, with the operator's /dashboard",
+    "dashboard": "the operator's dashboard alone (/dashboard, /metrics, /health): no /v1 API",
+}
+
+
+def main(argv: list[str] | None = None, program: str = "gateway") -> int:
     parser = argparse.ArgumentParser(
-        prog="conveyor gateway",
-        parents=[connection_options()],
-        description="OpenAI-compatible HTTP gateway (/v1/completions, "
-        "/v1/chat/completions, /v1/responses, Batch API) over the queue",
+        prog=f"conveyor {program}", parents=[connection_options()], description=DESCRIPTIONS[program]
     )
     for flag, name, kind, help_text in OPTIONS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return run_gateway(args)
+    return run_gateway(args, api=program == "gateway")
 
 
 def settings_from(args: argparse.Namespace) -> GatewaySettings:
@@ -140,7 +144,7 @@ def settings_from(args: argparse.Namespace) -> GatewaySettings:
     return GatewaySettings(redis=settings_from_args(args), **chosen)
 
 
-def run_gateway(args: argparse.Namespace) -> int:
+def run_gateway(args: argparse.Namespace, api: bool = True) -> int:
     try:
         settings = settings_from(args)
     except (ValueError, OSError, ConveyorError) as exc:  # ConveyorError: no server to connect to
@@ -158,6 +162,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
     try:
+        if not api:
+            return serve(settings, api=False)
         return serve(settings, extra_routers=(batch_routes.router, responses.router))
     except (ValueError, OSError) as exc:  # a bad keys file, a port in use
         return _fail(str(exc), EXIT_USAGE)

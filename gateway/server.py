@@ -15,10 +15,13 @@ MAX_HEADER_BYTES = 16 * 1024  # request line and headers (h11's bound of an inco
 GRACEFUL_SHUTDOWN_S = 10  # open streams get this long after SIGTERM; then their jobs are cancelled
 
 
-def make_server(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = (), **options: Any) -> uvicorn.Server:
-    """A uvicorn Server of the app on settings.host:settings.port (`options` go to uvicorn.Config)."""
+def make_server(
+    settings: GatewaySettings, extra_routers: Iterable[APIRouter] = (), api: bool = True, **options: Any
+) -> uvicorn.Server:
+    """A uvicorn Server of the app on settings.host:settings.port (`options` go to uvicorn.Config);
+    `api=False`: the dashboard's program (no /v1 routes)."""
     config = uvicorn.Config(
-        create_app(settings, extra_routers),
+        create_app(settings, extra_routers, api),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -33,8 +36,8 @@ def make_server(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = 
     return uvicorn.Server(config)
 
 
-def serve(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = ()) -> int:
+def serve(settings: GatewaySettings, extra_routers: Iterable[APIRouter] = (), api: bool = True) -> int:
     """Serve until SIGINT/SIGTERM; exit code 0, or 1 when the server could not start."""
-    server = make_server(settings, extra_routers)
+    server = make_server(settings, extra_routers, api)
     server.run()
     return 0 if server.started else 1

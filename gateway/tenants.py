@@ -2,7 +2,8 @@
 namespace's state (one AsyncClient on the shared Redis connection, its served models).
 
 Keys come from a file (`--keys-file`, JSON or YAML: `{"<key>": {"namespace": "team-a",
-"priority_class": "batch"}}`, or `"<key>": "team-a:batch"`) and/or the environment
+"priority_class": "batch", "admin": false}}`, or `"<key>": "team-a:batch"`; `admin: true`
+lets the key open the dashboard of every configured namespace and act there) and/or the environment
 (`CONVEYOR_GATEWAY_API_KEYS="key1=team-a,key2=team-b:batch"`). With no key configured,
 requests need no `Authorization` and all use the gateway's `--namespace`, class
 interactive. Keys are kept only as SHA-256 digests, compared in constant time, never logged.
@@ -48,8 +49,11 @@ class Grant:
 
     namespace: str
     priority_class: str = INTERACTIVE
+    admin: bool = False  # the dashboard: every configured namespace, and its actions
 
     def __post_init__(self) -> None:
+        if not isinstance(self.admin, bool):
+            raise ValueError(f"admin must be true or false, got {self.admin!r}")
         if not isinstance(self.namespace, str) or not NAMESPACE_PATTERN.fullmatch(self.namespace):
             raise ValueError(f"namespace must be {NAMESPACE_RULE}, got {self.namespace!r}")
         if self.priority_class not in PRIORITY_CLASSES:
@@ -69,6 +73,9 @@ class KeyRing:
 
     def __len__(self) -> int:
         return len(self._digests)
+
+    def namespaces(self) -> list[str]:
+        return sorted({grant.namespace for _, grant in self._digests})
 
     def grant_for(self, key: str) -> Grant | None:
         presented, found = _digest(key), None
@@ -128,7 +135,7 @@ def _grant(value: Any, where: str) -> Grant:
             namespace, _, priority_class = value.partition(":")
             return Grant(namespace, priority_class or INTERACTIVE)
         if isinstance(value, dict):
-            return Grant(value.get("namespace"), value.get("priority_class") or INTERACTIVE)
+            return Grant(value.get("namespace"), value.get("priority_class") or INTERACTIVE, value.get("admin", False))
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     raise ValueError(f"{where}: expected 'namespace[:class]' or {{namespace, priority_class}}")

@@ -33,6 +33,12 @@ if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server) \
     >/dev/null || echo "[setup] redis-server not installed: the TLS tests will be skipped"
 fi
+# the dashboard's browser test (tests/test_dashboard.py) drives Debian's chromium through playwright
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[setup] installing Debian's chromium (for the dashboard's browser test)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium) \
+    >/dev/null || echo "[setup] chromium not installed: tests/test_dashboard.py will fail"
+fi
 # one-time work, done here with a message rather than silently inside the first test
 .venv/bin/python - <<'PY'
 import logging

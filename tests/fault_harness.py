@@ -78,6 +78,7 @@ class ServeProcess:
         grace_s: float | None = None,
         max_deliveries: int | None = None,
         num_kv_blocks: int = 256,
+        engine_process: bool = False,
         args: Iterable[str] = (),
         env: dict[str, str] | None = None,
         keys: Keys | None = None,
@@ -94,6 +95,10 @@ class ServeProcess:
                 flags += [flag, str(value)]
         if self.keys.cluster:
             flags += ["--redis-cluster", "--partitions", str(self.keys.partitions)]
+        # the same engine core either way (actors/engine_client.py); its own process costs a
+        # second interpreter per replica, so it is asked for where the process boundary is
+        # what a test is about (crashes, drains, tensor-parallel ranks)
+        flags += ["--engine-process", "true" if engine_process else "false"]
         self.command = [str(CONVEYOR), "serve", *flags, *args]
         self.env = {
             **os.environ,
@@ -454,11 +459,12 @@ if __name__ == "__main__":  # render a run's table: python tests/fault_harness.p
 # --------------------------------------------------------------------------- pytest glue
 
 
-def make_spawner(log_dir: Path, default_url: str):
+def make_spawner(log_dir: Path, default_url: str, engine_process: bool = False):
     """A factory of ServeProcess that remembers what it made (for teardown)."""
     made: list[ServeProcess] = []
 
     def spawn(namespace: str, consumer: str, model: str, redis_url: str | None = None, **options) -> ServeProcess:
+        options.setdefault("engine_process", engine_process)
         replica = ServeProcess(model, redis_url or default_url, namespace, consumer, log_dir, **options)
         made.append(replica)
         return replica
@@ -480,10 +486,10 @@ def stop_all(made: list[ServeProcess], show_logs: bool = False) -> None:
             )
 
 
-def spawner_fixture(request, log_dir: Path, redis_url: str):
+def spawner_fixture(request, log_dir: Path, redis_url: str, engine_process: bool = False):
     """Body of a `spawn` fixture: yields make_spawner(); teardown kills what is left and
     prints the replicas' logs when the test failed."""
     failed_before = request.session.testsfailed
-    spawner = make_spawner(log_dir, redis_url)
+    spawner = make_spawner(log_dir, redis_url, engine_process)
     yield spawner
     stop_all(spawner.made, show_logs=request.session.testsfailed > failed_before)

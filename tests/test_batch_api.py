@@ -384,7 +384,8 @@ def conveyor_batch(redis_url: str, ns: str, source: Path, target: Path, *flags: 
 
 
 def test_conveyor_batch_resumes_after_ctrl_c(redis_url, ns, replica, reference, tmp_path):
-    lines = [chat_line(i, max_tokens=32, ignore_eos=True) for i in range(6)] + [completion_line(i) for i in range(4)]
+    # long enough lines that a loaded box still sees the run in its middle (CI once missed it)
+    lines = [chat_line(i, max_tokens=96, ignore_eos=True) for i in range(6)] + [completion_line(i) for i in range(4)]
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl(lines))
     batch_id, _ = cli_batch_ids(source.read_bytes(), MODEL)
@@ -392,9 +393,9 @@ def test_conveyor_batch_resumes_after_ctrl_c(redis_url, ns, replica, reference, 
 
     first = conveyor_batch(redis_url, ns, source, target, "--max-in-flight", "1")
     wait_until(
-        lambda: int(raw(redis_url).hget(batch_key, "completed") or 0) >= 3 or first.poll() is not None,
+        lambda: int(raw(redis_url).hget(batch_key, "completed") or 0) >= 2 or first.poll() is not None,
         60,
-        "three lines",
+        "two lines",
     )
     first.send_signal(signal.SIGINT)
     _, stderr = first.communicate(timeout=30)

@@ -31,6 +31,7 @@ from clients import (
     decode_job,
     encode_event,
 )
+from clients.connection import ASYNC_POOL_SIZE, RedisSettings
 from clients.protocol import encode_event_data
 
 
@@ -421,3 +422,18 @@ def test_embedded_valkey_restart_keeps_data_and_port(tmp_path):
         conn.close()
     assert not server.is_running()
     assert any((tmp_path / "data").glob("appendonlydir/*"))
+
+
+def test_an_async_client_waits_for_a_free_connection_past_redis_pys_pool_size(redis_url):
+    """redis-py 8's pools hold 100 connections and raise past that; a gateway under load has
+    more commands in the air (CI once saw MaxConnectionsError cancel a batch's jobs)."""
+
+    async def scenario():
+        client = RedisSettings(url=redis_url).async_client()
+        try:  # each BLPOP holds its connection for 0.2 s: 2x the pool in the air at once
+            replies = await asyncio.gather(*(client.blpop([f"pool-test-{i}"], 0.2) for i in range(2 * ASYNC_POOL_SIZE)))
+        finally:
+            await client.aclose()
+        return replies
+
+    assert asyncio.run(scenario()) == [None] * (2 * ASYNC_POOL_SIZE)

@@ -21,7 +21,7 @@ from engine.errors import ModelLoadError
 
 @pytest.fixture
 def spawn(request, tmp_path, redis_url, namespace):
-    yield from spawner_fixture(request, tmp_path, redis_url)
+    yield from spawner_fixture(request, tmp_path, redis_url, engine_process=True)
 
 
 def core_of(replica) -> psutil.Process:

@@ -75,7 +75,8 @@ def owner_of(raw, namespace, replicas):
 
 @pytest.mark.slow
 def test_kill9_mid_generation_reclaimed_after_lease_and_completed_once(spawn, tiny_model, redis_url, namespace, raw):
-    pair = start_all([spawn(namespace, f"kill-{n}", tiny_model, lease_s=LEASE_S) for n in "ab"])
+    # the production start: the engine core in a child process dies with its SIGKILLed replica
+    pair = start_all([spawn(namespace, f"kill-{n}", tiny_model, lease_s=LEASE_S, engine_process=True) for n in "ab"])
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     job = client.submit(**long_job())
     wait_until(lambda: len(ledger.record(job.job_id).tokens) >= 3, 60, "attempt 1 to stream tokens")

@@ -29,7 +29,9 @@ MB = 1024 * 1024
 
 @pytest.fixture
 def spawn(request, tmp_path, redis_url, namespace):
-    yield from spawner_fixture(request, tmp_path, redis_url)
+    yield from spawner_fixture(
+        request, tmp_path, redis_url, engine_process=True
+    )  # the flood: core and front door in parallel
 
 
 # --------------------------------------------------------------------------- hostile entries

@@ -63,7 +63,7 @@ def namespace(redis_url):
 def cluster(request, tmp_path_factory, redis_url, namespace):
     model = build_tiny_model("llama", tmp_path_factory.mktemp("poison_llama"))
     options = dict(lease_s=LEASE_S, max_deliveries=MAX_DELIVERIES, env={"CONVEYOR_FAULT_INJECTION": "1"})
-    for spawn in spawner_fixture(request, tmp_path_factory.mktemp("poison_logs"), redis_url):
+    for spawn in spawner_fixture(request, tmp_path_factory.mktemp("poison_logs"), redis_url, engine_process=True):
         replicas = start_all([spawn(namespace, f"poison-{n}", model, **options) for n in "ab"])
         supervisor = Supervisor(spawn, replicas, **options)
         supervisor.start()

@@ -29,7 +29,7 @@ HANDED_BACK_IDLE_MS = 10**9  # streams.HAND_BACK_IDLE_MS is ten years; anything 
 
 @pytest.fixture
 def spawn(request, tmp_path, redis_url, namespace):
-    yield from spawner_fixture(request, tmp_path, redis_url)
+    yield from spawner_fixture(request, tmp_path, redis_url, engine_process=True)
 
 
 @pytest.mark.slow

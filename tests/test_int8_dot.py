@@ -67,3 +67,26 @@ def test_int8_dot_zero_rows_blocks_and_bad_calls():
         kernels.int8_dot_linear(torch.randn(1, 96), packed, None, "avx2")
     with pytest.raises(RuntimeError, match="ISA"):
         kernels.int8_dot_linear(torch.randn(1, 64), packed, None, "avx10")
+
+
+def fake_quant_reference(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 F.linear of the int8-quantized-then-dequantized activations and the
+    dequantized blocks: what the kernel computes, up to float rounding."""
+    qx, dx = quantize_activations(x)
+    return F.linear((qx * dx).reshape(x.shape), dequantize(packed), bias)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 64])
+def test_int8_dot_on_many_rows_matches_the_fake_quantized_float32(isa, type_name, rows):
+    """Every row of a multi-row step against the float32 product of its own int8 activations
+    (SmolLM2-sized K, N with a remainder group): a row/column stride slip, another row's
+    scales or a wrong Q4_1 min term shows up as an error far above float rounding."""
+    packed, _ = gguf_packed(type_name, 70, 576, seed=rows)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen) * torch.rand(rows, 1, generator=gen) * 4  # rows of different scales
+    bias = torch.randn(70, generator=gen)
+    for b in (bias, None):
+        out = kernels.int8_dot_linear(x, packed, b, isa)
+        torch.testing.assert_close(out, fake_quant_reference(x, packed, b), atol=2e-4, rtol=1e-4)

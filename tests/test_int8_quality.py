@@ -75,9 +75,11 @@ def test_int8_activations_keep_perplexity_within_one_percent(engines):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="measured: 2 of 16 prompts identical over 32 greedy tokens (the gate asks 12), though perplexity "
-    "stays within 1%: decoding 16 rows at once on int8 activations diverges early; gguf_int8 stays opt-in "
-    "until this passes",
+    reason="measured: 2 of 16 prompts identical over 32 greedy tokens (the gate asks 12), perplexity within 1%. "
+    "Not a multi-row defect: int8 decoding 16 sequences at once gives the same tokens as one at a time (16 of 16), "
+    "each layer matches float32 of the same int8-quantized activations within 1.1e-3 of its output's magnitude "
+    "(rounding-tie flips), and torch's float32 with the activations fake-quantized likewise agrees with float32 "
+    "on 8 of 16 only: this 135M model's greedy tokens flip under int8 activation noise. gguf_int8 stays opt-in",
 )
 def test_int8_activations_keep_greedy_tokens(engines):
     int8, float32 = engines

@@ -267,3 +267,18 @@ def test_cpu_linear_batch_copy_serves_many_rows_from_float32(rows):
     weight, _, copy = module[0].fast_path
     assert weight is module[0].weight and (copy is not None) == torch.backends.mkldnn.is_available()
     torch.testing.assert_close(module(x), F.linear(x, dense), atol=2e-5, rtol=1e-5)
+
+
+def test_a_stale_build_lock_never_blocks_a_load(tmp_path):
+    """A build killed mid-way leaves torch's `lock` file: the next builder, holding the build
+    flock (so no live process is building), removes it and carries on instead of waiting."""
+    import shutil
+
+    name, build_dir = extension._build_location()
+    shutil.copy(build_dir / f"{name}.so", tmp_path / f"{name}.so")
+    (tmp_path / "lock").touch()
+    assert extension.remove_stale_lock(tmp_path) and not (tmp_path / "lock").exists()
+    assert not extension.remove_stale_lock(tmp_path)
+    (tmp_path / "lock").touch()
+    module = extension._build(name, tmp_path)  # the library is there: imported under the flock, no wait
+    assert module.int8_dot_isas() == extension.load().int8_dot_isas()

@@ -15,15 +15,12 @@ from actors.messages import (
     CancelRequest,
     Delivery,
     Drain,
-    EntriesRead,
     EntryDone,
     HandBack,
     HeldJobs,
-    MayStart,
     ReadEntry,
     Reclaimed,
     Release,
-    Track,
     WantCredits,
 )
 from actors.streams import Streams
@@ -82,32 +79,47 @@ def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_inges
         first = WantCredits()
         await ledger.send(first)
         assert await granted(first) == (2, 1000)  # everything free, reserved for this read
-        await ledger.send(EntriesRead([read("1-a"), read("1-b")]))
-        await ledger.send(Track(delivery("a", size=400)))
-        await ledger.send(EntryDone("s", "1-a"))
+        ledger.entries_read([read("1-a"), read("1-b")])
+        ledger.track(delivery("a", size=400))  # its entry's bytes move from intake to held: counted once
         second = WantCredits()
         await ledger.send(second)
         assert await still_waiting(second)  # a held, b still being taken in: no credit
         await ledger.send(EntryDone("s", "1-b"))  # b refused: its credit is free again
         assert await granted(second) == (1, 600)
-        await ledger.send(EntriesRead([read("1-c")]))
-        await ledger.send(Track(delivery("c", size=600)))
-        await ledger.send(EntryDone("s", "1-c"))
+        ledger.entries_read([read("1-c")])
+        ledger.track(delivery("c", size=600))
         third = WantCredits()
         await ledger.send(third)
         assert await still_waiting(third)  # no credit and no bytes
         await ledger.send(Release(delivery("a", size=400)))
         assert await granted(third) == (1, 400)
-        await ledger.send(EntriesRead([]))
+        ledger.entries_read([])
         await ledger.send(Release(delivery("c", size=600, entry_id="2-c")))  # another entry: not ours, kept
         assert await ledger.ask(HeldJobs()) == ["c"]
 
     run(redis_url, namespace, scenario)
 
 
+def test_a_started_entry_counts_its_bytes_once(redis_url, namespace):
+    """Tracking a delivery moves its entry's bytes from intake to held in the same step:
+    no moment where they count twice, and no message ingest must send or wait for."""
+
+    async def scenario(ledger, ingest, scheduler, streams):
+        first = WantCredits()
+        await ledger.send(first)
+        assert await granted(first) == (2, 1000)
+        ledger.entries_read([read("1-a", size=400)])
+        ledger.track(delivery("a", size=400))
+        second = WantCredits()
+        await ledger.send(second)
+        assert await granted(second) == (1, 600)
+
+    run(redis_url, namespace, scenario)
+
+
 def test_bytes_alone_hold_the_grant_back(redis_url, namespace):
     async def scenario(ledger, ingest, scheduler, streams):
-        await ledger.send(Track(delivery("big", size=1000)))
+        ledger.track(delivery("big", size=1000))
         request = WantCredits()
         await ledger.send(request)
         assert await still_waiting(request)  # a credit is free, no byte is
@@ -126,14 +138,14 @@ def test_entries_being_taken_in_or_refused_hold_their_bytes_until_done(redis_url
         first = WantCredits()
         await ledger.send(first)
         assert await granted(first) == (2, 1000)
-        await ledger.send(EntriesRead([read("1-big", size=1000)]))
+        ledger.entries_read([read("1-big", size=1000)])
         second = WantCredits()
         await ledger.send(second)
         assert await still_waiting(second)  # a credit is free, but its bytes are all in the refused entry
         await ledger.send(EntryDone("s", "1-big"))
         assert await granted(second) == (2, 1000)
         truncated = ReadEntry("s", "1-huge", 50_000_000, True, {b"data": b"x" * 90})
-        await ledger.send(EntriesRead([truncated]))  # only its stub is in memory: 94 bytes count
+        ledger.entries_read([truncated])  # only its stub is in memory: 94 bytes count
         third = WantCredits()
         await ledger.send(third)
         assert await granted(third) == (1, 906)
@@ -158,7 +170,7 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
         request = WantCredits()
         await ledger.send(request)
         assert await granted(request) == (1, 1000 - message.entry.size)  # the reclaimed entry holds a credit
-        await ledger.send(EntriesRead([]))
+        ledger.entries_read([])
         await asyncio.sleep(0.5)  # more reclaim rounds: renewed as ours, not sent again
         assert ingest.mailbox.empty()
 
@@ -167,11 +179,11 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
 
 def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url, namespace):
     async def scenario(ledger, ingest, scheduler, streams):
-        await ledger.send(Track(delivery("a", size=10)))
-        assert await ledger.ask(MayStart("b", ReadEntry("s", "1-b", 5, False, {}))) is True
+        ledger.track(delivery("a", size=10))
+        assert ledger.may_start("b", ReadEntry("s", "1-b", 5, False, {})) is True
         requeued = ReadEntry("s", "2-a", 5, False, {b"data": b"x"})  # e.g. requeued as its old attempt ends
-        assert await ledger.ask(MayStart("a", requeued)) is False
-        await ledger.send(EntryDone("s", "2-a"))
+        ledger.entries_read([requeued])
+        assert ledger.may_start("a", requeued) is False
         request = WantCredits()
         await ledger.send(request)
         await asyncio.sleep(0.2)
@@ -186,7 +198,7 @@ def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url
 def test_cancels_go_to_the_scheduler_only_for_held_jobs_and_once(redis_url, namespace):
     async def scenario(ledger, ingest, scheduler, streams):
         assert await ledger.ask(CancelRequest("not-here")) is False
-        await ledger.send(Track(delivery("held")))
+        ledger.track(delivery("held"))
         assert await ledger.ask(CancelRequest("held")) is True
         assert await ledger.ask(CancelRequest("held")) is True
         assert scheduler.mailbox.get_nowait() == AbortJob("held", "cancelled")
@@ -200,8 +212,8 @@ def test_cancels_go_to_the_scheduler_only_for_held_jobs_and_once(redis_url, name
 
 def test_drain_is_answered_by_the_last_release(redis_url, namespace):
     async def scenario(ledger, ingest, scheduler, streams):
-        await ledger.send(Track(delivery("a")))
-        await ledger.send(Track(delivery("b")))
+        ledger.track(delivery("a"))
+        ledger.track(delivery("b"))
         drained = asyncio.ensure_future(ledger.ask(Drain()))
         await ledger.send(Release(delivery("a")))
         await asyncio.sleep(0.2)
@@ -221,7 +233,7 @@ def test_hand_back_queues_only_our_attempt_and_frees_every_pending_entry(redis_u
             await streams.redis.xreadgroup(GROUP, "ledger-test", {stream: ">"}, count=1)
             await streams.redis.eval(START_LUA, 2, keys.job(job_id), keys.out(job_id), entry_id, 60, "0", "")
             held.append(Delivery(stream, entry_id, job_id, attempt=1))
-            await ledger.send(Track(held[-1]))
+            ledger.track(held[-1])
         await streams.redis.hset(keys.job("reclaimed-by-another"), "attempt", 2)  # a newer owner's
         await streams.redis.xadd(stream, {"data": b"read, never recorded"})
         await streams.redis.xreadgroup(GROUP, "ledger-test", {stream: ">"}, count=1)

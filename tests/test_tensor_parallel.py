@@ -42,21 +42,38 @@ HIDDEN, LAYERS = 64, 2  # the tiny models' (tests/model_factory.py)
 RANK_EXIT_BOUND_S = 15.0
 
 
-@pytest.fixture(scope="module", params=("llama", "qwen2", "qwen3"))
-def tiny_model(request, tmp_path_factory):
-    return build_tiny_model(request.param, tmp_path_factory.mktemp(f"tp_{request.param}"))
+# Every family with ample KV (what sharding each family's weights must get right: Qwen2's
+# biases, Qwen3's q/k norms), and each other regime once (what TP adds to the engine's
+# paths, the same for every family). The full cross of the two repeated the first row's
+# coverage at a rank start (~5 s) per case.
+CASES = [
+    ("llama", "ample_kv"),
+    ("qwen2", "ample_kv"),
+    ("qwen3", "ample_kv"),
+    ("llama", "speculative"),
+    ("qwen2", "overlapped_preemption"),
+    ("qwen3", "preemption"),
+]
 
 
 @pytest.fixture(scope="module")
-def workload(tiny_model):
+def tiny_models(tmp_path_factory):
+    return {family: build_tiny_model(family, tmp_path_factory.mktemp(f"tp_{family}")) for family in dict(CASES)}
+
+
+@pytest.fixture(scope="module")
+def workloads(tiny_models):
     prompts = mixed_prompts(768, n=NUM_PROMPTS, seed=1, min_len=1, max_len=200)
     max_tokens = mixed_max_tokens(NUM_PROMPTS, seed=1, low=1, high=40)
-    return prompts, max_tokens, [hf_greedy(tiny_model, p, n) for p, n in zip(prompts, max_tokens)]
+    return {
+        family: (prompts, max_tokens, [hf_greedy(model, p, n) for p, n in zip(prompts, max_tokens)])
+        for family, model in tiny_models.items()
+    }
 
 
-@pytest.mark.parametrize("regime", REGIMES)
-def test_tp2_greedy_matches_transformers(tiny_model, workload, regime):
-    prompts, max_tokens, expected = workload
+@pytest.mark.parametrize("family, regime", CASES)
+def test_tp2_greedy_matches_transformers(tiny_models, workloads, family, regime):
+    tiny_model, (prompts, max_tokens, expected) = tiny_models[family], workloads[family]
     with LLM(tiny_model, tensor_parallel_size=2, **REGIMES[regime]) as llm:
         outputs = llm.generate(
             prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens], use_tqdm=False
@@ -183,7 +200,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def spawn(request, tmp_path, redis_url, namespace):
-    yield from spawner_fixture(request, tmp_path, redis_url)
+    yield from spawner_fixture(request, tmp_path, redis_url, engine_process=True)
 
 
 def rank_pid(replica) -> int:
@@ -213,7 +230,8 @@ def test_replica_with_a_killed_rank_exits_and_its_jobs_are_reclaimed(spawn, redi
     for prompt, job in zip(prompts, short):  # through the actors (overlapped steps): still exact
         assert job.result(timeout=60).token_ids == hf_greedy(model, prompt, 16)
 
-    survivor = spawn(namespace, "survivor", model, lease_s=2.0, args=one_seq, env=here).start().wait_ready()
+    survivor = spawn(namespace, "survivor", model, lease_s=2.0, args=one_seq, env=here, engine_process=False)
+    survivor.start().wait_ready()
     jobs = client.submit_many([long_job(i) for i in range(4)], progress=False)
 
     def held_by_tp():

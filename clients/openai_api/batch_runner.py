@@ -549,7 +549,7 @@ class BatchRun:
         await self._collect(live, None)  # finished ones are kept; `live` keeps the rest
         states = await self._job_states(list(live.values()))
         running = {line.job_id: line for line, (status, _) in zip(list(live.values()), states) if status}
-        await asyncio.gather(*(self.client.job(job_id).cancel() for job_id in running))
+        await self._cancel_jobs(list(running))
         ends = time.monotonic() + self.settings.cancel_wait_s
         while running and time.monotonic() < ends:
             self._check_lease()
@@ -557,6 +557,13 @@ class BatchRun:
             await self._collect(running, None)
         allowed = ("cancelling",) if final == "cancelled" else ("in_progress",)
         return await self._assemble(final, allowed=allowed)
+
+    async def _cancel_jobs(self, job_ids: list[str]) -> None:
+        """Cancel in rounds of the in-flight bound: a batch holds no more Redis commands at once
+        than it does jobs in flight."""
+        step = max(1, self.settings.max_in_flight)
+        for start in range(0, len(job_ids), step):
+            await asyncio.gather(*(self.client.job(job_id).cancel() for job_id in job_ids[start : start + step]))
 
     async def _assemble(self, final: str, allowed: tuple[str, ...]) -> str:
         """Write the output and error files from the stored lines, then set the final status."""

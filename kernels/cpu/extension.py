@@ -1,11 +1,14 @@
 """The compiled CPU kernels, built once on first use and loaded directly afterwards.
 
-The build goes through torch's C++ extension loader (ninja, a lock while compiling). Once
-the shared library exists for this exact source, it is imported directly: no lock, so a
-process killed mid-load can never leave others waiting. Without a compiler the torch
-reference path is used instead.
+The build goes through torch's C++ extension loader (ninja, a `lock` file while compiling).
+Builders first take an flock of their own on the build folder: the kernel drops it when its
+holder dies, so whoever holds it knows no live process is building, and a `lock` file left by
+one killed mid-build is stale and removed (torch's loader would otherwise wait on it
+forever). Once the shared library exists for this exact source, it is imported directly.
+Without a compiler the torch reference path is used instead.
 """
 
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -70,6 +73,27 @@ def _build_location() -> tuple[str, Path]:
 
 
 def _build(name: str, build_dir: Path):
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "conveyor.flock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # waits while a live process builds; released at its death
+        built = build_dir / f"{name}.so"
+        if built.exists():  # built by the holder before us
+            return _import(name, built)
+        remove_stale_lock(build_dir)
+        return _compile(name, build_dir)
+
+
+def remove_stale_lock(build_dir: Path) -> bool:
+    """Remove torch's `lock` file, called with the build flock held: no live builder owns it."""
+    try:
+        (build_dir / "lock").unlink()
+    except FileNotFoundError:
+        return False
+    log.warning("removed a stale build lock in %s (a build was killed mid-way)", build_dir)
+    return True
+
+
+def _compile(name: str, build_dir: Path):
     from torch.utils.cpp_extension import load as load_extension
 
     if shutil.which("ninja") is None:  # the `ninja` wheel installs next to this interpreter

@@ -1,0 +1,221 @@
+// The Conveyor dashboard: polls /dashboard/api/* and writes every value with textContent
+// (never innerHTML: each value is producer input). No library, no build step.
+"use strict";
+
+const KEY_STORE = "conveyor-dashboard-key";
+const OVERVIEW_MS = 1500, DEAD_MS = 3000, BATCHES_MS = 5000;
+const state = { ns: "", deadBefore: null, deadNext: null, mayAct: false, stopped: false };
+
+function $(id) { return document.getElementById(id); }
+
+function el(tag, text, className) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (className) node.className = className;
+  return node;
+}
+
+function row(cells) {
+  const tr = document.createElement("tr");
+  for (const cell of cells) tr.appendChild(cell instanceof Node ? wrap(cell) : el("td", cell));
+  return tr;
+}
+
+function wrap(node) { const td = document.createElement("td"); td.appendChild(node); return td; }
+
+function fill(tbodyId, rows, empty) {
+  const body = $(tbodyId);
+  if (!rows.length) { const tr = row([el("span", empty, "muted")]); body.replaceChildren(tr); return; }
+  body.replaceChildren(...rows);
+}
+
+function seconds(value) {
+  if (value === null || value === undefined) return "–";
+  if (value < 60) return value.toFixed(1) + " s";
+  if (value < 3600) return (value / 60).toFixed(1) + " min";
+  return (value / 3600).toFixed(1) + " h";
+}
+
+function when(epoch) { return epoch ? new Date(epoch * 1000).toLocaleString() : "–"; }
+function num(value, digits) { return value === null || value === undefined ? "–" : Number(value).toFixed(digits || 0); }
+
+async function api(path, options) {
+  const headers = Object.assign({}, (options && options.headers) || {});
+  const key = sessionStorage.getItem(KEY_STORE);
+  if (key) headers["Authorization"] = "Bearer " + key;
+  const query = state.ns ? (path.includes("?") ? "&" : "?") + "ns=" + encodeURIComponent(state.ns) : "";
+  const response = await fetch(path + query, Object.assign({}, options, { headers, cache: "no-store" }));
+  if (response.status === 401) { askForKey("a key is needed"); throw new Error("unauthorized"); }
+  const body = await response.json();
+  if (!response.ok) throw new Error((body.error && body.error.message) || response.statusText);
+  return body;
+}
+
+function askForKey(message) {
+  state.stopped = true;
+  $("key-form").hidden = false;
+  $("key-error").textContent = message;
+}
+
+// ---------------------------------------------------------------- overview
+
+async function refreshOverview() {
+  const data = await api("/dashboard/api/overview");
+  state.mayAct = data.may_act;
+  showNamespaces(data.namespace, data.namespaces);
+  $("queued-total").textContent = data.totals.queued;
+  $("inflight-total").textContent = data.totals.in_flight;
+  $("dead-total").textContent = data.totals.dead_letters;
+  $("replicas-live").textContent = data.totals.replicas_live;
+  fill("queues", data.queues.map(q => row([
+    q.model || "(any model)", q.priority_class, q.partition, q.queued, q.in_flight,
+    q.queued ? seconds(q.oldest_age_s) : "–", q.consumers, num(q.done_per_s, 2),
+  ])), "no request stream holds or serves anything yet");
+  fill("replicas", data.replicas.map(r => row([
+    r.consumer, r.model, el("span", r.state, r.live ? "live" : "gone"), num(r.running), num(r.waiting),
+    r.kv_usage === null ? "–" : (100 * r.kv_usage).toFixed(1) + " %", num(r.tokens_per_s, 1), num(r.finished),
+    seconds(r.last_seen_s) + " ago",
+  ])), "no replica has written a record here");
+  drawChart(data.throughput);
+  $("dead-requeue-all").hidden = !state.mayAct;
+  $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+}
+
+function showNamespaces(current, namespaces) {
+  $("ns-name").textContent = namespaces.length > 1 ? "" : current;
+  const select = $("ns");
+  $("ns-box").hidden = namespaces.length <= 1;
+  if (select.options.length !== namespaces.length) {
+    select.replaceChildren(...namespaces.map(ns => { const o = el("option", ns); o.value = ns; return o; }));
+  }
+  select.value = current;
+  state.ns = current;
+}
+
+function drawChart(series) {
+  const svg = $("chart"), width = 600, height = 120, span = 300;
+  const lines = [["done", series.done_per_s], ["tokens", series.tokens_per_s]];
+  const paths = [];
+  for (const [name, values] of lines) {
+    const top = Math.max(1e-9, ...values);
+    const points = values.map((v, i) => {
+      const x = width - (series.seconds_ago[i] / span) * width;
+      const y = height - 4 - (v / top) * (height - 8);
+      return x.toFixed(1) + "," + y.toFixed(1);
+    });
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", points.join(" "));
+    line.setAttribute("class", name);
+    paths.push(line);
+  }
+  svg.replaceChildren(...paths);
+  const last = values => values.length ? values[values.length - 1] : null;
+  $("done-now").textContent = num(last(series.done_per_s), 2);
+  $("tokens-now").textContent = num(last(series.tokens_per_s), 1);
+}
+
+// ---------------------------------------------------------------- dead letters
+
+async function refreshDead() {
+  const path = "/dashboard/api/dead" + (state.deadBefore ? "?before=" + encodeURIComponent(state.deadBefore) : "");
+  const data = await api(path);
+  state.deadNext = data.next;
+  $("dead-older").disabled = !data.next;
+  $("dead-total").textContent = data.total;
+  fill("dead", data.letters.map(d => row([
+    d.dead_id, when(d.at), d.job_id || (d.raw_job_id ? "invalid id: " + d.raw_job_id : "?"), d.stream, d.reason, requeueButton(d),
+  ])), state.deadBefore ? "no older dead letters" : "no dead letters");
+}
+
+function requeueButton(letter) {
+  if (!letter.requeueable) return el("span", letter.why_not || "cannot be requeued", "muted");
+  if (!state.mayAct) return el("span", "requeueable (admin key)", "muted");
+  const button = el("button", "Requeue", "act");
+  button.type = "button";
+  button.dataset.deadId = letter.dead_id;
+  button.addEventListener("click", () => requeue({ ids: [letter.dead_id] }));
+  return button;
+}
+
+async function requeue(body) {
+  try {
+    const result = await api("/dashboard/api/dead/requeue", {
+      method: "POST", body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json", "X-Conveyor-Dashboard": "1" },
+    });
+    const failed = result.failed.length ? `, ${result.failed.length} failed: ${result.failed[0].why}` : "";
+    $("dead-note").textContent = `requeued ${result.requeued}, skipped ${result.skipped}${failed}`;
+  } catch (error) {
+    $("dead-note").textContent = "requeue failed: " + error.message;
+  }
+  await refreshDead();
+}
+
+// ---------------------------------------------------------------- batches and jobs
+
+async function refreshBatches() {
+  const data = await api("/dashboard/api/batches");
+  fill("batches", data.batches.map(b => {
+    const counts = b.request_counts, done = counts.completed + counts.failed;
+    const bar = el("progress");
+    bar.max = Math.max(counts.total, 1);
+    bar.value = done;
+    const progress = el("span");
+    progress.append(bar, el("span", ` ${done} / ${counts.total}` + (counts.failed ? ` (${counts.failed} failed)` : "")));
+    return row([b.id, b.status, b.model || "–", progress, when(b.created_at)]);
+  }), data.error || "no batches");
+}
+
+async function lookUpJob(event) {
+  event.preventDefault();
+  const id = $("job-input").value.trim(), out = $("job-result");
+  if (!id) return;
+  try {
+    const job = await api("/dashboard/api/job/" + encodeURIComponent(id));
+    const table = el("table"), body = el("tbody");
+    for (const e of job.events) body.appendChild(row([e.id, e.type, e.attempt ?? "–", e.text ?? ""]));
+    table.appendChild(body);
+    const summary = el("p", `status ${job.status}, attempt ${job.attempt}, updated ${when(job.updated)}` +
+      (job.cancel_requested ? ", cancel requested" : "") + (job.more_events ? ` (first ${job.events.length} events)` : ""));
+    out.replaceChildren(summary, table);
+  } catch (error) {
+    out.replaceChildren(el("p", error.message, "error"));
+  }
+}
+
+// ---------------------------------------------------------------- loop
+
+function every(ms, work) {
+  const tick = async () => {
+    if (state.stopped) return;
+    try { await work(); } catch (error) { if (!state.stopped) $("updated").textContent = "error: " + error.message; }
+    setTimeout(tick, ms);
+  };
+  tick();
+}
+
+function start() {
+  state.stopped = false;
+  $("key-form").hidden = true;
+  every(OVERVIEW_MS, refreshOverview);
+  every(DEAD_MS, refreshDead);
+  every(BATCHES_MS, refreshBatches);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("key-form").addEventListener("submit", event => {
+    event.preventDefault();
+    sessionStorage.setItem(KEY_STORE, $("key").value.trim());
+    start();
+  });
+  $("ns").addEventListener("change", () => {
+    state.ns = $("ns").value;
+    state.deadBefore = null;
+    refreshOverview(); refreshDead(); refreshBatches();
+  });
+  $("dead-newest").addEventListener("click", () => { state.deadBefore = null; refreshDead(); });
+  $("dead-older").addEventListener("click", () => { state.deadBefore = state.deadNext; refreshDead(); });
+  $("dead-requeue-all").addEventListener("click", () => requeue({ all: true }));
+  $("job-form").addEventListener("submit", lookUpJob);
+  start();
+});
