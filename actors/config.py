@@ -38,6 +38,11 @@ class ReplicaConfig:
     # probes one partition (any: stealing, or a missed wake) at most this far apart (no
     # blocking read: it would take in an entry whatever its size); a probe costs one script
     idle_poll_max_s: float = field(default_factory=lambda: _env_float("CONVEYOR_IDLE_POLL_MAX_S", 0.25))
+    # partitions owned by leases, idle replicas woken by the submit script (actors/partitions.py);
+    # false: every replica reads every partition each poll (the layout before, kept to compare)
+    partition_ownership: bool = field(
+        default_factory=lambda: os.environ.get("CONVEYOR_PARTITION_OWNERSHIP", "1").lower() not in ("0", "false", "no")
+    )
     served_model_name: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_SERVED_MODEL_NAME"))
     metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
     metrics_host: str = field(default_factory=lambda: os.environ.get("CONVEYOR_METRICS_HOST", "127.0.0.1"))

@@ -55,7 +55,7 @@ class IngestActor(Actor):
         self.publisher = publisher
         self.config = config
         self.warnings = RateLimitedLog(log)
-        self.partitions = None  # the PartitionKeeper whose `owned` it reads (None: reads by probing alone)
+        self.partitions = None  # the PartitionKeeper whose `owned` it reads (None: reads every partition)
         self.num_partitions = streams.keys.partitions
         # partitions to read: woken, or that gave entries last time; at start every one (its backlog)
         self.pending: set[int] = set(range(self.num_partitions))
@@ -79,7 +79,9 @@ class IngestActor(Actor):
             if entries:
                 idle_s = FIRST_IDLE_POLL_S
                 continue
-            if not self.pending and not await self._idle(idle_s):
+            if self.partitions is None:
+                await self._idle(idle_s)
+            elif not self.pending and not await self._idle(idle_s):
                 self.pending.add(self._next_probe())  # no wake-up: probe one partition (steal)
             idle_s = min(2 * idle_s, self.config.read_block_ms / 1000, self.config.idle_poll_max_s)
 
@@ -93,6 +95,9 @@ class IngestActor(Actor):
     def _plan(self) -> list[int]:
         """The partitions to read now, taken out of ``pending`` (the read puts back those
         that may hold more), the owned ones first."""
+        if self.partitions is None:  # no ownership: every partition at every read
+            self.pending.update(range(self.num_partitions))
+            self._next_probe()  # the first partition rotates, so all are served alike
         owned = self.partitions.owned if self.partitions is not None else frozenset()
         plan = sorted(self.pending, key=lambda p: (p not in owned, (p - self.next_probe) % self.num_partitions))
         self.pending.clear()

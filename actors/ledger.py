@@ -232,6 +232,8 @@ class JobLedger(Actor):
         """The streams of the owned partitions and of one more in turn: a bounded number of
         commands per round whatever the number of partitions (a dead owner's partitions get
         a new owner within a lease, who then reclaims them)."""
+        if self.partitions is None:  # no ownership: every replica reclaims every partition
+            return list(self.streams.request_streams)
         count = self.streams.keys.partitions
         extra, self.next_reclaim = self.next_reclaim, (self.next_reclaim + 1) % count
         owned = self.partitions.owned if self.partitions is not None else frozenset()

@@ -10,11 +10,12 @@ lease/6 (below).
 
 Ownership is a lease per partition in one hash of the namespace's slot
 (`Keys.partition_owners`: field `<k>` -> `<expiry ms> <consumer>`), with the live replicas
-in a sorted set beside it (`Keys.live_replicas`). One script, on the server's clock, renews
+in a sorted set beside it (`Keys.partition_takers`). One script, on the server's clock, renews
 this replica's leases, gives back what is over its fair share (ceil(N / live replicas):
 a replica joined) and takes free or expired partitions up to it (a replica left or died).
 Owners also reclaim their partitions' orphaned entries (actors/ledger.py). The hash is
-producer-writable input: a value that does not parse is a free partition, and a producer
+producer-writable input: a value that does not parse, or whose expiry is further than one
+lease away (replicas of a namespace share a lease), is a free partition, and a producer
 that scribbles on it can only move wake-ups around, never lose a job (probes find it).
 """
 
@@ -43,6 +44,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 redis.call('ZADD', KEYS[2], now + lease, me)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '(' .. (now + lease), '+inf')
 redis.call('PEXPIRE', KEYS[2], 2 * lease)
 local target = math.ceil(n / math.max(1, redis.call('ZCARD', KEYS[2])))
 local fields = {}
@@ -53,7 +55,7 @@ for p = 0, n - 1 do
   local expiry, owner = nil, nil
   if type(values[p + 1]) == 'string' then expiry, owner = string.match(values[p + 1], '^(%d+) (.*)$') end
   expiry = tonumber(expiry)
-  if not expiry or expiry <= now then free[#free + 1] = p
+  if not expiry or expiry <= now or expiry > now + lease then free[#free + 1] = p
   elseif owner == me then mine[#mine + 1] = p end
 end
 while #mine > target do redis.call('HDEL', KEYS[1], tostring(table.remove(mine))) end

@@ -50,10 +50,12 @@ class Replica:
         self.scheduler = EngineCoreActor(engine, self.publisher, self.metrics, faults.job_hooks())
         self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
         self.ledger.connect(self.ingest, self.scheduler)
-        self.partitions = PartitionKeeper(
-            self.streams, config.partition_lease_ms, config.partition_check_s, self.ingest.wake
-        )
-        self.ingest.partitions = self.ledger.partitions = self.partitions
+        self.partitions = None
+        if config.partition_ownership:
+            self.partitions = PartitionKeeper(
+                self.streams, config.partition_lease_ms, config.partition_check_s, self.ingest.wake
+            )
+            self.ingest.partitions = self.ledger.partitions = self.partitions
         self.cancels = CancelWatcher(self.streams, self.ledger)
         self.announcer = ModelAnnouncer(
             self.streams,
@@ -113,8 +115,9 @@ class Replica:
         the rest only once no step can publish them any more (no result after hand-back)."""
         self.announcer.state = "draining"
         await self.ingest.stop()
-        await self.partitions.stop()
-        await self.partitions.release()  # others take its partitions at their next check
+        if self.partitions is not None:
+            await self.partitions.stop()
+            await self.partitions.release()  # others take its partitions at their next check
         drained = asyncio.ensure_future(self.ledger.ask(Drain()))  # entries in intake can't progress now
         await asyncio.wait({drained}, timeout=self.config.grace_s)
         drained.cancel()
@@ -125,7 +128,8 @@ class Replica:
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
-        return (self.publisher, self.scheduler, self.ledger, self.cancels, self.announcer, self.partitions, self.ingest)
+        keeper = (self.partitions,) if self.partitions is not None else ()
+        return (self.publisher, self.scheduler, self.ledger, self.cancels, self.announcer, *keeper, self.ingest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

@@ -344,14 +344,14 @@ class Streams:
     async def claim_partitions(self, lease_ms: int) -> list[int]:
         """Renew this replica's partition leases and take its fair share; the partitions it owns."""
         keys, args = (
-            [self.keys.partition_owners, self.keys.live_replicas],
+            [self.keys.partition_owners, self.keys.partition_takers],
             [self.consumer, lease_ms, self.keys.partitions],
         )
         owned = await self.resilient(lambda: self.claim_partitions_script(keys=keys, args=args), "claim partitions")
         return [int(p) for p in owned if 0 <= int(p) < self.keys.partitions]
 
     async def release_partitions(self) -> None:
-        keys, args = [self.keys.partition_owners, self.keys.live_replicas], [self.consumer, 0, self.keys.partitions]
+        keys, args = [self.keys.partition_owners, self.keys.partition_takers], [self.consumer, 0, self.keys.partitions]
         await self.resilient(lambda: self.release_partitions_script(keys=keys, args=args), "release partitions")
 
     @asynccontextmanager

@@ -183,9 +183,10 @@ class Keys:
         return f"{self._namespace_prefix}:partition-owners"
 
     @property
-    def live_replicas(self) -> str:
-        """Sorted set of the replicas taking partitions: consumer -> expiry ms (its one slot with partition_owners)."""
-        return f"{self._namespace_prefix}:replicas"
+    def partition_takers(self) -> str:
+        """Sorted set of the replicas taking partitions: consumer -> expiry ms (one slot with
+        partition_owners; not `replicas`, the operators' records scored in seconds)."""
+        return f"{self._namespace_prefix}:partition-takers"
 
     @property
     def dead(self) -> str:
