@@ -37,7 +37,7 @@ class ReplicaConfig:
     # an idle replica waits for a wake-up from the submit script on the partitions it owns and
     # probes one partition (any: stealing, or a missed wake) at most this far apart (no
     # blocking read: it would take in an entry whatever its size); a probe costs one script
-    idle_poll_max_s: float = field(default_factory=lambda: _env_float("CONVEYOR_IDLE_POLL_MAX_S", 0.25))
+    idle_poll_max_s: float = field(default_factory=lambda: _env_float("CONVEYOR_IDLE_POLL_MAX_S", 1.0))
     # partitions owned by leases, idle replicas woken by the submit script (actors/partitions.py);
     # false: every replica reads every partition each poll (the layout before, kept to compare)
     partition_ownership: bool = field(

@@ -57,8 +57,9 @@ class IngestActor(Actor):
         self.warnings = RateLimitedLog(log)
         self.partitions = None  # the PartitionKeeper whose `owned` it reads (None: reads every partition)
         self.num_partitions = streams.keys.partitions
-        # partitions to read: woken, or that gave entries last time; at start every one (its backlog)
-        self.pending: set[int] = set(range(self.num_partitions))
+        # partitions to read: woken, or that gave entries last time. None at start: the keeper
+        # wakes each partition it comes to own (its backlog is read then), probes find the rest
+        self.pending: set[int] = set()
         self.woken = asyncio.Event()
         self.next_probe = zlib.crc32(config.consumer.encode()) % self.num_partitions
         # the adapters a job may name in `lora`: ids in --lora-modules order (the engine's slots and cache keys)

@@ -6,7 +6,7 @@ for every replica. Now an idle replica's cost does not depend on N: it waits on 
 channels of the partitions it owns (the submit script PUBLISHes on the channel named like
 the request stream), probes one partition at a time at a capped rate (stealing from others,
 and a safety net for a missed wake: actors/ingest.py), and runs one ownership script every
-lease/6 (below).
+lease/6 (actors/partition_scripts.py).
 
 Ownership is a lease per partition in one hash of the namespace's slot
 (`Keys.partition_owners`: field `<k>` -> `<expiry ms> <consumer>`), with the live replicas
@@ -19,68 +19,18 @@ lease away (replicas of a namespace share a lease), is a free partition, and a p
 that scribbles on it can only move wake-ups around, never lose a job (probes find it).
 """
 
-from __future__ import annotations
-
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.resilience import CONNECTION_ERRORS
-
-if TYPE_CHECKING:  # streams.py runs this module's scripts
-    from actors.streams import Streams
+from actors.streams import Streams
 
 log = logging.getLogger(__name__)
 RESUBSCRIBE_S = 0.5
 LISTEN_TIMEOUT_S = 1.0  # how long one wait on the channels lasts before subscriptions are checked
-
-# KEYS: partition owners hash, live replicas zset. ARGV: consumer, lease ms, partitions.
-# Returns the partitions this consumer owns now.
-CLAIM_PARTITIONS_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local me, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-redis.call('ZADD', KEYS[2], now + lease, me)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '(' .. (now + lease), '+inf')
-redis.call('PEXPIRE', KEYS[2], 2 * lease)
-local target = math.ceil(n / math.max(1, redis.call('ZCARD', KEYS[2])))
-local fields = {}
-for p = 0, n - 1 do fields[#fields + 1] = tostring(p) end
-local values = redis.call('HMGET', KEYS[1], unpack(fields))
-local mine, free = {}, {}
-for p = 0, n - 1 do
-  local expiry, owner = nil, nil
-  if type(values[p + 1]) == 'string' then expiry, owner = string.match(values[p + 1], '^(%d+) (.*)$') end
-  expiry = tonumber(expiry)
-  if not expiry or expiry <= now or expiry > now + lease then free[#free + 1] = p
-  elseif owner == me then mine[#mine + 1] = p end
-end
-while #mine > target do redis.call('HDEL', KEYS[1], tostring(table.remove(mine))) end
-if #free > 0 then
-  local start = tonumber(string.sub(redis.sha1hex(me), 1, 6), 16) % #free
-  for i = 0, #free - 1 do
-    if #mine >= target then break end
-    mine[#mine + 1] = free[(start + i) % #free + 1]
-  end
-end
-for _, p in ipairs(mine) do redis.call('HSET', KEYS[1], tostring(p), (now + lease) .. ' ' .. me) end
-redis.call('PEXPIRE', KEYS[1], 2 * lease)
-return mine
-"""
-
-# Leave: give back this consumer's partitions at once. KEYS, ARGV: as above (no lease).
-RELEASE_PARTITIONS_LUA = """
-local me, n = ARGV[1], tonumber(ARGV[3])
-redis.call('ZREM', KEYS[2], me)
-for p = 0, n - 1 do
-  local value = redis.call('HGET', KEYS[1], tostring(p))
-  if type(value) == 'string' and string.match(value, '^%d+ (.*)$') == me then redis.call('HDEL', KEYS[1], tostring(p)) end
-end
-return 1
-"""
 
 
 class PartitionKeeper(Actor):

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from actors.messages import Delivery, ReadEntry
-from actors.partitions import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
+from actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
 from actors.resilience import retrying
 from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, PRIORITY_CLASSES, Keys
