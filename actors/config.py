@@ -33,10 +33,16 @@ class ReplicaConfig:
     max_deliveries: int = field(default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_DELIVERIES", 3)))
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
     max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
-    read_block_ms: int = 1000  # upper bound of the idle poll interval
-    # empty streams are polled at most this far apart (no blocking read: it would take in an
-    # entry whatever its size): the first job after a quiet spell waits up to this long
-    idle_poll_max_s: float = field(default_factory=lambda: _env_float("CONVEYOR_IDLE_POLL_MAX_S", 0.02))
+    read_block_ms: int = 1000  # upper bound of the idle probe interval
+    # an idle replica waits for a wake-up from the submit script on the partitions it owns and
+    # probes one partition (any: stealing, or a missed wake) at most this far apart (no
+    # blocking read: it would take in an entry whatever its size); a probe costs one script
+    idle_poll_max_s: float = field(default_factory=lambda: _env_float("CONVEYOR_IDLE_POLL_MAX_S", 1.0))
+    # partitions owned by leases, idle replicas woken by the submit script (actors/partitions.py);
+    # false: every replica reads every partition each poll (the layout before, kept to compare)
+    partition_ownership: bool = field(
+        default_factory=lambda: os.environ.get("CONVEYOR_PARTITION_OWNERSHIP", "1").lower() not in ("0", "false", "no")
+    )
     served_model_name: str | None = field(default_factory=lambda: os.environ.get("CONVEYOR_SERVED_MODEL_NAME"))
     metrics_port: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_METRICS_PORT"))
     metrics_host: str = field(default_factory=lambda: os.environ.get("CONVEYOR_METRICS_HOST", "127.0.0.1"))
@@ -66,3 +72,13 @@ class ReplicaConfig:
     @property
     def reclaim_interval_s(self) -> float:
         return self.lease_s / 2
+
+    @property
+    def partition_lease_ms(self) -> int:
+        """A partition's owner must renew within this; with checks every lease/6 a dead
+        owner's partitions move within 5/6 of a lease (a margin for a loaded box)."""
+        return int(self.lease_s * 1000 * 2 / 3)
+
+    @property
+    def partition_check_s(self) -> float:
+        return self.lease_s / 6

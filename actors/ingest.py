@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import zlib
 
 from redis.exceptions import ResponseError
 
@@ -54,6 +55,13 @@ class IngestActor(Actor):
         self.publisher = publisher
         self.config = config
         self.warnings = RateLimitedLog(log)
+        self.partitions = None  # the PartitionKeeper whose `owned` it reads (None: reads every partition)
+        self.num_partitions = streams.keys.partitions
+        # partitions to read: woken, or that gave entries last time. None at start: the keeper
+        # wakes each partition it comes to own (its backlog is read then), probes find the rest
+        self.pending: set[int] = set()
+        self.woken = asyncio.Event()
+        self.next_probe = zlib.crc32(config.consumer.encode()) % self.num_partitions
         # the adapters a job may name in `lora`: ids in --lora-modules order (the engine's slots and cache keys)
         self.adapters = {
             name: LoRARequest(name, number, path)
@@ -64,7 +72,7 @@ class IngestActor(Actor):
         idle_s = FIRST_IDLE_POLL_S
         while not self.stopped:
             credits, budget = await self._credits()
-            entries = await self._read(credits, budget)
+            entries = await self._read(credits, budget, self._plan())
             # leased from the moment they are read: renewed, never reclaimed from under us
             self.ledger.entries_read(entries)
             for entry in entries:
@@ -72,9 +80,35 @@ class IngestActor(Actor):
             if entries:
                 idle_s = FIRST_IDLE_POLL_S
                 continue
-            # no blocking read: a blocking XREADGROUP would bring an entry in whatever its size
-            await self._idle(idle_s)
+            if self.partitions is None:
+                await self._idle(idle_s)
+            elif not self.pending and not await self._idle(idle_s):
+                self.pending.add(self._next_probe())  # no wake-up: probe one partition (steal)
             idle_s = min(2 * idle_s, self.config.read_block_ms / 1000, self.config.idle_poll_max_s)
+
+    def wake(self, partition: int) -> None:
+        """A wake-up for ``partition`` (bounded: a set of partition numbers). The partition
+        keeper calls it for messages on the owned partitions' channels."""
+        if 0 <= partition < self.num_partitions:
+            self.pending.add(partition)
+            self.woken.set()
+
+    def _plan(self) -> list[int]:
+        """The partitions to read now, taken out of ``pending`` (the read puts back those
+        that may hold more), the owned ones first."""
+        if self.partitions is None:  # no ownership: every partition at every read
+            self.pending.update(range(self.num_partitions))
+            self._next_probe()  # the first partition rotates, so all are served alike
+        owned = self.partitions.owned if self.partitions is not None else frozenset()
+        plan = sorted(self.pending, key=lambda p: (p not in owned, (p - self.next_probe) % self.num_partitions))
+        self.pending.clear()
+        return plan
+
+    def _next_probe(self) -> int:
+        """Partitions in turn from a start of this replica's own: every one is probed, and
+        replicas probing together start apart."""
+        probe, self.next_probe = self.next_probe, (self.next_probe + 1) % self.num_partitions
+        return probe
 
     async def _credits(self) -> tuple[int, int]:
         """The ledger's grant of (entries, bytes) to read, reserved for this read."""
@@ -83,12 +117,19 @@ class IngestActor(Actor):
         await self._take_reclaimed_until(request.reply)
         return request.reply.result()
 
-    async def _idle(self, seconds: float) -> None:
+    async def _idle(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for a wake-up, taking in reclaimed entries meanwhile.
+        True when a partition was woken."""
+        self.woken.clear()
         timer = asyncio.ensure_future(asyncio.sleep(seconds))
+        wake = asyncio.ensure_future(self.woken.wait())
+        either = asyncio.ensure_future(asyncio.wait({timer, wake}, return_when=asyncio.FIRST_COMPLETED))
         try:
-            await self._take_reclaimed_until(timer)
+            await self._take_reclaimed_until(either)
         finally:
-            timer.cancel()
+            for future in (timer, wake, either):
+                future.cancel()
+        return bool(self.pending)
 
     async def _take_reclaimed_until(self, done: asyncio.Future) -> None:
         """Take in reclaimed entries (the mailbox) until ``done`` is and none is queued:
@@ -108,13 +149,17 @@ class IngestActor(Actor):
             if mail.done():
                 await self.accept(mail.result().entry)
 
-    async def _read(self, credits: int, budget: int) -> list[ReadEntry]:
+    async def _read(self, credits: int, budget: int, plan: list[int]) -> list[ReadEntry]:
+        if not plan:
+            return []
         try:
-            return await self.streams.read_new(credits, budget)
+            entries, more = await self.streams.read_partitions(plan, credits, budget)
         except ResponseError as exc:  # e.g. a producer replaced a request stream by another type
             self.warnings.warning("read", "cannot read the request streams: %s", shown(str(exc), 200))
             await asyncio.sleep(UNREADABLE_STREAM_BACKOFF_S)
             return []
+        self.pending |= more
+        return entries
 
     async def accept(self, entry: ReadEntry) -> None:
         """One delivered entry (new, or reclaimed from a dead replica). The ledger learns where

@@ -63,6 +63,8 @@ class JobLedger(Actor):
         self.cancelled: set[str] = set()  # held jobs whose abort went to the scheduler
         self.drains: list[asyncio.Future] = []  # answered once nothing is held
         self.reclaiming = True
+        self.partitions = None  # the PartitionKeeper: owned partitions are reclaimed every round
+        self.next_reclaim = 0  # ... and one more partition per round, in turn
         self.warnings = RateLimitedLog(log)
         self.handlers = {
             WantCredits: self._want_credits,
@@ -213,7 +215,7 @@ class JobLedger(Actor):
     async def _reclaim(self) -> None:
         """Take over entries idle longer than the lease (their owner died); ingest reruns them."""
         min_idle_ms = int(self.config.lease_s * 1000)
-        for stream in self.streams.request_streams:
+        for stream in self._reclaim_streams():
             count = min(self._free_credits(), RECLAIM_BATCH)
             if count <= 0 or self._free_bytes() <= 0:
                 return
@@ -225,6 +227,17 @@ class JobLedger(Actor):
                 log.warning("reclaiming %s %s (its owner stopped renewing)", stream, entry.entry_id)
                 self._take_in(entry)
                 await self.ingest.send(Reclaimed(entry))  # its mailbox is unbounded: never waits
+
+    def _reclaim_streams(self) -> list[str]:
+        """The streams of the owned partitions and of one more in turn: a bounded number of
+        commands per round whatever the number of partitions (a dead owner's partitions get
+        a new owner within a lease, who then reclaims them)."""
+        if self.partitions is None:  # no ownership: every replica reclaims every partition
+            return list(self.streams.request_streams)
+        count = self.streams.keys.partitions
+        extra, self.next_reclaim = self.next_reclaim, (self.next_reclaim + 1) % count
+        owned = self.partitions.owned if self.partitions is not None else frozenset()
+        return [s for p in sorted(owned | {extra}) for s in self.streams.partition_streams(p)]
 
     async def _hand_back(self, message: HandBack) -> None:
         """Shutdown: every entry still pending under this consumer becomes claimable by other

@@ -16,6 +16,7 @@ from actors.ledger import JobLedger
 from actors.messages import Drain, HandBack
 from actors.metrics import ReplicaMetrics
 from actors.model_announcer import ModelAnnouncer
+from actors.partitions import PartitionKeeper
 from actors.publisher import PublisherActor
 from actors.streams import Streams
 from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
@@ -49,6 +50,12 @@ class Replica:
         self.scheduler = EngineCoreActor(engine, self.publisher, self.metrics, faults.job_hooks())
         self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
         self.ledger.connect(self.ingest, self.scheduler)
+        self.partitions = None
+        if config.partition_ownership:
+            self.partitions = PartitionKeeper(
+                self.streams, config.partition_lease_ms, config.partition_check_s, self.ingest.wake
+            )
+            self.ingest.partitions = self.ledger.partitions = self.partitions
         self.cancels = CancelWatcher(self.streams, self.ledger)
         self.announcer = ModelAnnouncer(
             self.streams,
@@ -108,6 +115,9 @@ class Replica:
         the rest only once no step can publish them any more (no result after hand-back)."""
         self.announcer.state = "draining"
         await self.ingest.stop()
+        if self.partitions is not None:
+            await self.partitions.stop()
+            await self.partitions.release()  # others take its partitions at their next check
         drained = asyncio.ensure_future(self.ledger.ask(Drain()))  # entries in intake can't progress now
         await asyncio.wait({drained}, timeout=self.config.grace_s)
         drained.cancel()
@@ -118,7 +128,8 @@ class Replica:
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
-        return (self.publisher, self.scheduler, self.ledger, self.cancels, self.announcer, self.ingest)
+        keeper = (self.partitions,) if self.partitions is not None else ()
+        return (self.publisher, self.scheduler, self.ledger, self.cancels, self.announcer, *keeper, self.ingest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

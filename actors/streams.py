@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from actors.messages import Delivery, ReadEntry
+from actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
 from actors.resilience import retrying
 from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from clients.keys import GROUP, PRIORITY_CLASSES, Keys
@@ -100,6 +101,8 @@ class Streams:
         self.hand_back_script = client.register_script(HAND_BACK_LUA)
         self.read_script = client.register_script(READ_LUA)
         self.read_ids_script = client.register_script(READ_IDS_LUA)
+        self.claim_partitions_script = client.register_script(CLAIM_PARTITIONS_LUA)
+        self.release_partitions_script = client.register_script(RELEASE_PARTITIONS_LUA)
 
     async def resilient(self, operation: Callable[[], Awaitable], what: str):
         """``operation`` retried through outages; recreates lost consumer groups."""
@@ -154,6 +157,48 @@ class Streams:
             budget -= sum(entry.bytes_read for entry in read)
             entries += read
         return entries
+
+    async def read_partitions(
+        self, partitions: list[int], count: int, byte_budget: int
+    ) -> tuple[list[ReadEntry], set[int]]:
+        """Up to ``count`` new entries and about ``byte_budget`` bytes from ``partitions`` (in
+        that order), interactive first: one script for one partition (its streams share a
+        slot), else each partition's interactive streams, then each one's batch streams.
+        Also returns the partitions that may hold more: those that gave entries, and those
+        the credits or bytes ran out before."""
+        if len(partitions) == 1:
+            passes = [[(partitions[0], self.partition_streams(partitions[0]))]]
+        else:
+            passes = [[(p, self._class_group(c, p)) for p in partitions] for c in range(len(PRIORITY_CLASSES))]
+        entries: list[ReadEntry] = []
+        budget, more, emptied = byte_budget, set(), set()
+        for reads in passes:
+            for partition, group in reads:
+                if len(entries) >= count or budget <= 0:
+                    more.add(partition)
+                    continue
+                read = await self._read_group(group, count - len(entries), budget)
+                budget -= sum(entry.bytes_read for entry in read)
+                entries += read
+                (more if read else emptied).add(partition)
+        return entries, more
+
+    async def _read_group(self, group: tuple[str, ...], count: int, budget: int) -> list[ReadEntry]:
+        args = [GROUP, self.consumer, count, max(1, budget), self.max_entry_bytes, DEAD_LETTER_PREFIX_BYTES]
+        rows = await self.resilient(lambda: self.read_script(keys=list(group), args=args), "read jobs")
+        return _entries(rows, group)
+
+    def partition_streams(self, partition: int) -> tuple[str, ...]:
+        """Every request stream of one partition, interactive first (one slot: one script)."""
+        if not self.keys.partitioned:
+            return self.read_groups[0]
+        return tuple(s for c in range(len(PRIORITY_CLASSES)) for s in self._class_group(c, partition))
+
+    def _class_group(self, class_index: int, partition: int) -> tuple[str, ...]:
+        if not self.keys.partitioned:  # one group holds both classes: split it in half
+            half = len(self.read_groups[0]) // 2
+            return self.read_groups[0][class_index * half : (class_index + 1) * half]
+        return self.read_groups[class_index * self.keys.partitions + partition]
 
     def _groups_in_turn(self) -> list[tuple[str, ...]]:
         partitions = self.keys.partitions
@@ -294,6 +339,26 @@ class Streams:
                 )
 
         await self.write(queue, "hand back")
+
+    # ---- partitions (the partition keeper) ------------------------------------------------
+    async def claim_partitions(self, lease_ms: int) -> list[int]:
+        """Renew this replica's partition leases and take its fair share; the partitions it owns."""
+        keys, args = (
+            [self.keys.partition_owners, self.keys.partition_takers],
+            [self.consumer, lease_ms, self.keys.partitions],
+        )
+        owned = await self.resilient(lambda: self.claim_partitions_script(keys=keys, args=args), "claim partitions")
+        return [int(p) for p in owned if 0 <= int(p) < self.keys.partitions]
+
+    async def release_partitions(self) -> None:
+        keys, args = [self.keys.partition_owners, self.keys.partition_takers], [self.consumer, 0, self.keys.partitions]
+        await self.resilient(lambda: self.release_partitions_script(keys=keys, args=args), "release partitions")
+
+    @asynccontextmanager
+    async def wake_messages(self) -> AsyncIterator:
+        """A pub/sub connection for the wake channels (named like the request streams)."""
+        async with self.redis.pubsub() as pubsub:
+            yield pubsub
 
     # ---- cancels (the cancel watcher) ---------------------------------------------------
     @asynccontextmanager

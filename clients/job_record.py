@@ -69,6 +69,8 @@ TRANSITIONS = (
 #       never a conflict), entry field ('data' msgpack, the default, or 'json').
 # Returns 1 enqueued, 0 already known (not enqueued again), -2 conflict, -1 queue full at
 # the caller's bound, -3 queue full at the operator's bound.
+# The PUBLISH on the channel named like the request stream wakes the replica that owns the
+# stream's partition (it waits there instead of polling: actors/partitions.py).
 SUBMIT_LUA = """
 local field = ARGV[6] or 'data'
 if field ~= 'data' and field ~= 'json' then return redis.error_reply('ERR entry field must be data or json') end
@@ -90,6 +92,7 @@ local entry = redis.call('XADD', KEYS[2], '*', field, ARGV[1])
 redis.call('HSET', KEYS[1], 'status', 'queued', 'attempt', '0', 'updated', ARGV[3], 'entry', entry)
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'digest', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('PUBLISH', KEYS[2], '')
 return 1
 """
 

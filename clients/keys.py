@@ -178,6 +178,17 @@ class Keys:
         return f"{self._prefix(self.partition_of(job_id))}:job:{job_id}"
 
     @property
+    def partition_owners(self) -> str:
+        """Hash of partition leases: field `<k>` -> `<expiry ms> <consumer>` (actors/partitions.py)."""
+        return f"{self._namespace_prefix}:partition-owners"
+
+    @property
+    def partition_takers(self) -> str:
+        """Sorted set of the replicas taking partitions: consumer -> expiry ms (one slot with
+        partition_owners; not `replicas`, the operators' records scored in seconds)."""
+        return f"{self._namespace_prefix}:partition-takers"
+
+    @property
     def dead(self) -> str:
         return f"{self.ns}:dead"
 

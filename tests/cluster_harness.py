@@ -24,10 +24,20 @@ SLOTS = 16384
 
 
 class ValkeyCluster:
-    def __init__(self, directory: Path, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        masters: int = 3,
+        node_timeout_ms: int = 1000,
+        with_replicas: bool = True,
+        appendfsync: str = "always",
+    ) -> None:
+        """``with_replicas=False`` and a lazier ``appendfsync``: masters alone (benchmarks/scale_sim.py)."""
         self.directory = Path(directory)
         self.masters_count = masters
         self.node_timeout_ms = node_timeout_ms
+        self.with_replicas = with_replicas
+        self.appendfsync = appendfsync
         self.nodes: list[EmbeddedValkey] = []
         self.masters: list[EmbeddedValkey] = []
 
@@ -46,9 +56,9 @@ class ValkeyCluster:
             "--cluster-config-file",
             "nodes.conf",
             "--appendfsync",
-            "always",
+            self.appendfsync,
         )
-        for index in range(2 * self.masters_count):
+        for index in range((2 if self.with_replicas else 1) * self.masters_count):
             node = EmbeddedValkey(self.directory / f"node{index}", port=_cluster_port(), password=None, extra_args=args)
             self.nodes.append(node.start())
         self.masters = self.nodes[: self.masters_count]
