@@ -54,6 +54,7 @@ def replica_acl(ns: str) -> list[str]:
     return [
         f"~{ns}:*",
         f"&{ns}:cancel",
+        f"&{ns}:requests:*",  # the submit script's wake-up, on the channel named like its stream
         "-@all",
         "+ping",
         "+client|setinfo",  # startup check, redis-py's hello
@@ -80,8 +81,14 @@ def replica_acl(ns: str) -> list[str]:
         "+sadd",  # model info
         "+zadd",
         "+zremrangebyscore",  # its replica record's beat (clients/replica_records.py)
+        "+hdel",
+        "+pexpire",
+        "+time",
+        "+zcard",
+        "+zrem",  # partition leases (actors/partition_scripts.py)
         "+subscribe",
-    ]  # cancel channel
+        "+unsubscribe",
+    ]  # cancel channel, the owned partitions' wake-ups
 
 
 def producer_acl(ns: str) -> list[str]:
@@ -97,6 +104,7 @@ def producer_acl(ns: str) -> list[str]:
         f"%R~{ns}:models",
         f"%R~{ns}:dead",
         f"&{ns}:cancel",
+        f"&{ns}:requests:*",  # the submit script's wake-up, on the channel named like its stream
         "-@all",
         "+ping",
         "+client|setinfo",
