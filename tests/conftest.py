@@ -17,6 +17,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # test module imports them, since @triton.jit reads it when a kernel is defined
 if not Path("/dev/nvidia0").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread per test worker (and for what it starts), set before torch is imported:
+# the workers are one per core, and two OpenMP threads per worker spin against the other
+# worker's on a 2-core box (the tests' tensors are tiny). OMP_NUM_THREADS, when set, wins.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 if str(REPO_ROOT) not in sys.path:  # so plain `pytest` finds clients/, actors/, engine/
     sys.path.insert(0, str(REPO_ROOT))
 
