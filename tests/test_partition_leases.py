@@ -146,3 +146,32 @@ def test_partitions_of_a_killed_replica_move_within_one_lease(spawn, tiny_model,
     moved_s = time.monotonic() - killed
     assert moved_s <= LEASE_S, f"partitions moved after {moved_s:.2f} s, lease {LEASE_S} s"
     assert survivor.alive()
+
+
+def test_a_flood_of_junk_on_the_wake_channels_leaves_the_wake_up_working(tiny_model, redis_url, namespace, raw):
+    """Wake channels are producer input: a producer may publish anything there. 5,000 junk
+    messages, a 1 MB one and a channel nobody owns cost the owner coalesced wake-ups (a set
+    of partitions, at most one read each per round); afterwards the submit script's wake-up
+    still starts a job at once (probes are a minute apart, so nothing else could)."""
+    partitions = 4
+    thread = ReplicaThread(tiny_model, redis_url, namespace, consumer="flooded")
+    thread.config.redis = RedisSettings(url=redis_url, partitions=partitions)
+    thread.config.read_block_ms, thread.config.idle_poll_max_s = 3_600_000, 60.0
+    keys = Keys(namespace, partitions=partitions)
+    client = Client(connection=RedisSettings(url=redis_url, partitions=partitions), namespace=namespace)
+    with thread:
+        wait_until(lambda: len(thread.replica.partitions.owned) == partitions, 10, "the replica to own all")
+        channels = [keys.requests(c, p) for c in ("interactive", "batch") for p in range(partitions)]
+        pipe = raw.pipeline(transaction=False)
+        for n in range(5_000):
+            pipe.publish(channels[n % len(channels)], b"\xff junk %d" % n)
+        pipe.publish(channels[0], b"x" * (1 << 20))
+        pipe.publish(f"{namespace}:requests:interactive:nobody", b"wake")
+        pipe.execute()
+        time.sleep(1.0)  # the flood is taken in
+        far = (thread.replica.ingest.next_probe + 2) % partitions
+        job_id = next(f"after-{n}" for n in range(10_000) if keys.partition_of(f"after-{n}") == far)
+        submitted = time.monotonic()
+        assert client.submit(prompt="hello", max_tokens=2, job_id=job_id).result(timeout=30).finish_reason == "length"
+        assert time.monotonic() - submitted < 10  # woken: the next probe is a minute away
+    client.close()
