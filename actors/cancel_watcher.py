@@ -18,13 +18,12 @@ import re
 from actors.base import Actor
 from actors.log_limits import RateLimitedLog, shown
 from actors.messages import CancelRequest, HeldJobs
-from actors.resilience import CONNECTION_ERRORS
+from actors.resilience import keep_subscribed
 from actors.streams import Streams
 from clients.limits import JOB_ID_PATTERN
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 2.0
-RESUBSCRIBE_S = 0.5
 _JOB_ID = re.compile(JOB_ID_PATTERN.encode())
 
 
@@ -41,16 +40,12 @@ class CancelWatcher(Actor):
         await asyncio.gather(self._listen(), self._poll())
 
     async def _listen(self) -> None:
-        while not self.stopped:
-            try:
-                async with self.streams.cancel_messages() as messages:
-                    async for message in messages:
-                        await self._on_message(message)
-            except CONNECTION_ERRORS as exc:
-                log.warning("cancel channel lost (%s); resubscribing", exc)
-            except Exception as exc:  # noqa: BLE001 - no input may stop the replica
-                self.warnings.warning("listen", "cancel channel failed (%s); resubscribing", shown(exc, 200))
-            await asyncio.sleep(RESUBSCRIBE_S)
+        stopped = lambda: self.stopped  # noqa: E731
+        await keep_subscribed(stopped, self.streams.cancel_messages, self._follow, "cancel channel", self.warnings)
+
+    async def _follow(self, messages) -> None:
+        async for message in messages:
+            await self._on_message(message)
 
     async def _on_message(self, message) -> None:
         if not isinstance(message, dict) or message.get("type") != "message":

@@ -24,12 +24,11 @@ import logging
 from typing import Callable
 
 from actors.base import Actor
-from actors.log_limits import RateLimitedLog, shown
-from actors.resilience import CONNECTION_ERRORS
+from actors.log_limits import RateLimitedLog
+from actors.resilience import keep_subscribed
 from actors.streams import Streams
 
 log = logging.getLogger(__name__)
-RESUBSCRIBE_S = 0.5
 LISTEN_TIMEOUT_S = 1.0  # how long one wait on the channels lasts before subscriptions are checked
 
 
@@ -67,15 +66,8 @@ class PartitionKeeper(Actor):
             await asyncio.sleep(self.check_s)
 
     async def _listen(self) -> None:
-        while not self.stopped:
-            try:
-                async with self.streams.wake_messages() as pubsub:
-                    await self._follow(pubsub)
-            except CONNECTION_ERRORS as exc:
-                log.warning("wake channels lost (%s); resubscribing", exc)
-            except Exception as exc:  # noqa: BLE001 - no input may stop the replica
-                self.warnings.warning("listen", "wake channels failed (%s); resubscribing", shown(exc, 200))
-            await asyncio.sleep(RESUBSCRIBE_S)
+        stopped = lambda: self.stopped  # noqa: E731
+        await keep_subscribed(stopped, self.streams.wake_messages, self._follow, "wake channels", self.warnings)
 
     async def _follow(self, pubsub) -> None:
         """Keep the subscriptions to the owned partitions' channels; wake ingest per message."""

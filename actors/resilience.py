@@ -4,12 +4,13 @@ backoff until the server is back, and a consumer group lost with the server's da
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from actors.log_limits import RateLimitedLog, shown
 from clients.redis_cluster import FAILOVER_ERRORS
 
 log = logging.getLogger(__name__)
@@ -60,3 +61,27 @@ async def retrying(
             continue
         await asyncio.sleep(backoff)
         backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+
+RESUBSCRIBE_S = 0.5
+
+
+async def keep_subscribed(
+    stopped: Callable[[], bool],
+    subscribe: Callable[[], Any],
+    follow: Callable[[Any], Awaitable[None]],
+    what: str,
+    warnings: RateLimitedLog,
+) -> None:
+    """Subscribe (an async context manager) and `follow` the subscription until `stopped()`;
+    a lost connection or anything a message did is logged and the subscription made again:
+    no input may stop the replica."""
+    while not stopped():
+        try:
+            async with subscribe() as subscription:
+                await follow(subscription)
+        except CONNECTION_ERRORS as exc:
+            log.warning("%s lost (%s); resubscribing", what, exc)
+        except Exception as exc:  # noqa: BLE001 - no input may stop the replica
+            warnings.warning("listen", "%s failed (%s); resubscribing", what, shown(exc, 200))
+        await asyncio.sleep(RESUBSCRIBE_S)
