@@ -1,6 +1,8 @@
-"""One GGUF linear layer three ways, alternating in one run: integer dots (int8 activations,
-kernels/csrc/int8_dot_cpu.cpp), float32 activations on the blocks (quant_linear_cpu.cpp) and
-oneDNN on a prepacked float32 copy (the batch copy the default held before).
+"""One GGUF linear layer several ways, alternating in one run: integer dots (int8 activations,
+kernels/csrc/int8_dot_cpu.cpp; every ISA variant this CPU runs), float32 activations on the
+blocks (quant_linear_cpu.cpp), oneDNN on a prepacked float32 copy (the batch copy of
+quantization="auto" in float32) and on a prepacked bfloat16 copy (its batch copy where the CPU
+has AVX512-BF16 or AMX; emulated and slow elsewhere, so only run there unless --bf16).
 
     python benchmarks/gguf_layers.py [--rows 1,4,16,32,64,128] [--rounds 7] [--threads N]
 
@@ -53,6 +55,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--bf16", action="store_true", help="time the bf16 copy without bf16 hardware too")
     parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -61,7 +64,7 @@ def main():
     )
     args = parser.parse_args()
     from kernels.cpu import extension
-    from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
+    from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware, int8_dot_isa
     from kernels.cpu.linear import onednn_linear, onednn_packed
     from kernels.quant import dequantize
 
@@ -74,6 +77,8 @@ def main():
         f"| int8 dot: {isa} (runnable: {', '.join(kernels.int8_dot_isas())})",
         f"| torch threads: {torch.get_num_threads()}",
     )
+    with_bf16 = args.bf16 or has_bf16_hardware(cpu_flags())
+    print(f"bf16 copy: {'timed' if with_bf16 else 'skipped (no AVX512-BF16/AMX; --bf16 times it emulated)'}")
     rows_list = [int(r) for r in args.rows.split(",")]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"clock: {args.clock}")
@@ -82,13 +87,17 @@ def main():
         for shape_name, (n, k) in SHAPES.items():
             weight = packed_weight(type_name, n, k)
             copy = onednn_packed(dequantize(weight), 64)
+            bf16_copy = onednn_packed(dequantize(weight).bfloat16(), 64) if with_bf16 else None
             for rows in rows_list:
                 x = torch.randn(rows, k)
                 paths = {
-                    "int8 dot": lambda: kernels.int8_dot_linear(x, weight, None, isa),
-                    "f32 blocks": lambda: kernels.quantized_linear(x, weight, None),
-                    "f32 copy": lambda: onednn_linear(x, copy, None),
+                    f"int8 dot {variant}": (lambda v=variant: kernels.int8_dot_linear(x, weight, None, v))
+                    for variant in kernels.int8_dot_isas()
                 }
+                paths["f32 blocks"] = lambda: kernels.quantized_linear(x, weight, None)
+                paths["f32 copy"] = lambda: onednn_linear(x, copy, None)
+                if bf16_copy is not None:
+                    paths["bf16 copy"] = lambda: onednn_linear(x, bf16_copy, None)
                 times = {name: [] for name in paths}
                 for _ in range(args.rounds):
                     for name, fn in paths.items():
@@ -110,7 +119,7 @@ def main():
                             "ratio max": max(ratios),
                         }
                     )
-                print(format_table(table[-3:], list(table[0])), flush=True)
+                print(format_table(table[-len(paths) :], list(table[0])), flush=True)
     print(f"\n{args.rounds} alternating rounds, best of {args.calls} calls each")
     print(format_table(table, list(table[0])))
 

@@ -131,6 +131,7 @@ def cpu_info() -> dict:
         "isa": "avx512" if isa == "avx512f" else isa,
         "torch_isa": torch_isa,
         "avx512_vnni": "avx512_vnni" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
         "amx": "amx_tile" in flags,
     }
 
@@ -138,7 +139,7 @@ def cpu_info() -> dict:
 def describe_cpu(info: dict | None = None) -> str:
     """One line, e.g. ``CPU: AMD EPYC, 2 CPUs (2 usable), ISA avx2 (torch kernels: AVX2)``."""
     info = info or cpu_info()
-    extras = [name for name in ("avx512_vnni", "amx") if info.get(name)]
+    extras = [name for name in ("avx512_vnni", "avx512_bf16", "amx") if info.get(name)]
     return (
         f"CPU: {info['model']}, {info['logical_cpus']} CPUs ({info['usable_cpus']} usable), "
         f"ISA {info['isa'] or 'unknown'}{''.join(' + ' + e for e in extras)}"

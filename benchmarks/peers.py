@@ -560,14 +560,16 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
 
 
 def ours_dtypes(asked: list[str]) -> list[str]:
-    """``--ours-dtype``; "every" is each dtype this CPU allows: bfloat16 only with native bf16
-    (AMX-BF16 or AVX512-BF16; emulated elsewhere, kernels/cpu/dispatch.py). (dtype="auto" is
-    one of these: what cpu_auto_dtype picks, logged by the worker.)"""
+    """``--ours-dtype``; "every" is each dtype this CPU allows: float32, and with native bf16
+    (AMX-BF16 or AVX512-BF16; emulated elsewhere, kernels/cpu/dispatch.py) "auto" (float32
+    activations on a bfloat16 copy of a GGUF model's weights for batched steps, what the
+    default takes there) and "bfloat16" (the whole model in bf16). Without bf16 hardware
+    "auto" is float32, so it is not run twice."""
     if asked != ["every"]:
         return asked
     from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
 
-    return ["float32"] + (["bfloat16"] if has_bf16_hardware(cpu_flags()) else [])
+    return ["float32"] + (["auto", "bfloat16"] if has_bf16_hardware(cpu_flags()) else [])
 
 
 def measure(args) -> dict:

@@ -101,7 +101,9 @@ class ModelRunner:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
             # the CPU's compiled whole-model decoder has its own attention: not with Triton's
             layout = decoder_layout if self.attention_backend == "torch" else None
-            self.backend = prepare(self.model, self.device, layout, gguf_mode=gguf_kernel_mode(config.quantization))
+            self.backend = prepare(
+                self.model, self.device, layout, gguf_mode=gguf_kernel_mode(config.quantization, config.dtype)
+            )
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)

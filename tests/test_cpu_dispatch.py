@@ -7,7 +7,18 @@ import torch
 
 from kernels.cpu import dispatch
 
-ISA_FLAGS = ["avx2", "fma", "avx_vnni", "avx512vl", "avx512_vnni", "avx512bw", "avx512_bf16", "amx_bf16"]
+ISA_FLAGS = [
+    "avx2",
+    "fma",
+    "avx_vnni",
+    "avx512f",
+    "avx512dq",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512bw",
+    "avx512_bf16",
+    "amx_bf16",
+]
 COMBINATIONS = [frozenset(c) for n in range(len(ISA_FLAGS) + 1) for c in itertools.combinations(ISA_FLAGS, n)]
 
 
@@ -30,8 +41,14 @@ def test_every_isa_combination(flags):
     dtype, why = dispatch.cpu_auto_dtype(flags)
     bf16_hardware = "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
     assert dispatch.has_bf16_hardware(flags) == bf16_hardware
-    assert dtype == torch.float32 and why  # bf16 stays opt-in until measured on AMX (dispatch.py)
-    assert why.startswith("AMX-BF16 found") == ("amx_bf16" in flags and dispatch.has_bf16_hardware(flags))
+    assert dtype == torch.float32 and why  # activations stay float32; what changes is the GGUF copy
+    assert ("bfloat16 copy" in why) == bf16_hardware
+    # quantization="auto": a bf16 copy only where asked dtype="auto" and the CPU has bf16 hardware
+    assert dispatch.gguf_copy_mode(flags, "auto") == ("bf16_copy" if bf16_hardware else "float32_copy")
+    assert dispatch.gguf_copy_mode(flags, "float32") == "float32_copy"
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    assert dispatch.gguf_blocks_max_rows(flags, "float32_copy") == (4 if avx512 else 12)
+    assert dispatch.gguf_blocks_max_rows(flags, "bf16_copy") == 2
 
 
 def test_this_machines_flags_are_read():

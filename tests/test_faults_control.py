@@ -22,6 +22,7 @@ from scratch import scratch_namespace
 from actors.messages import HeldJobs, ReadEntry, Reclaimed
 from clients import Client
 from clients.errors import ConveyorError, JobCancelled, JobFailed
+from clients.keys import GROUP
 
 LONG = 1000  # tokens: ~2 s on the tiny model, long enough to act on a running job
 
@@ -107,7 +108,18 @@ def hold_both_credits(client, ledger, tag):
     """Two long jobs: one running, one waiting in the engine; the replica has no credit left."""
     blockers = [client.submit(**long_job(tag + i)) for i in range(2)]
     wait_tokens(ledger, blockers[0].job_id, 1)
+    # both delivered: a job submitted next cannot take the second credit (the blockers may sit
+    # in different partitions, read in turn: on a loaded box the second was read after it)
+    wait_until(lambda: delivered(ledger) >= 2, 30, "the replica to take both blockers")
     return blockers
+
+
+def delivered(ledger: JobLedger) -> int:
+    """Entries the replica holds (read, not yet acknowledged), over every request stream."""
+    pipe = ledger.redis.pipeline(transaction=False)
+    for stream in ledger.keys.all_requests:
+        pipe.xpending(stream, GROUP)
+    return sum(summary["pending"] for summary in pipe.execute(raise_on_error=False) if isinstance(summary, dict))
 
 
 def release(blockers) -> None:

@@ -504,9 +504,14 @@ def test_a_passed_deadline_is_504(stack):
     with pytest.raises(openai.APIStatusError) as failure:
         sdk.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_headers={"X-Conveyor-Timeout-S": "0.001"})
     assert failure.value.status_code == 504 and failure.value.code == "deadline_exceeded"
-    # while it streams: an error event, then [DONE] (the SDK raises APIError)
+    # while it streams: an error event, then [DONE] (the SDK raises APIError); the deadline
+    # falls a third of the way through the stream, however fast this CPU runs it
+    started = time.monotonic()
+    for _ in sdk.completions.create(**long_request()):
+        pass
+    timeout_s = (time.monotonic() - started) / 3
     with pytest.raises(openai.APIError) as mid_stream:
-        for _ in sdk.completions.create(**long_request(), extra_headers={"X-Conveyor-Timeout-S": "0.3"}):
+        for _ in sdk.completions.create(**long_request(), extra_headers={"X-Conveyor-Timeout-S": f"{timeout_s:.3f}"}):
             pass
     assert mid_stream.value.code == "deadline_exceeded"
 

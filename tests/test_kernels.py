@@ -252,21 +252,35 @@ def test_quantized_linear_per_thread_tiles_on_two_threads_in_inference_mode():
         kernels.set_quant_tiling(CpuLinear.QUANT_TILE_BYTES, CpuLinear.QUANT_PER_THREAD_TILES)
 
 
-@pytest.mark.parametrize("rows", [1, CpuLinear.QUANT_MAX_ROWS, CpuLinear.QUANT_MAX_ROWS + 1, 40])
-def test_cpu_linear_batch_copy_serves_many_rows_from_float32(rows):
-    """quantization='auto': the blocks serve up to QUANT_MAX_ROWS rows, a oneDNN copy of the
-    dequantized weight more; both equal the dequantized model up to summation order."""
+@pytest.mark.parametrize("mode", ["float32_copy", "bf16_copy"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 40])
+def test_cpu_linear_batch_copy_serves_many_rows(mode, rows):
+    """quantization='auto': the blocks serve up to the CPU's crossover (``blocks_max_rows``), a
+    oneDNN copy of the dequantized weight more: float32, equal to the dequantized model up to
+    summation order; bfloat16 (weights and x rounded to bf16, float32 sums), within what bf16's
+    rounding of both factors can move each output."""
+    from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows
     from kernels.cpu.linear import swap_linears
     from kernels.quant import QuantLinear
 
     packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-    module = torch.nn.Sequential(QuantLinear(packed))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(rows + 1))
+    module = torch.nn.Sequential(QuantLinear(packed, bias))
     swap_linears(module)
-    pack_linears(module, extension.load(), gguf_mode="float32_copy")
+    pack_linears(module, extension.load(), gguf_mode=mode)
     weight, _, copy = module[0].fast_path
     assert weight is module[0].weight and (copy is not None) == torch.backends.mkldnn.is_available()
-    torch.testing.assert_close(module(x), F.linear(x, dense), atol=2e-5, rtol=1e-5)
+    assert module[0].blocks_max_rows == gguf_blocks_max_rows(cpu_flags(), mode)
+    on_copy = copy is not None and rows > module[0].blocks_max_rows
+    expected = F.linear(x, dense, bias)
+    if mode == "bf16_copy" and on_copy:
+        assert copy.dtype == torch.bfloat16
+        # each product's two factors rounded to bf16 (2^-9 relative each): |error| <= 2^-8 sum |w x|
+        bound = F.linear(x.abs(), dense.abs()) * 2**-8 + 1e-5
+        assert ((module(x) - expected).abs() <= bound).all()
+    else:
+        torch.testing.assert_close(module(x), expected, atol=2e-5, rtol=1e-5)
 
 
 def test_a_stale_build_lock_never_blocks_a_load(tmp_path):

@@ -33,7 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LICENCE = Path("/usr/share/common-licenses/LGPL-3")
 # Small budgets so a two-page text makes several chunks and the reduce runs on two levels.
 OPTIONS = dict(max_tokens=24, context_tokens=256)
-REPLICA_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=512)
+# float32: the resumed run must write the uninterrupted run's summaries, and its jobs run in other
+# batches; dtype=auto's bf16 copy (CPUs with AVX512-BF16/AMX) makes a job's tokens depend on its batch
+REPLICA_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=512, dtype="float32")
 
 
 @pytest.fixture(scope="module")

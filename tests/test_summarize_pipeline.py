@@ -52,7 +52,10 @@ def replica(redis_url):
     try:
         with (
             scratch_namespace(redis_url) as ns,
-            ReplicaThread("smollm2", redis_url, ns, max_num_seqs=8, max_num_batched_tokens=512) as running,
+            # float32: batch-invariant tokens (test_summarize.REPLICA_OPTIONS says why)
+            ReplicaThread(
+                "smollm2", redis_url, ns, max_num_seqs=8, max_num_batched_tokens=512, dtype="float32"
+            ) as running,
         ):
             engine = running.engine
             info = ModelInfo.from_hf_tokenizer(

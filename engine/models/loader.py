@@ -18,7 +18,7 @@ from engine.models.gguf_weights import place, read_packed
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, max_context, rotary_for
 from engine.models.weights import iter_checkpoint
-from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
+from kernels.cpu.dispatch import cpu_flags, gguf_copy_mode, int8_dot_isa
 
 log = logging.getLogger(__name__)
 QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "none")
@@ -105,10 +105,11 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
     return possible
 
 
-def gguf_kernel_mode(quantization: str) -> str:
-    """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``)."""
+def gguf_kernel_mode(quantization: str, dtype: str = "float32") -> str:
+    """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``);
+    ``dtype``: the one asked ("auto" may take a bfloat16 copy: ``gguf_copy_mode``)."""
     if quantization == "auto":
-        return "float32_copy"
+        return gguf_copy_mode(cpu_flags(), dtype)
     if quantization == "gguf_int8" and int8_dot_isa(cpu_flags()):
         return "int8"
     return "blocks"

@@ -30,8 +30,8 @@ class CpuBackend(Backend):
     """Serves decode-only steps with the compiled whole-model decoder
     (kernels/csrc/decode_cpu.cpp): the same kernels as the model's layers without ~270
     Python calls per step, for as many tokens as its kernels are the layers' own:
-    ``CpuLinear.FEW_ROWS`` over float32 weights, ``CpuLinear.QUANT_MAX_ROWS`` over GGUF blocks
-    (whose few-row kernel serves the layers up to there too; a speculative step verifying
+    ``CpuLinear.FEW_ROWS`` over float32 weights, the projections' ``blocks_max_rows`` over GGUF
+    blocks (whose few-row kernel serves the layers up to there too; a speculative step verifying
     drafts is a few decode tokens per sequence)."""
 
     name = "cpu"
@@ -63,5 +63,5 @@ class CpuBackend(Backend):
             self.layout = layout
             projections = [m for layer in layout.layers for m in layer[2:6]]
             if all(m.fast_path[0].dtype is not torch.float32 for m in projections):
-                self.max_tokens = CpuLinear.QUANT_MAX_ROWS
+                self.max_tokens = min(m.blocks_max_rows for m in projections)
         return decoder

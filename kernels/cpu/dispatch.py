@@ -69,13 +69,46 @@ def has_bf16_hardware(flags: frozenset[str]) -> bool:
     return "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
 
 
+def has_avx512(flags: frozenset[str]) -> bool:
+    """What oneDNN's (and torch's) AVX-512 kernels need."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+
+
+def gguf_copy_mode(flags: frozenset[str], dtype: str) -> str:
+    """quantization="auto": the oneDNN copy that serves a GGUF model's steps of many rows
+    (kernels/cpu/linear.py ``CpuLinear.pack``). ``dtype="auto"`` takes a bfloat16 copy where the
+    CPU multiplies bf16 in hardware: on a 2-core AVX512-BF16 EPYC (benchmarks/gguf_layers.py)
+    it ran SmolLM2's layers 1.3-1.5x the float32 copy at up to 8 rows and 1.5-1.9x from 16 rows
+    up, and it holds half the bytes; the blocks are 4-bit already, so the bf16 rounding of their
+    dequantized values adds little (the quality gate: tests/test_bf16_quality.py). Elsewhere, or
+    ``dtype="float32"``, a float32 copy: token-exact up to summation order."""
+    return "bf16_copy" if dtype == "auto" and has_bf16_hardware(flags) else "float32_copy"
+
+
+# Steps of up to this many rows run on the GGUF blocks (float32 activations, the compiled
+# few-row kernel), more on the model's oneDNN copy. Crossovers from benchmarks/gguf_layers.py
+# over SmolLM2's three projection shapes (docs/performance.md "Where the blocks stop"):
+# AVX2 EPYC, float32 copy: 12; AVX-512 EPYC: the blocks (AVX2 code) tie the float32 copy
+# (AVX-512 code) at 4 rows and run 0.45x it at 8; the bf16 copy wins from 3-4 rows.
+BLOCKS_MAX_ROWS = {"avx2": 12, "avx512": 4, "bf16": 2}
+
+
+def gguf_blocks_max_rows(flags: frozenset[str], copy_mode: str) -> int:
+    """Rows up to which a GGUF layer with a oneDNN copy (``gguf_copy_mode``) runs its blocks."""
+    if copy_mode == "bf16_copy":
+        return BLOCKS_MAX_ROWS["bf16"]
+    return BLOCKS_MAX_ROWS["avx512" if has_avx512(flags) else "avx2"]
+
+
 def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
-    """dtype="auto" on CPU, and why: float32 everywhere for now (it also keeps a .gguf model's
-    blocks and is token-exact). Measured on a 2-vCPU Xeon with AVX512-BF16 but no AMX, our bf16
-    ran 0.6x float32 over GGUF blocks (77 vs 113-121 tok/s); on AMX vLLM's bf16 ran ~2x its
-    float32, but ours has not been measured there, so AMX only names the choice in the log."""
-    if "amx_bf16" in flags and has_bf16_hardware(flags):  # our bf16 path is not yet measured there
-        return torch.float32, "AMX-BF16 found: float32 until our bfloat16 is measured on AMX (dtype=bfloat16 asks)"
+    """dtype="auto" on CPU, and why: float32 activations everywhere (norms, attention, the KV
+    cache, and a float checkpoint's matmuls stay token-exact); where the CPU has bf16 hardware
+    a .gguf model's steps of many rows multiply on a bfloat16 copy (``gguf_copy_mode``).
+    Not measured on AMX yet: there vLLM's bf16 ran ~2x its float32."""
     if has_bf16_hardware(flags):
-        return torch.float32, "AVX512-BF16 without AMX: float32 (bf16 measured slower there)"
+        found = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16"
+        return torch.float32, (
+            f"{found} found: float32 activations; a .gguf model's steps of more than "
+            f"{BLOCKS_MAX_ROWS['bf16']} rows multiply on a bfloat16 copy of its weights (dtype=float32: float32 copy)"
+        )
     return torch.float32, "no bf16 hardware (AVX512-BF16/AMX): float32"

@@ -5,11 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu.dispatch import cpu_flags, gguf_linear_path
+from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows, gguf_linear_path
 from kernels.cpu.memory import huge_page_copies
 from kernels.quant import QuantLinear, dequantize, is_packed
 
-GGUF_MODES = ("blocks", "int8", "float32_copy")  # see CpuLinear.pack
+GGUF_MODES = ("blocks", "int8", "float32_copy", "bf16_copy")  # see CpuLinear.pack
+COPY_DTYPES = {"float32_copy": torch.float32, "bf16_copy": torch.bfloat16}
 
 
 class CpuLinear(nn.Module):
@@ -33,8 +34,13 @@ class CpuLinear(nn.Module):
     compiled ``quantized_linear`` unpacks the blocks to float32 in registers for up to
     ``kQuantFewRows`` rows of x and dequantizes a tile at a time into torch's mm for more.
     ``gguf_mode="float32_copy"`` (what ``quantization="auto"`` asks) adds a oneDNN float32
-    copy for steps of more than ``QUANT_MAX_ROWS`` rows: there the blocks lose 7-16% to it
-    (docs/performance.md), so each path serves the rows it is fastest for.
+    copy for steps of more than ``blocks_max_rows`` rows (the CPU's crossover: 12 on AVX2, where
+    the blocks lose 7-16% to it beyond; 4 with AVX-512, docs/performance.md), so each path
+    serves the rows it is fastest for.
+    ``gguf_mode="bf16_copy"`` (``quantization="auto"`` with ``dtype="auto"`` where the CPU
+    has AVX512-BF16 or AMX) makes that copy bfloat16: those steps cast x to bf16 and oneDNN
+    runs the hardware's bf16 dot products into float32 results (1.7-2x the float32 copy
+    from 16 rows up on an AVX512-BF16 EPYC); the rest of the model stays float32.
 
     Shares the weight it wraps (a tied head shares the embedding table)."""
 
@@ -43,7 +49,9 @@ class CpuLinear(nn.Module):
     # quantized_linear's many-rows tiling: per-thread tiles of 512 KiB float32 (each thread
     # dequantizes and multiplies its own; 1.3x faster than shared tiles at 16 rows, 2-core AVX2 EPYC)
     QUANT_TILE_BYTES, QUANT_PER_THREAD_TILES = 1 << 19, True
-    QUANT_MAX_ROWS = 12  # blocks up to here, the float32 batch copy above (per-layer crossover, AVX2)
+    # the compiled few-row kernel's bound over GGUF blocks without a copy (the whole-model
+    # decoder's too); with a copy the crossover is the CPU's (dispatch.gguf_blocks_max_rows)
+    QUANT_MAX_ROWS = 12
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -52,6 +60,7 @@ class CpuLinear(nn.Module):
         # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
         self.fast_path: tuple | None = None
         self.activations = "float32"  # GGUF blocks: "int8" where pack() was asked for integer dots
+        self.blocks_max_rows = self.QUANT_MAX_ROWS  # GGUF blocks with a copy: the copy serves more rows
 
     def pack(self, kernels, interleaved: torch.Tensor | None = None, gguf_mode: str = "blocks") -> None:
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
@@ -64,8 +73,12 @@ class CpuLinear(nn.Module):
             if kernels is not None:
                 kernels.set_quant_tiling(self.QUANT_TILE_BYTES, self.QUANT_PER_THREAD_TILES)
                 self.kernels = kernels
-                copy = gguf_mode == "float32_copy"
-                packed = onednn_packed(dequantize(self.weight.detach()), self.PACK_BATCH_HINT) if copy else None
+                copy_dtype = COPY_DTYPES.get(gguf_mode)
+                packed = None
+                if copy_dtype is not None:
+                    dense = dequantize(self.weight.detach()).to(copy_dtype)
+                    packed = onednn_packed(dense, self.PACK_BATCH_HINT)
+                    self.blocks_max_rows = gguf_blocks_max_rows(cpu_flags(), gguf_mode)
                 self.fast_path = (self.weight, self.bias, packed)
                 self.activations = "int8" if gguf_mode == "int8" else "float32"
             return
@@ -87,7 +100,7 @@ class CpuLinear(nn.Module):
             path = gguf_linear_path(cpu_flags(), rows, self.activations)
             if path != "float32":
                 return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:") :])
-            if packed is None or rows <= self.QUANT_MAX_ROWS:
+            if packed is None or rows <= self.blocks_max_rows:
                 return self.kernels.quantized_linear(x, weight, bias)
             return onednn_linear(x, packed, bias)
         if self.kernels is not None and rows <= self.FEW_ROWS:
@@ -108,10 +121,14 @@ def onednn_packed(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ packed^T + bias in float32; a bfloat16 ``packed`` multiplies x cast to bf16."""
     rows = x.shape[0]
     padded = row_bucket(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
+    if packed.dtype is torch.bfloat16:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")[:rows].float()
+        return y if bias is None else y.add_(bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
 
@@ -137,7 +154,7 @@ def swap_linears(model: nn.Module) -> None:
 
 
 def pack_linears(model: nn.Module, kernels, gguf_mode: str = "blocks") -> None:
-    """Every CpuLinear's oneDNN copy (of GGUF blocks only with ``gguf_mode="float32_copy"``), and its
+    """Every CpuLinear's oneDNN copy (of GGUF blocks only with a ``*_copy`` ``gguf_mode``), and its
     row-interleaved copy for the few-row kernel (all in one huge-page arena) where the
     compiled ``kernels`` support it and the shape allows."""
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
