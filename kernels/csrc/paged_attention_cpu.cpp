@@ -1,10 +1,89 @@
 // Fused paged decode attention for CPU, float32: reads each sequence's K/V blocks in place
-// (no gathered copy), one (sequence, kv head) pair per task on torch's thread pool.
+// (no gathered copy), block by block, one (sequence, kv head) pair per task on torch's thread
+// pool; the query heads sharing a kv head are served together. The softmax's exponentials are
+// a vectorizable polynomial, not libm's expf (which this build's flags leave scalar); with
+// AVX-512 a full block's 16 scores come from one register sum (sum16) and its weighted V rows
+// accumulate in registers. 1.6-2x the per-token loops at 20-600 tokens of context (64
+// sequences, SmolLM2's heads, 2-core AVX-512 EPYC).
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+// e^x for x <= 0 (softmax after subtracting the peak), vectorizable: x = n ln 2 + r with
+// ln 2 in two parts (Cody-Waite), e^r by its Taylor series to r^7 (|r| <= ln 2 / 2), times 2^n
+// by the exponent bits. Relative error under 1.1e-7 over [-87, 0] (expf's float rounding).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+#if defined(__AVX512F__)
+// The 16 sums of v[0..15]'s lanes in one register (lane t: the sum of v[t]): 4 shuffle-add
+// stages and a permute instead of 16 horizontal reductions.
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[i], x[i + 4], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x[i], x[i + 4], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[i], y[i + 2]), _mm512_unpackhi_ps(y[i], y[i + 2]));
+  const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
+  return w;
+}
+
+// scores[t] = scale * q . k[t] for the 16 rows of a K block (head_dim a multiple of 16)
+inline void block_scores16(const float* q, const float* kb, int64_t head_dim, float scale, float* scores) {
+  static constexpr int kLane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};  // sum16's order
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    const __m512 qd = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 16; ++t)
+      acc[kLane[t]] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kb + t * head_dim + d), acc[kLane[t]]);
+  }
+  _mm512_storeu_ps(scores, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+// out[:head_dim] += sum over the block's n rows of w[t] * v[t] (head_dim a multiple of 16, <= 256)
+inline void block_weighted_sum(const float* w, const float* vb, int64_t n, int64_t head_dim, float* out) {
+  __m512 acc[16];
+  const int64_t chunks = head_dim / 16;
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(out + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 wt = _mm512_set1_ps(w[t]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vb + t * head_dim + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+#endif
+}  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
@@ -25,41 +104,63 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   const int64_t* cl = lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const int64_t block_elems = block_size * head_dim;
 
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
+    std::vector<float> scores, acc(group * head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = cl[b];
-      scores.assign(group * len, 0.f);
+      if (static_cast<int64_t>(scores.size()) < group * len) scores.resize(group * len);
       const float* qh = q + (b * num_heads + h * group) * head_dim;
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = bt[b * max_blocks + t / block_size];
-        const float* kp = kc + ((h * num_blocks + block) * block_size + t % block_size) * head_dim;
+      const int64_t* row_blocks = bt + b * max_blocks;
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float* kb = kc + (h * num_blocks + row_blocks[t0 / block_size]) * block_elems;
+        const int64_t n = std::min(block_size, len - t0);
         for (int64_t g = 0; g < group; ++g) {
           const float* qp = qh + g * head_dim;
-          float s = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) s += qp[d] * kp[d];
-          scores[g * len + t] = s * fscale;
+          float* s = scores.data() + g * len + t0;
+#if defined(__AVX512F__)
+          if (n == 16 && head_dim % 16 == 0) {
+            block_scores16(qp, kb, head_dim, fscale, s);
+            continue;
+          }
+#endif
+          for (int64_t t = 0; t < n; ++t) {
+            const float* kp = kb + t * head_dim;
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qp[d] * kp[d];
+            s[t] = dot * fscale;
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         float* row = scores.data() + g * len;
-        const float peak = *std::max_element(row, row + len);
+        float peak = row[0];
+        for (int64_t t = 1; t < len; ++t) peak = std::max(peak, row[t]);
         float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) { row[t] = std::exp(row[t] - peak); total += row[t]; }
+        for (int64_t t = 0; t < len; ++t) { row[t] = exp_nonpositive(row[t] - peak); total += row[t]; }
         const float inv = 1.f / total;
         for (int64_t t = 0; t < len; ++t) row[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = bt[b * max_blocks + t / block_size];
-        const float* vp = vc + ((h * num_blocks + block) * block_size + t % block_size) * head_dim;
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float* vb = vc + (h * num_blocks + row_blocks[t0 / block_size]) * block_elems;
+        const int64_t n = std::min(block_size, len - t0);
         for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * len + t];
-          float* ap = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) ap[d] += w * vp[d];
+          const float* w = scores.data() + g * len + t0;
+          float* __restrict ap = acc.data() + g * head_dim;
+#if defined(__AVX512F__)
+          if (head_dim % 16 == 0 && head_dim <= 256) {
+            block_weighted_sum(w, vb, n, head_dim, ap);
+            continue;
+          }
+#endif
+          for (int64_t t = 0; t < n; ++t) {
+            const float* vp = vb + t * head_dim;
+            const float wt = w[t];
+            for (int64_t d = 0; d < head_dim; ++d) ap[d] += wt * vp[d];
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g)
