@@ -44,6 +44,7 @@ LONGEST_FIRST = (  # by their time on a quiet 2-core box (a --durations run), lo
     "test_redis_cluster",
     "test_hostile_producers",
     "test_int8_quality",
+    "test_bf16_quality",
     "test_faults_server",
     "test_faults_poison",
     "test_triton_gpu_check",
