@@ -14,10 +14,9 @@ Only where the CPU has the hardware: elsewhere dtype="auto" never takes this pat
 """
 
 import pytest
-from test_int8_quality import CHUNK, CHUNKS, LICENCE, NUM_PROMPTS, PROMPTS_FROM, TOKENS, common_prefix, perplexity
-from test_int8_quality import prompts as licence_prompts
+from test_int8_quality import LICENCE, NUM_PROMPTS, PROMPTS_FROM, TOKENS, greedy_prefixes, perplexity_ratio
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
 
 pytestmark = [
@@ -40,23 +39,11 @@ def engines():
 
 def test_bf16_copy_keeps_perplexity_within_one_percent(engines):
     bf16, float32 = engines
-    ids = float32.get_tokenizer().encode(LICENCE.read_text())
-    chunks = [ids[i * CHUNK : (i + 1) * CHUNK] for i in range(CHUNKS)]
-    ppl_bf16, ppl_float32 = perplexity(bf16, chunks), perplexity(float32, chunks)
-    print(
-        f"\nGPL-3, {CHUNKS} x {CHUNK} tokens: perplexity bf16 copy {ppl_bf16:.4f} vs float32 {ppl_float32:.4f}"
-        f" ({100 * (ppl_bf16 / ppl_float32 - 1):+.2f}%)"
-    )
-    assert abs(ppl_bf16 / ppl_float32 - 1) < 0.01
+    assert abs(perplexity_ratio(bf16, float32, "bf16 copy") - 1) < 0.01
 
 
 def test_bf16_copy_greedy_agreement(engines):
     bf16, float32 = engines
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    texts = licence_prompts()
-    ours = [o.token_ids for o in bf16.generate(texts, params, use_tqdm=False)]
-    reference = [o.token_ids for o in float32.generate(texts, params, use_tqdm=False)]
-    prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
+    prefixes = greedy_prefixes(bf16, float32)
     identical = sum(p == TOKENS for p in prefixes)
-    print(f"\ngreedy, {len(texts)} prompts x {TOKENS} tokens: {identical} identical, common prefixes {prefixes}")
     assert identical >= 6 and sum(prefixes) / len(prefixes) >= 16

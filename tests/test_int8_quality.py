@@ -61,16 +61,33 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_int8_activations_keep_perplexity_within_one_percent(engines):
-    int8, float32 = engines
+def perplexity_ratio(llm, float32, name: str) -> float:
+    """``llm``'s perplexity on the GPL-3 chunks over float32's, printed (run with -s)."""
     ids = float32.get_tokenizer().encode(LICENCE.read_text())
     chunks = [ids[i * CHUNK : (i + 1) * CHUNK] for i in range(CHUNKS)]
-    ppl_int8, ppl_float32 = perplexity(int8, chunks), perplexity(float32, chunks)
+    ppl, ppl_float32 = perplexity(llm, chunks), perplexity(float32, chunks)
     print(
-        f"\nGPL-3, {CHUNKS} x {CHUNK} tokens: perplexity int8 {ppl_int8:.4f} vs float32 {ppl_float32:.4f}"
-        f" ({100 * (ppl_int8 / ppl_float32 - 1):+.2f}%)"
+        f"\nGPL-3, {CHUNKS} x {CHUNK} tokens: perplexity {name} {ppl:.4f} vs float32 {ppl_float32:.4f}"
+        f" ({100 * (ppl / ppl_float32 - 1):+.2f}%)"
     )
-    assert abs(ppl_int8 / ppl_float32 - 1) < 0.01
+    return ppl / ppl_float32
+
+
+def greedy_prefixes(llm, float32) -> list[int]:
+    """Common prefix with float32 of each prompt's first TOKENS greedy tokens, printed."""
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    texts = prompts()
+    ours = [o.token_ids for o in llm.generate(texts, params, use_tqdm=False)]
+    reference = [o.token_ids for o in float32.generate(texts, params, use_tqdm=False)]
+    prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
+    identical = sum(p == TOKENS for p in prefixes)
+    print(f"\ngreedy, {len(texts)} prompts x {TOKENS} tokens: {identical} identical, common prefixes {prefixes}")
+    return prefixes
+
+
+def test_int8_activations_keep_perplexity_within_one_percent(engines):
+    int8, float32 = engines
+    assert abs(perplexity_ratio(int8, float32, "int8") - 1) < 0.01
 
 
 @pytest.mark.xfail(
@@ -83,11 +100,6 @@ def test_int8_activations_keep_perplexity_within_one_percent(engines):
 )
 def test_int8_activations_keep_greedy_tokens(engines):
     int8, float32 = engines
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    texts = prompts()
-    ours = [o.token_ids for o in int8.generate(texts, params, use_tqdm=False)]
-    reference = [o.token_ids for o in float32.generate(texts, params, use_tqdm=False)]
-    prefixes = [common_prefix(a, b) for a, b in zip(ours, reference)]
+    prefixes = greedy_prefixes(int8, float32)
     identical = sum(p == TOKENS for p in prefixes)
-    print(f"\ngreedy, {len(texts)} prompts x {TOKENS} tokens: {identical} identical, common prefixes {prefixes}")
     assert identical >= 12 and sum(prefixes) / len(prefixes) >= 24
