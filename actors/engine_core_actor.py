@@ -20,7 +20,7 @@ from engine.outputs import RequestOutput
 
 EARLY_CANCEL_MEMORY_S = 60.0  # a cancel can overtake its job on the way in: remember it this long
 EARLY_CANCEL_MAX = 4096  # ... and at most this many of them (oldest forgotten first)
-DEADLINE_POLL_S = 0.5  # deadlines of running jobs are checked at least this often
+DEADLINE_POLL_S = 0.5  # the mail loop wakes at least this often (sooner for a nearer deadline)
 CORE_EXIT_WAIT_S = 5.0
 
 
@@ -62,7 +62,7 @@ class EngineCoreActor(Actor):
     # ---- front door -> core ---------------------------------------------------------
     async def _forward_mail(self) -> None:
         while not self.stopped:
-            await self._wait_for_mail(DEADLINE_POLL_S)
+            await self._wait_for_mail(self._until_next_deadline())
             for message in drain(self.mailbox):
                 self._apply(message)
             self._expire_deadlines()
@@ -106,6 +106,18 @@ class EngineCoreActor(Actor):
             or now - next(iter(self.early_cancels.values())) >= EARLY_CANCEL_MEMORY_S
         ):
             self.early_cancels.popitem(last=False)
+
+    def _until_next_deadline(self) -> float:
+        """Seconds to the nearest deadline of a job in the engine, within [0, DEADLINE_POLL_S]:
+        a deadline is acted on when it passes, not up to a poll later."""
+        deadlines = [
+            d.deadline
+            for job_id, d in self.deliveries.items()
+            if d.deadline is not None and job_id not in self.abort_reasons  # an aborted job's is done
+        ]
+        if not deadlines:
+            return DEADLINE_POLL_S
+        return min(DEADLINE_POLL_S, max(0.0, min(deadlines) - time.time()))
 
     def _expire_deadlines(self) -> None:
         now = time.time()

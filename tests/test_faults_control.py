@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 from fault_harness import JobLedger, check_attempt_sequences, record, wait_until
+from model_factory import build_tiny_model
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
@@ -24,7 +25,8 @@ from clients import Client
 from clients.errors import ConveyorError, JobCancelled, JobFailed
 from clients.keys import GROUP
 
-LONG = 1000  # tokens: ~2 s on the tiny model, long enough to act on a running job
+LONG = 1000  # tokens: 0.6-2 s on the tiny model, long enough to act on a running job
+BLOCKER = 4000  # tokens: a blocker must outlast a test's waits even on a fast CPU (cancelled after)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +36,15 @@ def module_namespace(redis_url):
 
 
 @pytest.fixture(scope="module")
-def replica(tiny_model, redis_url, module_namespace):
+def control_model(tmp_path_factory):
+    """The tiny Llama with room for BLOCKER-token jobs."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("control_llama"), max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def replica(control_model, redis_url, module_namespace):
     running = ReplicaThread(
-        tiny_model, redis_url, module_namespace, consumer="control", max_num_seqs=1, num_kv_blocks=256
+        control_model, redis_url, module_namespace, consumer="control", max_num_seqs=1, num_kv_blocks=256
     ).start()
     yield running
     for job_id in running.call(held_jobs(running)):  # nothing should be left; don't wait for it
@@ -106,7 +114,7 @@ def wait_tokens(ledger: JobLedger, job_id: str, count: int = 3) -> None:
 
 def hold_both_credits(client, ledger, tag):
     """Two long jobs: one running, one waiting in the engine; the replica has no credit left."""
-    blockers = [client.submit(**long_job(tag + i)) for i in range(2)]
+    blockers = [client.submit(**long_job(tag + i, max_tokens=BLOCKER)) for i in range(2)]
     wait_tokens(ledger, blockers[0].job_id, 1)
     # both delivered: a job submitted next cannot take the second credit (the blockers may sit
     # in different partitions, read in turn: on a loaded box the second was read after it)
@@ -215,14 +223,14 @@ def test_deadline_passed_before_the_start_fails_the_job_without_running_it(repli
 def test_deadline_expiring_while_running_stops_the_job(replica, client, ledger):
     # the deadline falls a third of the way through the job, however fast this CPU runs it
     # (a fixed 0.6 s outlasted the whole job on a fast AVX-512 box)
-    full_s = client.submit(**long_job(41)).result(timeout=30).timings.e2e
-    job = client.submit(**long_job(40, deadline=time.time() + full_s / 3))
+    full_s = client.submit(**long_job(41, max_tokens=3 * LONG)).result(timeout=60).timings.e2e
+    job = client.submit(**long_job(40, max_tokens=3 * LONG, deadline=time.time() + full_s / 3))
     with pytest.raises(JobFailed) as failure:
         job.result(timeout=30)
     assert failure.value.code == "deadline_exceeded"
     rec = ledger.record(job.job_id)
     assert terminal_kinds(rec) == [("error", 1, "deadline_exceeded")]
-    assert 0 < sum(len(e.token_ids) for e in rec.tokens) < LONG, "it should have been stopped while running"
+    assert 0 < sum(len(e.token_ids) for e in rec.tokens) < 3 * LONG, "it should have been stopped while running"
     check_attempt_sequences(rec)
     assert_idle(replica)
     record("deadline expiring while running", **ledger.summary([job.job_id]))
