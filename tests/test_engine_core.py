@@ -72,10 +72,11 @@ def test_the_core_process_ignores_ctrl_c_matches_the_offline_engine_and_drains_o
     text = structured.result(timeout=120).text  # the grammar crossed to the core and held
     assert re.fullmatch("(yes|no)-[ab]{3}", text), text
 
-    job = client.submit(**greedy(1, max_tokens=200))
+    # 1,000 tokens: still running when polled, however fast the CPU (200 ended between polls)
+    job = client.submit(**greedy(1, max_tokens=1000))
     wait_until(lambda: client.job(job.job_id).status().status == "running", 30, "the job to start")
     replica.sigterm()
-    assert len(job.result(timeout=60).token_ids) == 200  # finished within the grace period
+    assert len(job.result(timeout=60).token_ids) == 1000  # finished within the grace period
     assert replica.wait(30) == 0, replica.log_tail()
     wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 10, "the core to stop")
 
