@@ -61,10 +61,11 @@ def add_rms_norm(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for rows laid out ``[gate | up]``."""
+    """``silu(gate) * up`` for rows laid out ``[gate | up]``; on CPU the compiled kernel takes
+    bfloat16 too (a bf16 copy's product, kernels/cpu/linear.py), in float32 arithmetic."""
     if _fused(gate_up):
         return _triton.silu_and_mul(gate_up)
-    kernels = _compiled(gate_up)
+    kernels = _compiled(gate_up, dtypes=(torch.float32, torch.bfloat16))
     if kernels is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
         return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

@@ -309,6 +309,55 @@ def test_cpu_linear_batch_copy_serves_many_rows(mode, rows):
         torch.testing.assert_close(module(x), expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_a_bf16_output_product_feeds_silu_and_the_next_layer(rows):
+    """A gate_up-like CpuLinear (``bf16_output``) on its bf16 copy hands bf16 to silu_and_mul,
+    whose bf16 result the next CpuLinear takes as it is; on the blocks both stay float32. The
+    chain stays within bf16's rounding of the float32 one."""
+    from kernels.cpu.linear import swap_linears
+    from kernels.layer_ops import silu_and_mul
+    from kernels.quant import QuantLinear
+
+    gate_up, gate_up_dense = gguf_packed("Q4_1", 128, 64, seed=1)
+    down, down_dense = gguf_packed("Q4_1", 64, 64, seed=2)
+    model = torch.nn.Module()
+    model.BF16_OUTPUT_LINEARS = ("gate_up_proj",)
+    model.gate_up_proj, model.down_proj = QuantLinear(gate_up, None), QuantLinear(down, None)
+    swap_linears(model)
+    pack_linears(model, extension.load(), gguf_mode="bf16_copy")
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    hidden = model.gate_up_proj(x)
+    on_copy = model.gate_up_proj.fast_path[2] is not None and rows > model.gate_up_proj.blocks_max_rows
+    assert hidden.dtype == (torch.bfloat16 if on_copy else torch.float32)
+    out = model.down_proj(silu_and_mul(hidden))
+    assert out.dtype == torch.float32 and not model.down_proj.bf16_output
+    expected = F.linear(silu_and_mul(F.linear(x, gate_up_dense)), down_dense)
+    if on_copy:  # two linears and a SiLU in bf16: about 2^-8 relative each, of the whole output
+        assert (out - expected).norm() <= 0.02 * expected.norm()
+    else:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_compiled_silu_and_mul_matches_torch_in_float32_and_bfloat16():
+    """The compiled SiLU (a vectorized e^-|x|) is within float32's rounding of torch's, over
+    the range that matters and at the ends (no overflow far below zero); in bfloat16 within
+    one bf16 rounding of torch's float32 result."""
+    kernels = extension.load()
+    if kernels is None:
+        pytest.skip("no compiled CPU kernels on this machine")
+    gate = torch.cat([torch.linspace(-100, 100, 4001), torch.tensor([-1e4, -88.0, -1e-30, 0.0, 1e-30, 1e4])])
+    up = torch.randn(gate.numel(), generator=torch.Generator().manual_seed(0))
+    gate_up = torch.stack([torch.cat([gate, up]), torch.cat([gate.flip(0), up])])
+    gate2, up2 = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate2) * up2
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), expected, atol=1e-30, rtol=5e-7)
+    as_bf16 = gate_up.bfloat16()
+    gate_b, up_b = as_bf16.float().chunk(2, dim=-1)
+    out = kernels.silu_and_mul(as_bf16)
+    assert out.dtype == torch.bfloat16  # within one bf16 rounding (2^-8 relative) of torch's
+    torch.testing.assert_close(out.float(), F.silu(gate_b) * up_b, atol=1e-30, rtol=2**-8)
+
+
 def test_a_stale_build_lock_never_blocks_a_load(tmp_path):
     """A build killed mid-way leaves torch's `lock` file: the next builder, holding the build
     flock (so no live process is building), removes it and carries on instead of waiting."""

@@ -135,6 +135,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    BF16_OUTPUT_LINEARS = ("gate_up_proj",)  # silu_and_mul reads bf16 too (kernels/cpu/linear.py)
+
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)

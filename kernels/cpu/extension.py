@@ -32,7 +32,7 @@ SOURCES = [
     CSRC / "quant_linear_cpu.cpp",
     CSRC / "int8_dot_cpu.cpp",
 ]
-HEADERS = [CSRC / "cpu_kernels.h", CSRC / "int8_dot_kernel.inc"]
+HEADERS = [CSRC / "cpu_kernels.h", CSRC / "int8_dot_kernel.inc", CSRC / "vector_math.h"]
 # -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they
 # are compiled with OpenMP; at run time they share the libgomp torch has already loaded.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -53,12 +53,13 @@ def load():
         return None
 
 
-def for_tensors(*tensors):
-    """The extension when every tensor is a CPU float32 one, else None: how the per-op
-    dispatchers (kernels/attention.py, kernels/layer_ops.py) pick the compiled path. (A plain
-    loop: this runs ~15 times per layer per decode step.)"""
+def for_tensors(*tensors, dtypes: tuple = (torch.float32,)):
+    """The extension when every tensor is a CPU one of ``dtypes`` (float32 unless the kernel
+    takes more), else None: how the per-op dispatchers (kernels/attention.py,
+    kernels/layer_ops.py) pick the compiled path. (A plain loop: this runs ~15 times per
+    layer per decode step.)"""
     for t in tensors:
-        if not t.is_cpu or t.dtype is not torch.float32:
+        if not t.is_cpu or t.dtype not in dtypes:
             return None
     return load()
 

@@ -53,9 +53,11 @@ class CpuLinear(nn.Module):
     # decoder's too); with a copy the crossover is the CPU's (dispatch.gguf_blocks_max_rows)
     QUANT_MAX_ROWS = 12
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bf16_output: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias
+        # a bf16 copy's product may stay bf16 (the model's reader takes it: SiLU-and-mul)
+        self.bf16_output = bf16_output and bias is None
         self.kernels = None  # the compiled extension, from pack()
         # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
         self.fast_path: tuple | None = None
@@ -90,6 +92,8 @@ class CpuLinear(nn.Module):
         self.fast_path = (few_rows_weight, self.bias, onednn_packed(self.weight.detach(), self.PACK_BATCH_HINT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.bfloat16 and self.fast_path is not None and self.fast_path[0].dtype is not torch.float32:
+            return self._gguf_forward(x, *self.fast_path)  # a bf16_output product read by this layer
         if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
             if is_packed(self.weight):
                 return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
@@ -97,17 +101,22 @@ class CpuLinear(nn.Module):
         weight, bias, packed = self.fast_path
         rows = x.shape[0]
         if weight.dtype is not torch.float32:  # GGUF blocks
-            path = gguf_linear_path(cpu_flags(), rows, self.activations)
-            if path != "float32":
-                return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:") :])
-            if packed is None or rows <= self.blocks_max_rows:
-                return self.kernels.quantized_linear(x, weight, bias)
-            return onednn_linear(x, packed, bias)
+            return self._gguf_forward(x, weight, bias, packed)
         if self.kernels is not None and rows <= self.FEW_ROWS:
             return self.kernels.few_rows_linear(x, weight, bias)
         if packed is not None:
             return onednn_linear(x, packed, bias)
         return F.linear(x, weight, bias)
+
+    def _gguf_forward(self, x, weight, bias, packed) -> torch.Tensor:
+        rows = x.shape[0]
+        if packed is not None and rows > self.blocks_max_rows:
+            return onednn_linear(x, packed, bias, keep_bf16=self.bf16_output)
+        x = x.float()  # no-op for float32
+        path = gguf_linear_path(cpu_flags(), rows, self.activations)
+        if path != "float32":
+            return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:") :])
+        return self.kernels.quantized_linear(x, weight, bias)
 
 
 def onednn_packed(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
@@ -120,14 +129,21 @@ def onednn_packed(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
         return None
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ packed^T + bias in float32; a bfloat16 ``packed`` multiplies x cast to bf16."""
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, keep_bf16: bool = False
+) -> torch.Tensor:
+    """x @ packed^T + bias in float32; a bfloat16 ``packed`` multiplies x in bf16 (cast if
+    float32) and returns bf16 with ``keep_bf16`` (no bias then), else float32."""
     rows = x.shape[0]
     padded = row_bucket(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
     if packed.dtype is torch.bfloat16:
-        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")[:rows].float()
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "")[:rows]
+        if keep_bf16:
+            assert bias is None, "a bf16 product carries no bias"
+            return y
+        y = y.float()
         return y if bias is None else y.add_(bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
 
@@ -143,10 +159,12 @@ def row_bucket(rows: int) -> int:
 def swap_linears(model: nn.Module) -> None:
     """Swap every nn.Linear for a CpuLinear sharing its parameters, in place; so too every
     module with a ``tied_weight`` (an output head reusing the embedding table, which has no
-    parameters of its own)."""
+    parameters of its own). A module's ``BF16_OUTPUT_LINEARS`` names the children whose
+    product its forward hands to a reader that takes bf16 (see CpuLinear.bf16_output)."""
+    bf16_output = getattr(model, "BF16_OUTPUT_LINEARS", ())
     for name, child in list(model.named_children()):
         if isinstance(child, (nn.Linear, QuantLinear)):
-            setattr(model, name, CpuLinear(child.weight, child.bias))
+            setattr(model, name, CpuLinear(child.weight, child.bias, bf16_output=name in bf16_output))
         elif isinstance(getattr(child, "tied_weight", None), torch.Tensor):
             setattr(model, name, CpuLinear(child.tied_weight, None))
         else:

@@ -3,8 +3,10 @@
 // layer has about forty of them. Same arithmetic order as the torch reference path
 // (kernels/layer_ops.py) except for the order of the sum of squares.
 #include "cpu_kernels.h"
+#include "vector_math.h"
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
 
 namespace {
 
@@ -64,20 +66,37 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
   });
 }
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "silu_and_mul: gate_up [T, 2 I] contiguous");
-  check_rows(gate_up, "silu_and_mul");
-  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({tokens, inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+
+template <typename T>  // float, or uint16_t for bfloat16 (float32 arithmetic either way)
+void silu_and_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
   at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float *gate = gp + t * 2 * inter, *up = gate + inter;
-      float* o = op + t * inter;
-      for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      const T *gate = gate_up + t * 2 * inter, *up = gate + inter;
+      T* o = out + t * inter;
+      for (int64_t i = 0; i < inter; ++i) store(o, i, silu(load(gate, i)) * load(up, i));
     }
   });
+}
+
+}  // namespace
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "silu_and_mul: gate_up [T, 2 I] contiguous");
+  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat || gate_up.scalar_type() == torch::kBFloat16,
+              "silu_and_mul: float32 or bfloat16 only");
+  const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({tokens, inter}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat)
+    silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), tokens, inter);
+  else
+    silu_and_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()),
+                      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), tokens, inter);
   return out;
 }
 

@@ -6,6 +6,7 @@
 // accumulate in registers. 1.6-2x the per-token loops at 20-600 tokens of context (64
 // sequences, SmolLM2's heads, 2-core AVX-512 EPYC).
 #include "cpu_kernels.h"
+#include "vector_math.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -16,29 +17,6 @@
 #endif
 
 namespace {
-// e^x for x <= 0 (softmax after subtracting the peak), vectorizable: x = n ln 2 + r with
-// ln 2 in two parts (Cody-Waite), e^r by its Taylor series to r^7 (|r| <= ln 2 / 2), times 2^n
-// by the exponent bits. Relative error under 1.1e-7 over [-87, 0] (expf's float rounding).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
 
 #if defined(__AVX512F__)
 // The 16 sums of v[0..15]'s lanes in one register (lane t: the sum of v[t]): 4 shuffle-add
