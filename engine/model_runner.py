@@ -20,7 +20,7 @@ from engine.grammar_masks import GrammarMasks, GrammarState
 from engine.lora.manager import LoRAManager
 from engine.models.decoder_layout import decoder_layout
 from engine.models.layers import PagedAttention
-from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_kernel_mode
+from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_kernel_mode, native_quantization
 from engine.plan import ScheduledSeq, StepPlan, StepResult
 from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
 from engine.sampler import Sampler, SamplingRow
@@ -83,6 +83,27 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def resolve_kv_cache_dtype(
+    config: EngineConfig, dtype: torch.dtype, attention_backend: str, bf16_copy: bool
+) -> torch.dtype:
+    """The KV cache's element (``config.kv_cache_dtype``): the model's ``dtype``, or bfloat16
+    under float32 activations on the CPU's torch backend, whose kernels widen it as they read
+    (float32 sums). "auto" takes that where the model's batched steps already multiply on a
+    bfloat16 copy (``bf16_copy``, dtype=auto on bf16 hardware): decode attention reads half
+    the bytes; a float checkpoint, or dtype=float32, keeps a float32 cache (token-exact)."""
+    name = config.kv_cache_dtype
+    if name == "auto":
+        return torch.bfloat16 if bf16_copy and dtype == torch.float32 and attention_backend == "torch" else dtype
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    mixed_on_cpu = wanted == torch.bfloat16 and dtype == torch.float32 and attention_backend == "torch"
+    if wanted != dtype and not mixed_on_cpu:
+        raise ValueError(
+            f"kv_cache_dtype: {name} with dtype {str(dtype).removeprefix('torch.')} on the {attention_backend} "
+            "attention backend is not supported (auto, the model's dtype, or bfloat16 under float32 on CPU)"
+        )
+    return wanted
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int, tp: TPGroup | None = None):
         """``tp``: a follower rank's group (engine/tp_worker.py); rank 0 starts the
@@ -97,13 +118,18 @@ class ModelRunner:
         self.tp = tp or self._start_workers(spec)
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)
+        gguf_mode = gguf_kernel_mode(config.quantization, config.dtype)
+        bf16_copy = (
+            self.tp is None
+            and gguf_mode == "bf16_copy"
+            and native_quantization(spec, config.quantization, self.dtype, self.device)
+        )
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype, self.attention_backend, bf16_copy)
         if self.tp is None:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
             # the CPU's compiled whole-model decoder has its own attention: not with Triton's
             layout = decoder_layout if self.attention_backend == "torch" else None
-            self.backend = prepare(
-                self.model, self.device, layout, gguf_mode=gguf_kernel_mode(config.quantization, config.dtype)
-            )
+            self.backend = prepare(self.model, self.device, layout, gguf_mode=gguf_mode)
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
             self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
             shard_model(self.model, self.tp.rank, self.tp.size, self.tp)
@@ -169,7 +195,12 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         first = self.attention_layers[0]
         per_block = (
-            2 * len(self.attention_layers) * self.block_size * first.num_kv_heads * first.head_dim * self.dtype.itemsize
+            2
+            * len(self.attention_layers)
+            * self.block_size
+            * first.num_kv_heads
+            * first.head_dim
+            * self.kv_dtype.itemsize
         )
         # never more than every running sequence at full length could use
         useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
@@ -178,12 +209,16 @@ class ModelRunner:
             num_blocks = self.tp.agree_min(num_blocks)
         shape = (len(self.attention_layers), first.num_kv_heads, num_blocks, self.block_size, first.head_dim)
         # zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for index, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.k_cache[index], self.v_cache[index]
         log.info(
-            "KV cache: %d blocks of %d tokens (%.0f MiB)", num_blocks, self.block_size, num_blocks * per_block / 2**20
+            "KV cache: %d blocks of %d tokens, %s (%.0f MiB)",
+            num_blocks,
+            self.block_size,
+            str(self.kv_dtype).removeprefix("torch."),
+            num_blocks * per_block / 2**20,
         )
         return num_blocks
 

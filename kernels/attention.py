@@ -12,14 +12,18 @@ import torch.nn.functional as F
 
 from kernels.cpu.extension import for_tensors
 
+# a CPU cache may be bfloat16 under float32 activations (ModelRunner's kv_cache_dtype): the
+# compiled kernels widen it on the fly, the reference paths cast what they gather
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def write_kv_cache(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store ``key``/``value`` ``[T, H_kv, D]`` at flat slots ``slot_mapping`` ``[T]``."""
     num_kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1))
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, key.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, value.transpose(0, 1).to(v_cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -39,7 +43,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Decode attention on the fastest path for the device (the fused CPU kernel reads the
     blocks in place; elsewhere the reference path)."""
-    kernels = for_tensors(query)
+    kernels = for_tensors(query) and for_tensors(k_cache, dtypes=KV_CACHE_DTYPES)
     if kernels is not None:
         return kernels.paged_decode_attention(query.contiguous(), k_cache, v_cache, block_tables, context_lens, scale)
     return paged_decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale)
@@ -61,8 +65,8 @@ def paged_decode_attention_reference(
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    keys = gather_blocks(k_cache, block_tables)  # [H_kv, B, L, D]
-    values = gather_blocks(v_cache, block_tables)
+    keys = gather_blocks(k_cache, block_tables).to(query.dtype)  # [H_kv, B, L, D]
+    values = gather_blocks(v_cache, block_tables).to(query.dtype)
     # query heads of one kv head form the rows: [H_kv, B, group, D]
     q = query.view(batch, num_kv_heads, group, head_dim).permute(1, 0, 2, 3)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [H_kv, B, group, L]
@@ -95,8 +99,8 @@ def prefill_attention(
         )
         return out[0].transpose(0, 1)
     total = prefix_len + n
-    keys = gather_blocks(k_cache, block_table[None])[:, 0, :total]
-    values = gather_blocks(v_cache, block_table[None])[:, 0, :total]
+    keys = gather_blocks(k_cache, block_table[None])[:, 0, :total].to(query.dtype)
+    values = gather_blocks(v_cache, block_table[None])[:, 0, :total].to(query.dtype)
     q_pos = torch.arange(prefix_len, total, device=query.device)
     k_pos = torch.arange(total, device=query.device)
     mask = k_pos[None, :] <= q_pos[:, None]

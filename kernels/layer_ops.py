@@ -9,7 +9,7 @@ the several torch ops whose dispatch dominates a decode step.
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import write_kv_cache
+from kernels.attention import KV_CACHE_DTYPES, write_kv_cache
 from kernels.cpu.extension import for_tensors as _compiled
 
 _triton = None  # kernels.triton.layer_ops once a CUDA engine chose the Triton backend
@@ -84,7 +84,7 @@ def rotary_and_cache(
     """Rotary embedding of ``q``/``k`` ``[T, heads, D]``, then ``k``/``v`` stored at
     ``slot_mapping``. Returns the rotated ``q`` and ``k`` (rotated in place where compiled)."""
     cos, sin = cos_sin
-    kernels = _compiled(q, k, v, cos, k_cache)
+    kernels = _compiled(q, k, v, cos) and _compiled(k_cache, dtypes=KV_CACHE_DTYPES)
     if kernels is not None and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
         kernels.rotary_and_cache_(
             q, k, v, cos.reshape(q.shape[0], -1), sin.reshape(q.shape[0], -1), k_cache, v_cache, slot_mapping

@@ -1,6 +1,6 @@
 """Quality gate of the bfloat16 copy (quantization="auto" with dtype="auto" on a CPU with
 AVX512-BF16 or AMX: a .gguf model's steps of more than 2 rows multiply on bf16 weights and
-bf16-rounded activations, float32 sums and everything else float32) against our float32 copy
+bf16-rounded activations, float32 sums, a bfloat16 KV cache, and everything else float32) against our float32 copy
 of the same blocks, on the real SmolLM2 and a real text. Prompts scored whole and 16
 sequences decoded at once run on the bf16 copy, so every number below comes from it:
 
@@ -34,7 +34,9 @@ def engines():
     bf16 = LLM("smollm2", dtype="auto", **options)
     copies = {m.fast_path[2].dtype for m in bf16.engine.runner.model.modules() if getattr(m, "fast_path", None)}
     assert copies == {torch.bfloat16}, f"dtype=auto should hold bfloat16 copies here, holds {copies}"
-    yield bf16, LLM("smollm2", dtype="float32", **options)
+    float32 = LLM("smollm2", dtype="float32", **options)
+    assert (bf16.engine.runner.kv_dtype, float32.engine.runner.kv_dtype) == (torch.bfloat16, torch.float32)
+    yield bf16, float32
 
 
 def test_bf16_copy_keeps_perplexity_within_one_percent(engines):

@@ -56,3 +56,34 @@ def test_this_machines_flags_are_read():
     assert isinstance(flags, frozenset)
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert "avx2" in flags
+
+
+@pytest.mark.parametrize("asked", ["auto", "float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bf16_copy", [False, True])
+def test_kv_cache_dtype_choice(asked, dtype, backend, bf16_copy):
+    """kv_cache_dtype: auto is the model's dtype, but bfloat16 beside a bf16 copy on the CPU's
+    torch backend; bfloat16 under float32 activations only there; any other mismatch is refused,
+    naming the field."""
+    from engine.config import EngineConfig
+    from engine.model_runner import resolve_kv_cache_dtype
+
+    config = EngineConfig(kv_cache_dtype=asked)
+    mixed_ok = backend == "torch" and dtype == torch.float32
+    if asked == "auto":
+        expected = torch.bfloat16 if bf16_copy and mixed_ok else dtype
+    else:
+        expected = {"float32": torch.float32, "bfloat16": torch.bfloat16}[asked]
+        if expected != dtype and not (expected == torch.bfloat16 and mixed_ok):
+            with pytest.raises(ValueError, match="kv_cache_dtype"):
+                resolve_kv_cache_dtype(config, dtype, backend, bf16_copy)
+            return
+    assert resolve_kv_cache_dtype(config, dtype, backend, bf16_copy) == expected
+
+
+def test_kv_cache_dtype_names_the_field_and_the_choices():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of \('auto', 'float32', 'bfloat16'\)"):
+        EngineConfig(kv_cache_dtype="fp8")

@@ -62,18 +62,20 @@ def test_decode_attention_matches_dense_on_both_paths():
     torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads, kv_heads, dim, block",
     [(9, 3, 64, 16), (4, 4, 128, 16), (4, 2, 24, 16), (6, 2, 32, 8)],  # SmolLM2's; wide; odd dim; blocks of 8
 )
-def test_decode_attention_kernel_matches_the_reference_on_every_shape(heads, kv_heads, dim, block):
+def test_decode_attention_kernel_matches_the_reference_on_every_shape(heads, kv_heads, dim, block, cache_dtype):
     """The compiled kernel's block paths (AVX-512: a full block of 16 scores in one register sum,
     V rows accumulated in registers; elsewhere per-token loops) against the reference, with
-    full and partial blocks and contexts up to 600 tokens."""
+    full and partial blocks and contexts up to 600 tokens; a bfloat16 cache (widened as it is
+    read, float32 sums) against the reference on the same bf16 values."""
     gen = torch.Generator().manual_seed(dim + block)
     lengths = [1, 15, 16, 17, 48, 200, 600]
     blocks_needed = [-(-n // block) for n in lengths]
-    k_cache = torch.randn(kv_heads, sum(blocks_needed) + 3, block, dim, generator=gen)
+    k_cache = torch.randn(kv_heads, sum(blocks_needed) + 3, block, dim, generator=gen).to(cache_dtype)
     v_cache = torch.randn_like(k_cache)
     order = torch.randperm(k_cache.shape[1], generator=gen)
     width = max(blocks_needed)
@@ -86,6 +88,28 @@ def test_decode_attention_kernel_matches_the_reference_on_every_shape(heads, kv_
     expected = paged_decode_attention_reference(query, k_cache, v_cache, tables, lens, dim**-0.5)
     fast = paged_decode_attention(query, k_cache, v_cache, tables, lens, dim**-0.5)
     torch.testing.assert_close(fast, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_rotary_and_cache_writes_a_bfloat16_cache_as_the_float32_one_rounded():
+    """The fused rotary + cache write stores bf16 where the cache is bf16: the float32 cache's
+    values rounded to nearest; q and k rotate the same either way."""
+    from kernels.layer_ops import rotary_and_cache
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.rand(tokens, 1, dim, generator=gen) * 6
+    slots = torch.tensor([3, 9, 10, 0, 17])
+    written = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = qkv.clone().split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+        caches = [torch.zeros(kv_heads, 5, 4, dim, dtype=dtype) for _ in range(2)]
+        q, k = rotary_and_cache(q, k, v, (angles.cos(), angles.sin()), *caches, slots)
+        written[dtype] = (q.clone(), k.clone(), *caches)
+    (q32, k32, kc32, vc32), (q16, k16, kc16, vc16) = written[torch.float32], written[torch.bfloat16]
+    assert torch.equal(q32, q16) and torch.equal(k32, k16)
+    assert torch.equal(kc16, kc32.bfloat16()) and torch.equal(vc16, vc32.bfloat16())
 
 
 def test_cpu_kernel_builds_here():

@@ -101,14 +101,16 @@ def gguf_blocks_max_rows(flags: frozenset[str], copy_mode: str) -> int:
 
 
 def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
-    """dtype="auto" on CPU, and why: float32 activations everywhere (norms, attention, the KV
-    cache, and a float checkpoint's matmuls stay token-exact); where the CPU has bf16 hardware
-    a .gguf model's steps of many rows multiply on a bfloat16 copy (``gguf_copy_mode``).
+    """dtype="auto" on CPU, and why: float32 activations everywhere (norms, attention, and a
+    float checkpoint's matmuls and KV cache stay token-exact); where the CPU has bf16 hardware
+    a .gguf model's steps of many rows multiply on a bfloat16 copy (``gguf_copy_mode``) and
+    its KV cache is bfloat16 (engine/model_runner.py ``resolve_kv_cache_dtype``).
     Not measured on AMX yet: there vLLM's bf16 ran ~2x its float32."""
     if has_bf16_hardware(flags):
         found = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16"
         return torch.float32, (
             f"{found} found: float32 activations; a .gguf model's steps of more than "
-            f"{BLOCKS_MAX_ROWS['bf16']} rows multiply on a bfloat16 copy of its weights (dtype=float32: float32 copy)"
+            f"{BLOCKS_MAX_ROWS['bf16']} rows multiply on a bfloat16 copy of its weights, and its KV cache is bfloat16 "
+            "(dtype=float32: float32 copy and cache)"
         )
     return torch.float32, "no bf16 hardware (AVX512-BF16/AMX): float32"

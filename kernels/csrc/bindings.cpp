@@ -5,11 +5,11 @@
 static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32)", kNoGil);
+  m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32; fp32 or bf16 caches)", kNoGil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", kNoGil);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU, fp32)", kNoGil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32 or bf16)", kNoGil);
-  m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32)", kNoGil);
+  m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32; fp32 or bf16 caches)", kNoGil);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, double, int64_t, int64_t,
                           int64_t, double>())

@@ -68,11 +68,6 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-
 template <typename T>  // float, or uint16_t for bfloat16 (float32 arithmetic either way)
 void silu_and_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t inter) {
   at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
@@ -100,19 +95,14 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-void rotary_and_cache_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                       torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                       torch::Tensor slot_mapping) {
-  for (auto* t : {&q, &k, &v}) check_rows(*t, "rotary_and_cache_");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "rotary_and_cache_: cos/sin [T, D] and caches contiguous");
-  auto slots = slot_mapping.to(torch::kLong).contiguous();
+namespace {
+
+template <typename T>  // the caches' element: float, or uint16_t for bfloat16
+void rotate_and_store(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                      const torch::Tensor& sin, T* kc, T* vc, int64_t cache_slots, const int64_t* slot) {
   const int64_t tokens = q.size(0), q_heads = q.size(1), kv_heads = k.size(1), dim = q.size(2);
-  const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);  // per kv head
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   const float *vp = v.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
   at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *c = cp + t * dim, *s = sp + t * dim;
@@ -121,9 +111,31 @@ void rotary_and_cache_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
         float* key = kp + t * k.stride(0) + h * k.stride(1);
         const float* value = vp + t * v.stride(0) + h * v.stride(1);
         rotate_row(key, c, s, dim);
-        std::copy(key, key + dim, kc + (h * cache_slots + slot[t]) * dim);
-        std::copy(value, value + dim, vc + (h * cache_slots + slot[t]) * dim);
+        T *key_slot = kc + (h * cache_slots + slot[t]) * dim, *value_slot = vc + (h * cache_slots + slot[t]) * dim;
+        for (int64_t d = 0; d < dim; ++d) store(key_slot, d, key[d]);
+        for (int64_t d = 0; d < dim; ++d) store(value_slot, d, value[d]);
       }
     }
   });
+}
+
+}  // namespace
+
+void rotary_and_cache_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                       torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor slot_mapping) {
+  for (auto* t : {&q, &k, &v}) check_rows(*t, "rotary_and_cache_");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rotary_and_cache_: cos/sin [T, D] and caches contiguous");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && (cache_type == torch::kFloat || cache_type == torch::kBFloat16),
+              "rotary_and_cache_: float32 or bfloat16 caches");
+  auto slots = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);  // per kv head
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  if (cache_type == torch::kFloat)
+    rotate_and_store(q, k, v, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), cache_slots, slot);
+  else
+    rotate_and_store(q, k, v, cos, sin, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                     reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), cache_slots, slot);
 }

@@ -46,6 +46,12 @@ inline uint16_t float_to_bf16(float x) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Elements of float32 or bfloat16 (uint16_t) arrays, read and written as float32.
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+
 // x / (1 + e^-x) (torch's formula) for x >= 0; x e^x / (1 + e^x) below, so e^-x never
 // overflows (and e^x is 0 where float32's e^-x would be inf, as torch's result is then)
 inline float silu(float x) {
