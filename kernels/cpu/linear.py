@@ -11,6 +11,7 @@ from kernels.quant import QuantLinear, dequantize, is_packed
 
 GGUF_MODES = ("blocks", "int8", "float32_copy", "bf16_copy")  # see CpuLinear.pack
 COPY_DTYPES = {"float32_copy": torch.float32, "bf16_copy": torch.bfloat16}
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what the GGUF paths take (bf16: see bf16_output)
 
 
 class CpuLinear(nn.Module):
@@ -92,16 +93,16 @@ class CpuLinear(nn.Module):
         self.fast_path = (few_rows_weight, self.bias, onednn_packed(self.weight.detach(), self.PACK_BATCH_HINT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is torch.bfloat16 and self.fast_path is not None and self.fast_path[0].dtype is not torch.float32:
-            return self._gguf_forward(x, *self.fast_path)  # a bf16_output product read by this layer
-        if self.fast_path is None or x.dim() != 2 or x.dtype is not torch.float32:
+        fast = self.fast_path is not None and x.dim() == 2
+        # GGUF blocks take bf16 x too: a bf16_output product read by this layer
+        if fast and self.fast_path[0].dtype is not torch.float32 and x.dtype in ACTIVATION_DTYPES:
+            return self._gguf_forward(x, *self.fast_path)
+        if not fast or x.dtype is not torch.float32:
             if is_packed(self.weight):
                 return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)
             return F.linear(x, self.weight, self.bias)
         weight, bias, packed = self.fast_path
         rows = x.shape[0]
-        if weight.dtype is not torch.float32:  # GGUF blocks
-            return self._gguf_forward(x, weight, bias, packed)
         if self.kernels is not None and rows <= self.FEW_ROWS:
             return self.kernels.few_rows_linear(x, weight, bias)
         if packed is not None:

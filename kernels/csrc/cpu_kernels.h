@@ -1,6 +1,24 @@
 // The CPU kernels the Python side binds (bindings.cpp); each lives in its own file.
 #pragma once
 #include <torch/extension.h>
+#include <cstdint>
+#include <type_traits>
+
+// Runs body(T{}) with T = float for a float32 tensor, uint16_t for a bfloat16 one (the element
+// type of vector_math.h's load/store), and refuses any other dtype naming the kernel.
+template <typename Body>
+void dispatch_float_or_bf16(const torch::Tensor& t, const char* kernel, Body&& body) {
+  if (t.scalar_type() == torch::kFloat) return body(float{});
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, kernel, ": float32 or bfloat16 only");
+  body(uint16_t{});
+}
+
+// A float32 or bfloat16 tensor's elements as float* or uint16_t* (dispatch_float_or_bf16's T)
+template <typename T>
+T* elements(const torch::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
 
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,

@@ -83,15 +83,12 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t tokens, int64_t inter) 
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous(), "silu_and_mul: gate_up [T, 2 I] contiguous");
-  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat || gate_up.scalar_type() == torch::kBFloat16,
-              "silu_and_mul: float32 or bfloat16 only");
   const int64_t tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
   auto out = torch::empty({tokens, inter}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat)
-    silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), tokens, inter);
-  else
-    silu_and_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), tokens, inter);
+  dispatch_float_or_bf16(gate_up, "silu_and_mul", [&](auto element) {
+    using T = decltype(element);
+    silu_and_mul_rows<T>(elements<T>(gate_up), elements<T>(out), tokens, inter);
+  });
   return out;
 }
 
@@ -127,15 +124,12 @@ void rotary_and_cache_(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch:
   for (auto* t : {&q, &k, &v}) check_rows(*t, "rotary_and_cache_");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "rotary_and_cache_: cos/sin [T, D] and caches contiguous");
-  const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == cache_type && (cache_type == torch::kFloat || cache_type == torch::kBFloat16),
-              "rotary_and_cache_: float32 or bfloat16 caches");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "rotary_and_cache_: caches of one dtype");
   auto slots = slot_mapping.to(torch::kLong).contiguous();
   const int64_t cache_slots = k_cache.size(1) * k_cache.size(2);  // per kv head
   const int64_t* slot = slots.data_ptr<int64_t>();
-  if (cache_type == torch::kFloat)
-    rotate_and_store(q, k, v, cos, sin, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), cache_slots, slot);
-  else
-    rotate_and_store(q, k, v, cos, sin, reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                     reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), cache_slots, slot);
+  dispatch_float_or_bf16(k_cache, "rotary_and_cache_", [&](auto element) {
+    using T = decltype(element);
+    rotate_and_store<T>(q, k, v, cos, sin, elements<T>(k_cache), elements<T>(v_cache), cache_slots, slot);
+  });
 }

@@ -176,19 +176,15 @@ void decode_attention(const torch::Tensor& query, const T* kc, const T* vc, cons
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
-  const auto cache_type = k_cache.scalar_type();
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && v_cache.scalar_type() == cache_type &&
-                  (cache_type == torch::kFloat || cache_type == torch::kBFloat16),
-              "paged_decode_attention: float32 query, float32 or bfloat16 caches");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: float32 query, caches of one dtype");
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   auto tables = block_tables.to(torch::kLong).contiguous();
   auto lens = context_lens.to(torch::kLong).contiguous();
   auto out = torch::empty_like(query);
-  if (cache_type == torch::kFloat)
-    decode_attention(query, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, tables, lens, scale, out);
-  else
-    decode_attention(query, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-                     reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache, tables, lens,
-                     scale, out);
+  dispatch_float_or_bf16(k_cache, "paged_decode_attention", [&](auto element) {
+    using T = decltype(element);
+    decode_attention<T>(query, elements<T>(k_cache), elements<T>(v_cache), k_cache, tables, lens, scale, out);
+  });
   return out;
 }
