@@ -49,10 +49,12 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual + x`` (the new residual stream) and its RMSNorm. May reuse the storage of
-    both inputs, which the caller must not read again."""
+    both inputs, which the caller must not read again. On CPU ``x`` may be bfloat16 (a bf16
+    copy's product, kernels/cpu/linear.py): the compiled kernel adds it to the float32 stream
+    and writes the norm back into it, as bf16 for the next bf16 matmul."""
     if _fused(x) and residual.stride(-1) == 1:
         return _triton.add_rms_norm(x, residual, weight, eps)
-    kernels = _compiled(x, residual, weight)
+    kernels = _compiled(x, dtypes=(torch.float32, torch.bfloat16)) and _compiled(residual, weight)
     if kernels is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
         kernels.add_rms_norm_(x, residual, weight, eps)
         return x, residual

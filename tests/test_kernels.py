@@ -362,6 +362,45 @@ def test_a_bf16_output_product_feeds_silu_and_the_next_layer(rows):
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_takes_a_bf16_product_into_the_float32_stream(x_dtype):
+    """o_proj's and down_proj's bf16 products (``BF16_OUTPUT_LINEARS``) go into add_rms_norm as
+    they are: the float32 residual gains them exactly (as float32 adds), and the norm is
+    written back into x in x's dtype, within one bf16 rounding of the float32 norm."""
+    from kernels.layer_ops import add_rms_norm, rms_norm_reference
+
+    if extension.load() is None:
+        pytest.skip("no compiled CPU kernels on this machine")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 576, generator=gen).to(x_dtype)
+    residual, weight = torch.randn(7, 576, generator=gen), torch.rand(576, generator=gen) + 0.5
+    expected_residual = residual + x.float()
+    expected = rms_norm_reference(expected_residual, weight, 1e-5)
+    normed, new_residual = add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    assert normed.dtype == x_dtype and new_residual.dtype == torch.float32
+    torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+    rtol = 2**-8 if x_dtype is torch.bfloat16 else 1e-5  # the sum of squares' order differs
+    torch.testing.assert_close(normed.float(), expected, atol=1e-6, rtol=rtol)
+
+
+def test_a_float32_layer_reads_a_bf16_product_as_float32():
+    """A layer without a bf16 copy (a dense float32 weight, or GGUF blocks alone) behind a
+    bf16_output one widens the bf16 x it gets and answers float32."""
+    from kernels.cpu.linear import swap_linears
+    from kernels.quant import QuantLinear
+
+    packed, dense = gguf_packed("Q4_1", 48, 64, seed=5)
+    model = torch.nn.Module()
+    model.blocks, model.dense = QuantLinear(packed, None), torch.nn.Linear(64, 48)
+    swap_linears(model)
+    pack_linears(model, extension.load(), gguf_mode="blocks")
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    for layer, weight, bias in ((model.blocks, dense, None), (model.dense, model.dense.weight, model.dense.bias)):
+        out = layer(x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, F.linear(x.float(), weight, bias), atol=2e-5, rtol=1e-5)
+
+
 def test_compiled_silu_and_mul_matches_torch_in_float32_and_bfloat16():
     """The compiled SiLU (a vectorized e^-|x|) is within float32's rounding of torch's, over
     the range that matters and at the ends (no overflow far below zero); in bfloat16 within

@@ -94,3 +94,24 @@ def test_bad_adapter_requests_fail_alone(setup, tmp_path):
     plain = LLM(model_dir)
     [out] = plain.generate(PROMPTS[:1], params, use_tqdm=False, lora_request=requests["a"])
     assert "enable_lora" in out.error
+
+
+def test_an_adapter_on_a_bf16_product_adds_a_float_delta():
+    """Behind a bf16 copy (dtype=auto on bf16 hardware) a projection's x and product may be
+    bfloat16 (kernels/cpu/linear.py ``bf16_output``): the adapter's delta is computed from x
+    widened to the adapter's float32 and added into the product."""
+    from engine.lora.layers import LoRABatch, LoRALinear
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.nn.Linear(16, 8, bias=False)
+    batch = LoRABatch(runs=[(0, 0, 3)])
+    lora = LoRALinear(base, [("o_proj", 0, 8)], 16, 1, 4, batch, torch.float32, torch.device("cpu"))
+    a, b = torch.randn(4, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    lora.set_slot(0, {"o_proj": (a, b)})
+    base.to(torch.bfloat16)  # a bf16 layer stands in for the bf16 copy: bf16 in, bf16 out
+    x = torch.randn(5, 16, generator=gen).bfloat16()
+    out = lora(x)
+    expected = base(x).float()
+    expected[:3] += x[:3].float() @ a.T @ b.T
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=0.05, rtol=2**-7)

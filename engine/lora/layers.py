@@ -53,5 +53,6 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for slot, start, end in self.batch.runs:
-            y[start:end] += (x[start:end] @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            # x may be a bf16 copy's product (kernels/cpu/linear.py bf16_output): the delta is float
+            y[start:end] += (x[start:end].to(self.lora_a.dtype) @ self.lora_a[slot].T) @ self.lora_b[slot].T
         return y

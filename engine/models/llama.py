@@ -109,6 +109,8 @@ def default_rope(config) -> tuple[torch.Tensor, float]:
 
 
 class LlamaAttention(nn.Module):
+    BF16_OUTPUT_LINEARS = ("o_proj",)  # add_rms_norm reads bf16 (kernels/cpu/linear.py)
+
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.q_size = arch.num_heads * arch.head_dim
@@ -135,7 +137,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    BF16_OUTPUT_LINEARS = ("gate_up_proj",)  # silu_and_mul reads bf16 too (kernels/cpu/linear.py)
+    # silu_and_mul and add_rms_norm read bf16 too (kernels/cpu/linear.py)
+    BF16_OUTPUT_LINEARS = ("gate_up_proj", "down_proj")
 
     def __init__(self, arch: LlamaArch):
         super().__init__()
@@ -191,7 +194,8 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rotary(positions)
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos_sin, meta)
-        return self.model.norm(x, residual)[0]
+        hidden = self.model.norm(x, residual)[0]
+        return hidden.to(self.model.norm.weight.dtype)  # a bf16 product's norm is bf16 (BF16_OUTPUT_LINEARS)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -57,7 +57,7 @@ class CpuLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bf16_output: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias
-        # a bf16 copy's product may stay bf16 (the model's reader takes it: SiLU-and-mul)
+        # a bf16 copy's product may stay bf16 (its reader takes it: SiLU-and-mul, add_rms_norm)
         self.bf16_output = bf16_output and bias is None
         self.kernels = None  # the compiled extension, from pack()
         # (few-row weight, bias, oneDNN-packed weight or None) as plain attributes, from pack()
@@ -97,6 +97,8 @@ class CpuLinear(nn.Module):
         # GGUF blocks take bf16 x too: a bf16_output product read by this layer
         if fast and self.fast_path[0].dtype is not torch.float32 and x.dtype in ACTIVATION_DTYPES:
             return self._gguf_forward(x, *self.fast_path)
+        if x.dtype is torch.bfloat16 and (is_packed(self.weight) or self.weight.dtype is torch.float32):
+            x = x.float()  # a bf16 product (bf16_output) read by a layer without a bf16 copy
         if not fast or x.dtype is not torch.float32:
             if is_packed(self.weight):
                 return F.linear(x, dequantize(self.weight).to(x.dtype), self.bias)

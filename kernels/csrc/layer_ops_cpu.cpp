@@ -12,11 +12,12 @@ namespace {
 
 constexpr int64_t kTokensPerTask = 4;  // short rows: one thread handles a few tokens
 
-inline void normalize_row(const float* in, const float* weight, float* out, int64_t n, float eps) {
+template <typename T>  // the output's element: float, or uint16_t for bfloat16
+inline void normalize_row(const float* in, const float* weight, T* out, int64_t n, float eps) {
   float squares = 0.f;
   for (int64_t i = 0; i < n; ++i) squares += in[i] * in[i];
   const float scale = 1.f / std::sqrt(squares / n + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (in[i] * scale);
+  for (int64_t i = 0; i < n; ++i) store(out, i, weight[i] * (in[i] * scale));
 }
 
 // x1 * cos - x2 * sin | x2 * cos + x1 * sin, the halves of one head (rotate_half convention)
@@ -49,20 +50,34 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+namespace {
+
+template <typename T>  // x's element: float, or uint16_t for bfloat16 (a bf16 product)
+void add_and_normalize_rows(T* xp, float* rp, const float* wp, int64_t tokens, int64_t n, float eps) {
+  at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* xr = xp + t * n;
+      float* rr = rp + t * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] = load(xr, i) + rr[i];
+      normalize_row(rr, wp, xr, n, eps);
+    }
+  });
+}
+
+}  // namespace
+
+// residual += x, then x = norm(residual) in x's dtype (float32 or bfloat16); residual and
+// weight float32, so the stream itself keeps float32 precision.
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(),
               "add_rms_norm_: x and residual [T, H] contiguous");
-  check_rows(x, "add_rms_norm_");
   check_rows(residual, "add_rms_norm_");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat && weight.is_contiguous(), "add_rms_norm_: weight float32");
   const int64_t n = x.size(1);
-  float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float *xr = xp + t * n, *rr = rp + t * n;
-      for (int64_t i = 0; i < n; ++i) rr[i] = xr[i] + rr[i];
-      normalize_row(rr, wp, xr, n, (float)eps);
-    }
+  dispatch_float_or_bf16(x, "add_rms_norm_", [&](auto element) {
+    using T = decltype(element);
+    add_and_normalize_rows<T>(elements<T>(x), residual.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), n,
+                              (float)eps);
   });
 }
 
