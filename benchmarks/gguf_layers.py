@@ -2,7 +2,11 @@
 kernels/csrc/int8_dot_cpu.cpp; every ISA variant this CPU runs), float32 activations on the
 blocks (quant_linear_cpu.cpp), oneDNN on a prepacked float32 copy (the batch copy of
 quantization="auto" in float32) and on a prepacked bfloat16 copy (its batch copy where the CPU
-has AVX512-BF16 or AMX; emulated and slow elsewhere, so only run there unless --bf16).
+has AVX512-BF16 or AMX; emulated and slow elsewhere, so only run there unless --bf16), and
+oneDNN's int8 matmul (``torch.ops.onednn.qlinear_pointwise``, vLLM's W8A8 path: weights int8
+per output row from the dequantized blocks, x quantized per token, its cost included), which
+the engine does not take: per-token int8 activations cost SmolLM2 ~3% perplexity
+(benchmarks/int8_agreement.py, docs/performance.md).
 
     python benchmarks/gguf_layers.py [--rows 1,4,16,32,64,128] [--rounds 7] [--threads N]
 
@@ -37,6 +41,27 @@ def packed_weight(type_name: str, n: int, k: int):
     qtype = GGMLQuantizationType[type_name]
     weight = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
     return pack_gguf_blocks(quantize(weight, qtype), int(qtype))
+
+
+def onednn_int8_packed(dense: torch.Tensor, batch_hint: int):
+    """(packed int8 weight, per-row scales, zero points) for oneDNN's int8 matmul, or None."""
+    if not hasattr(torch.ops, "onednn") or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None
+    scales = dense.abs().amax(1).clamp_min(1e-10) / 127
+    qweight = torch.round(dense / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    packed = torch.ops.onednn.qlinear_prepack(qweight, [batch_hint, dense.shape[1]])
+    return packed, scales, torch.zeros(dense.shape[0], dtype=torch.int64)
+
+
+def onednn_int8_linear(x: torch.Tensor, packed, scales, zero_points) -> torch.Tensor:
+    """x quantized per token (uint8, zero point 128), the int8 matmul into float32 with the
+    weight's row scales, then each row times its own scale."""
+    x_scales = x.abs().amax(1, keepdim=True).clamp_min_(1e-10).div_(127)
+    qx = torch.round(x / x_scales).add_(128).to(torch.uint8)
+    y = torch.ops.onednn.qlinear_pointwise(
+        qx, 1.0, 128, packed, scales, zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    return y.mul_(x_scales)
 
 
 def best_of(fn, calls: int, clock) -> float:
@@ -88,6 +113,7 @@ def main():
             weight = packed_weight(type_name, n, k)
             copy = onednn_packed(dequantize(weight), 64)
             bf16_copy = onednn_packed(dequantize(weight).bfloat16(), 64) if with_bf16 else None
+            int8_copy = onednn_int8_packed(dequantize(weight), 64)
             for rows in rows_list:
                 x = torch.randn(rows, k)
                 paths = {
@@ -98,6 +124,8 @@ def main():
                 paths["f32 copy"] = lambda: onednn_linear(x, copy, None)
                 if bf16_copy is not None:
                     paths["bf16 copy"] = lambda: onednn_linear(x, bf16_copy, None)
+                if int8_copy is not None:
+                    paths["int8 oneDNN per token"] = lambda: onednn_int8_linear(x, *int8_copy)
                 times = {name: [] for name in paths}
                 for _ in range(args.rounds):
                     for name, fn in paths.items():
