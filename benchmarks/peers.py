@@ -503,7 +503,7 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
     for kind in args.engines:
         if kind == "ours":
             for dtype in ours_dtypes(args.ours_dtype):
-                for quantization in args.ours_quantization if dtype == "float32" else [None]:
+                for quantization in args.ours_quantization if dtype in ("float32", "auto") else [None]:
                     options = dict(args.ours_option) | ({"quantization": quantization} if quantization else {})
                     name = f"ours-{dtype}" + (
                         f"-{quantization}" if len(args.ours_quantization) > 1 and quantization else ""
@@ -560,16 +560,17 @@ def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
 
 
 def ours_dtypes(asked: list[str]) -> list[str]:
-    """``--ours-dtype``; "every" is each dtype this CPU allows: float32, and with native bf16
-    (AMX-BF16 or AVX512-BF16; emulated elsewhere, kernels/cpu/dispatch.py) "auto" (float32
-    activations on a bfloat16 copy of a GGUF model's weights for batched steps, what the
-    default takes there) and "bfloat16" (the whole model in bf16). Without bf16 hardware
-    "auto" is float32, so it is not run twice."""
+    """``--ours-dtype``; "every" is each dtype this CPU allows: float32; "auto" where it differs
+    from float32 (a GGUF model's int8 dots with AVX512-VNNI, or a bfloat16 copy on AMX:
+    kernels/cpu/dispatch.py ``gguf_auto_mode``, what the default takes there); and with native
+    bf16 (AMX-BF16 or AVX512-BF16; emulated elsewhere) "bfloat16" (the whole model in bf16)."""
     if asked != ["every"]:
         return asked
-    from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
+    from kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware
 
-    return ["float32"] + (["auto", "bfloat16"] if has_bf16_hardware(cpu_flags()) else [])
+    flags = cpu_flags()
+    auto = ["auto"] if gguf_auto_mode(flags, "auto") != "float32_copy" else []
+    return ["float32"] + auto + (["bfloat16"] if has_bf16_hardware(flags) else [])
 
 
 def measure(args) -> dict:
@@ -823,7 +824,7 @@ def main():
         "--ours-quantization",
         default=["auto"],
         type=lambda s: s.split(","),
-        help="float32 variants: one per quantization mode, e.g. auto,gguf_int8,gguf",
+        help="float32 and auto variants: one per quantization mode, e.g. auto,gguf_int8,gguf_bf16,gguf",
     )
     parser.add_argument(
         "--ours-option",

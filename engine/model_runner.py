@@ -84,16 +84,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kv_cache_dtype(
-    config: EngineConfig, dtype: torch.dtype, attention_backend: str, bf16_copy: bool
+    config: EngineConfig, dtype: torch.dtype, attention_backend: str, approximate_matmuls: bool
 ) -> torch.dtype:
     """The KV cache's element (``config.kv_cache_dtype``): the model's ``dtype``, or bfloat16
     under float32 activations on the CPU's torch backend, whose kernels widen it as they read
-    (float32 sums). "auto" takes that where the model's batched steps already multiply on a
-    bfloat16 copy (``bf16_copy``, dtype=auto on bf16 hardware): decode attention reads half
-    the bytes; a float checkpoint, or dtype=float32, keeps a float32 cache (token-exact)."""
+    (float32 sums). "auto" takes that where the model's matmuls already round (a .gguf model's
+    bfloat16 copy, dtype=auto on bf16 hardware, or its int8 activations, gguf_int8:
+    ``approximate_matmuls``): decode attention reads half the bytes; a float checkpoint, or
+    dtype=float32 with float32 activations, keeps a float32 cache (token-exact)."""
     name = config.kv_cache_dtype
     if name == "auto":
-        return torch.bfloat16 if bf16_copy and dtype == torch.float32 and attention_backend == "torch" else dtype
+        mixed = approximate_matmuls and dtype == torch.float32 and attention_backend == "torch"
+        return torch.bfloat16 if mixed else dtype
     wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
     mixed_on_cpu = wanted == torch.bfloat16 and dtype == torch.float32 and attention_backend == "torch"
     if wanted != dtype and not mixed_on_cpu:
@@ -119,12 +121,12 @@ class ModelRunner:
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)
         gguf_mode = gguf_kernel_mode(config.quantization, config.dtype)
-        bf16_copy = (
+        approximate_matmuls = (
             self.tp is None
-            and gguf_mode == "bf16_copy"
+            and gguf_mode in ("bf16_copy", "int8")
             and native_quantization(spec, config.quantization, self.dtype, self.device)
         )
-        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype, self.attention_backend, bf16_copy)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype, self.attention_backend, approximate_matmuls)
         if self.tp is None:
             self.model = build_model(spec, max_model_len, self.dtype, self.device, config.quantization)
             # the CPU's compiled whole-model decoder has its own attention: not with Triton's

@@ -79,6 +79,37 @@ def dequantize(weight: torch.Tensor, rows: torch.Tensor | slice | None = None) -
     return (d * q).reshape(n, in_features)
 
 
+def repack_for_int8_gemm(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed weight as kernels/csrc/int8_gemm_cpu.cpp reads it: (values uint8 ``[N/16, K/32,
+    256 or 512]``, scales and offsets float32 ``[N/16, K/32, 16]``); per block w = d u + o with u
+    unsigned (4-bit: q, o = the min; 8-bit: q + 128, o = -128 d), exactly. N a multiple of 16."""
+    in_features, n = in_features_of(weight), weight.shape[0]
+    assert n % 16 == 0, n
+    groups, blocks = n // 16, in_features // BLOCK
+    raw = weight.view(torch.uint8)
+    four_bit = weight.dtype == torch.uint8
+    values = in_features // 2 if four_bit else in_features
+    d = raw[:, values : values + 4 * blocks].contiguous().view(torch.float32)
+    if four_bit:
+        offsets = raw[:, values + 4 * blocks :].contiguous().view(torch.float32)
+        nibbles = raw[:, :values].reshape(n, blocks, 16)
+        u = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # element order
+        # byte t of lane c in vector i: u[4i + t] low, u[16 + 4i + t] high
+        u = u[..., :16] | (u[..., 16:] << 4)
+        lanes = 4
+    else:
+        offsets = -128 * d
+        u = (weight[:, :values].to(torch.int16) + 128).to(torch.uint8).reshape(n, blocks, BLOCK)
+        lanes = 8
+    # [groups, 16 columns, blocks, vectors, 4] -> [groups, blocks, vectors, 16 columns, 4]
+    u = u.reshape(groups, 16, blocks, lanes, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, lanes * 64)
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(groups, 16, blocks).transpose(1, 2).contiguous()
+
+    return u.contiguous(), per_group(d), per_group(offsets)
+
+
 def _packed_parameter(weight: torch.Tensor) -> nn.Parameter:
     return weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
 

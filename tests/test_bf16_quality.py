@@ -1,5 +1,5 @@
-"""Quality gate of the bfloat16 copy (quantization="auto" with dtype="auto" on a CPU with
-AVX512-BF16 or AMX: a .gguf model's steps of more than 2 rows multiply on bf16 weights and
+"""Quality gate of the bfloat16 copy (quantization="gguf_bf16", and "auto" with dtype="auto"
+on a CPU with AMX: a .gguf model's steps of more than 2 rows multiply on bf16 weights and
 bf16-rounded activations, float32 sums, a bfloat16 KV cache, and everything else float32) against our float32 copy
 of the same blocks, on the real SmolLM2 and a real text. Prompts scored whole and 16
 sequences decoded at once run on the bf16 copy, so every number below comes from it:
@@ -10,7 +10,7 @@ sequences decoded at once run on the bf16 copy, so every number below comes from
   identical for all 32 (bf16 moves each logit by ~1e-2, as int8 activations do; a near tie
   then flips a token and the continuations differ legitimately: tests/test_int8_quality.py).
 
-Only where the CPU has the hardware: elsewhere dtype="auto" never takes this path.
+Only where the CPU has AVX512-BF16 or AMX: elsewhere gguf_bf16 is refused.
 """
 
 import pytest
@@ -31,9 +31,9 @@ def engines():
     import torch
 
     options = dict(device="cpu", kv_cache_memory="128MiB", seed=0, max_num_seqs=NUM_PROMPTS)
-    bf16 = LLM("smollm2", dtype="auto", **options)
+    bf16 = LLM("smollm2", dtype="auto", quantization="gguf_bf16", **options)
     copies = {m.fast_path[2].dtype for m in bf16.engine.runner.model.modules() if getattr(m, "fast_path", None)}
-    assert copies == {torch.bfloat16}, f"dtype=auto should hold bfloat16 copies here, holds {copies}"
+    assert copies == {torch.bfloat16}, f"gguf_bf16 should hold bfloat16 copies here, holds {copies}"
     float32 = LLM("smollm2", dtype="float32", **options)
     assert (bf16.engine.runner.kv_dtype, float32.engine.runner.kv_dtype) == (torch.bfloat16, torch.float32)
     yield bf16, float32

@@ -36,16 +36,25 @@ def test_every_isa_combination(flags):
     assert isa == expected_isa(flags)
     for rows in (1, 2, dispatch.INT8_MAX_ROWS, dispatch.INT8_MAX_ROWS + 1, 512):
         path = dispatch.gguf_linear_path(flags, rows)
-        assert path == (f"int8:{isa}" if isa and rows <= dispatch.INT8_MAX_ROWS else "float32")
+        if isa and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            assert path == "int8:gemm"  # the repacked GEMM serves every row count
+        else:
+            assert path == (f"int8:{isa}" if isa and rows <= dispatch.INT8_MAX_ROWS else "float32")
         assert dispatch.gguf_linear_path(flags, rows, activations="float32") == "float32"
     dtype, why = dispatch.cpu_auto_dtype(flags)
     bf16_hardware = "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
     assert dispatch.has_bf16_hardware(flags) == bf16_hardware
-    assert dtype == torch.float32 and why  # activations stay float32; what changes is the GGUF copy
-    assert ("bfloat16 copy" in why) == bf16_hardware
-    # quantization="auto": a bf16 copy only where asked dtype="auto" and the CPU has bf16 hardware
-    assert dispatch.gguf_copy_mode(flags, "auto") == ("bf16_copy" if bf16_hardware else "float32_copy")
-    assert dispatch.gguf_copy_mode(flags, "float32") == "float32_copy"
+    assert dtype == torch.float32 and why  # activations stay float32; what changes is the GGUF path
+    # quantization="auto" with dtype="auto": int8 dots where 512-bit dpbusd runs and AMX's bf16
+    # tiles do not; else a bf16 copy on bf16 hardware; else (and with dtype=float32) float32
+    vnni512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"} <= flags
+    expected = "int8" if vnni512 and "amx_bf16" not in flags else "bf16_copy" if bf16_hardware else "float32_copy"
+    assert dispatch.gguf_auto_mode(flags, "auto") == expected
+    assert ("int8 activations" in why, "bfloat16 copy of its weights" in why) == (
+        expected == "int8",
+        expected == "bf16_copy",
+    )
+    assert dispatch.gguf_auto_mode(flags, "float32") == "float32_copy"
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     assert dispatch.gguf_blocks_max_rows(flags, "float32_copy") == (4 if avx512 else 12)
     assert dispatch.gguf_blocks_max_rows(flags, "bf16_copy") == 2
@@ -61,8 +70,8 @@ def test_this_machines_flags_are_read():
 @pytest.mark.parametrize("asked", ["auto", "float32", "bfloat16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("bf16_copy", [False, True])
-def test_kv_cache_dtype_choice(asked, dtype, backend, bf16_copy):
+@pytest.mark.parametrize("approximate_matmuls", [False, True])
+def test_kv_cache_dtype_choice(asked, dtype, backend, approximate_matmuls):
     """kv_cache_dtype: auto is the model's dtype, but bfloat16 beside a bf16 copy on the CPU's
     torch backend; bfloat16 under float32 activations only there; any other mismatch is refused,
     naming the field."""
@@ -72,14 +81,14 @@ def test_kv_cache_dtype_choice(asked, dtype, backend, bf16_copy):
     config = EngineConfig(kv_cache_dtype=asked)
     mixed_ok = backend == "torch" and dtype == torch.float32
     if asked == "auto":
-        expected = torch.bfloat16 if bf16_copy and mixed_ok else dtype
+        expected = torch.bfloat16 if approximate_matmuls and mixed_ok else dtype
     else:
         expected = {"float32": torch.float32, "bfloat16": torch.bfloat16}[asked]
         if expected != dtype and not (expected == torch.bfloat16 and mixed_ok):
             with pytest.raises(ValueError, match="kv_cache_dtype"):
-                resolve_kv_cache_dtype(config, dtype, backend, bf16_copy)
+                resolve_kv_cache_dtype(config, dtype, backend, approximate_matmuls)
             return
-    assert resolve_kv_cache_dtype(config, dtype, backend, bf16_copy) == expected
+    assert resolve_kv_cache_dtype(config, dtype, backend, approximate_matmuls) == expected
 
 
 def test_kv_cache_dtype_names_the_field_and_the_choices():

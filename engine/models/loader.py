@@ -18,10 +18,10 @@ from engine.models.gguf_weights import place, read_packed
 from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import LlamaForCausalLM, max_context, rotary_for
 from engine.models.weights import iter_checkpoint
-from kernels.cpu.dispatch import cpu_flags, gguf_copy_mode, int8_dot_isa
+from kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware, int8_dot_isa
 
 log = logging.getLogger(__name__)
-QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "none")
+QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "gguf_bf16", "none")
 INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "zeros_", "ones_", "constant_")
 _INIT_LOCK = threading.Lock()
 
@@ -85,14 +85,17 @@ def load_spec(model: str) -> ModelSpec:
 
 
 def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf", "gguf_int8"
-    or "none"): "gguf" does (a GGUF Llama-family model; the kernels unpack the blocks into
-    float32 arithmetic) and holds nothing more; "gguf_int8" too, with steps of few rows run
-    by integer dots on int8 activations where the CPU has them (``gguf_kernel_mode``); "auto"
-    does on CPU in float32, and the backend adds a float32 copy for steps of many rows: on the
-    AVX2 CPU measured the blocks decode 1.1-1.4x faster at few rows but run steps of 16+ rows
-    7-16% slower than float32's prepacked oneDNN weights, and the default must never be
-    slower than float32 (docs/performance.md); "none" dequantizes everything to ``dtype``."""
+    """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf", "gguf_int8",
+    "gguf_bf16" or "none"): "gguf" does (a GGUF Llama-family model; the kernels unpack the
+    blocks into float32 arithmetic) and holds nothing more; "gguf_int8" too, with integer dots
+    on int8 activations where the CPU has them (every step with AVX512-VNNI, from a repacked
+    copy; steps of few rows on AVX2: ``gguf_kernel_mode``); "gguf_bf16" with a bfloat16 copy
+    for steps of many rows; "auto" does on CPU in float32, the backend adding what
+    ``dispatch.gguf_auto_mode`` picks for the CPU (int8 dots, or a bf16 or float32 copy for
+    steps of many rows: on the AVX2 CPU measured the blocks decode 1.1-1.4x faster at few
+    rows but run steps of 16+ rows 7-16% slower than float32's prepacked oneDNN weights, and
+    the default must never be slower than float32, docs/performance.md); "none" dequantizes
+    everything to ``dtype``."""
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     if quantization == "none":
@@ -107,9 +110,14 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
 
 def gguf_kernel_mode(quantization: str, dtype: str = "float32") -> str:
     """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``);
-    ``dtype``: the one asked ("auto" may take a bfloat16 copy: ``gguf_copy_mode``)."""
+    ``dtype``: the one asked ("auto" may take int8 activations or a bfloat16 copy:
+    ``gguf_auto_mode``). "gguf_bf16" asks the bfloat16 copy itself (bf16 hardware only)."""
     if quantization == "auto":
-        return gguf_copy_mode(cpu_flags(), dtype)
+        return gguf_auto_mode(cpu_flags(), dtype)
+    if quantization == "gguf_bf16":
+        if not has_bf16_hardware(cpu_flags()):
+            raise ModelLoadError("quantization=gguf_bf16 needs a CPU with AVX512-BF16 or AMX (bf16 is emulated here)")
+        return "bf16_copy"
     if quantization == "gguf_int8" and int8_dot_isa(cpu_flags()):
         return "int8"
     return "blocks"

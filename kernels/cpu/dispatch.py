@@ -42,17 +42,26 @@ def int8_dot_isa(flags: frozenset[str]) -> str | None:
     return "avx2"
 
 
+def has_int8_gemm(flags: frozenset[str]) -> bool:
+    """What kernels/csrc/int8_gemm_cpu.cpp needs: 512-bit dpbusd (AVX512-VNNI) with F, BW and VL."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+
+
 @functools.cache  # called per GGUF layer per step: flags and rows repeat
 def gguf_linear_path(flags: frozenset[str], rows: int, activations: str = "int8") -> str:
     """How a linear over GGUF blocks multiplies ``rows`` rows of float32 activations:
     ``"int8:<isa>"`` (activations quantized per 32-block, integer dots) or ``"float32"``
     (blocks unpacked to float32 in registers or tiles). ``activations``: "int8" (the default
-    path: where the ISA has integer dots, for steps of up to INT8_MAX_ROWS rows) or "float32" (exact up to
-    summation order: quantization="gguf")."""
+    path) or "float32" (exact up to summation order: quantization="gguf"). With AVX512-VNNI
+    the repacked GEMM ("int8:gemm") serves every row count: on a 2-core EPYC it ran SmolLM2's
+    projections 3-8x the row-by-row dots at 1-16 rows and 1.1-1.6x the bf16 copy's oneDNN at
+    16-256 (docs/performance.md); elsewhere the row-by-row dots serve up to INT8_MAX_ROWS rows."""
     isa = int8_dot_isa(flags)
-    if activations == "int8" and isa is not None and rows <= INT8_MAX_ROWS:
-        return f"int8:{isa}"
-    return "float32"
+    if activations != "int8" or isa is None:
+        return "float32"
+    if has_int8_gemm(flags):
+        return "int8:gemm"
+    return f"int8:{isa}" if rows <= INT8_MAX_ROWS else "float32"
 
 
 def set_int8_max_rows(rows: int) -> None:
@@ -74,15 +83,22 @@ def has_avx512(flags: frozenset[str]) -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
 
 
-def gguf_copy_mode(flags: frozenset[str], dtype: str) -> str:
-    """quantization="auto": the oneDNN copy that serves a GGUF model's steps of many rows
-    (kernels/cpu/linear.py ``CpuLinear.pack``). ``dtype="auto"`` takes a bfloat16 copy where the
-    CPU multiplies bf16 in hardware: on a 2-core AVX512-BF16 EPYC (benchmarks/gguf_layers.py)
-    it ran SmolLM2's layers 1.3-1.5x the float32 copy at up to 8 rows and 1.5-1.9x from 16 rows
-    up, and it holds half the bytes; the blocks are 4-bit already, so the bf16 rounding of their
-    dequantized values adds little (the quality gate: tests/test_bf16_quality.py). Elsewhere, or
-    ``dtype="float32"``, a float32 copy: token-exact up to summation order."""
-    return "bf16_copy" if dtype == "auto" and has_bf16_hardware(flags) else "float32_copy"
+def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
+    """quantization="auto": how a GGUF model's layers run (kernels/cpu/linear.py ``CpuLinear.pack``).
+    ``dtype="auto"``, where the CPU has AVX512-VNNI but no AMX: "int8", the blocks repacked for
+    integer dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp; on a
+    2-core AVX512-BF16 EPYC 1.1x the bf16 copy end to end on batches and 1.5x single-stream,
+    perplexity +0.1%, tokens independent of the batch; docs/performance.md). Where the CPU
+    multiplies bf16 in hardware otherwise (AMX, where oneDNN's bf16 tiles outrun 512-bit
+    dots; not measured here), "bf16_copy": a bfloat16 oneDNN copy for steps of many rows (on
+    that EPYC 1.3-1.5x the float32 copy at up to 8 rows, 1.5-1.9x from 16; the quality gate:
+    tests/test_bf16_quality.py). Elsewhere, or ``dtype="float32"``, "float32_copy": a float32
+    copy, token-exact up to summation order."""
+    if dtype != "auto":
+        return "float32_copy"
+    if int8_dot_isa(flags) is not None and has_int8_gemm(flags) and "amx_bf16" not in flags:
+        return "int8"
+    return "bf16_copy" if has_bf16_hardware(flags) else "float32_copy"
 
 
 # Steps of up to this many rows run on the GGUF blocks (float32 activations, the compiled
@@ -94,7 +110,7 @@ BLOCKS_MAX_ROWS = {"avx2": 12, "avx512": 4, "bf16": 2}
 
 
 def gguf_blocks_max_rows(flags: frozenset[str], copy_mode: str) -> int:
-    """Rows up to which a GGUF layer with a oneDNN copy (``gguf_copy_mode``) runs its blocks."""
+    """Rows up to which a GGUF layer with a oneDNN copy (``gguf_auto_mode``) runs its blocks."""
     if copy_mode == "bf16_copy":
         return BLOCKS_MAX_ROWS["bf16"]
     return BLOCKS_MAX_ROWS["avx512" if has_avx512(flags) else "avx2"]
@@ -102,15 +118,21 @@ def gguf_blocks_max_rows(flags: frozenset[str], copy_mode: str) -> int:
 
 def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
     """dtype="auto" on CPU, and why: float32 activations everywhere (norms, attention, and a
-    float checkpoint's matmuls and KV cache stay token-exact); where the CPU has bf16 hardware
-    a .gguf model's steps of many rows multiply on a bfloat16 copy (``gguf_copy_mode``) and
-    its KV cache is bfloat16 (engine/model_runner.py ``resolve_kv_cache_dtype``).
-    Not measured on AMX yet: there vLLM's bf16 ran ~2x its float32."""
-    if has_bf16_hardware(flags):
+    float checkpoint's matmuls and KV cache stay token-exact); a .gguf model's layers run as
+    ``gguf_auto_mode`` says, with a bfloat16 KV cache beside int8 activations or a bf16 copy
+    (engine/model_runner.py ``resolve_kv_cache_dtype``)."""
+    mode = gguf_auto_mode(flags, "auto")
+    if mode == "int8":
+        return torch.float32, (
+            "AVX512-VNNI found: float32 activations; a .gguf model's layers run integer dots on int8 "
+            "activations at every step (quantization=gguf_bf16 for a bfloat16 copy instead, dtype=float32 "
+            "for float32 throughout), and its KV cache is bfloat16"
+        )
+    if mode == "bf16_copy":
         found = "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16"
         return torch.float32, (
             f"{found} found: float32 activations; a .gguf model's steps of more than "
             f"{BLOCKS_MAX_ROWS['bf16']} rows multiply on a bfloat16 copy of its weights, and its KV cache is bfloat16 "
             "(dtype=float32: float32 copy and cache)"
         )
-    return torch.float32, "no bf16 hardware (AVX512-BF16/AMX): float32"
+    return torch.float32, "no AVX512-VNNI or bf16 hardware (AVX512-BF16/AMX): float32"

@@ -31,6 +31,7 @@ SOURCES = [
     CSRC / "decode_cpu.cpp",
     CSRC / "quant_linear_cpu.cpp",
     CSRC / "int8_dot_cpu.cpp",
+    CSRC / "int8_gemm_cpu.cpp",
 ]
 HEADERS = [CSRC / "cpu_kernels.h", CSRC / "int8_dot_kernel.inc", CSRC / "vector_math.h"]
 # -fopenmp: at::parallel_for is inlined into the kernels and only runs in parallel when they

@@ -7,7 +7,7 @@ from torch import nn
 
 from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows, gguf_linear_path
 from kernels.cpu.memory import huge_page_copies
-from kernels.quant import QuantLinear, dequantize, is_packed
+from kernels.quant import QuantLinear, dequantize, is_packed, repack_for_int8_gemm
 
 GGUF_MODES = ("blocks", "int8", "float32_copy", "bf16_copy")  # see CpuLinear.pack
 COPY_DTYPES = {"float32_copy": torch.float32, "bf16_copy": torch.bfloat16}
@@ -64,6 +64,7 @@ class CpuLinear(nn.Module):
         self.fast_path: tuple | None = None
         self.activations = "float32"  # GGUF blocks: "int8" where pack() was asked for integer dots
         self.blocks_max_rows = self.QUANT_MAX_ROWS  # GGUF blocks with a copy: the copy serves more rows
+        self.int8_gemm: tuple | None = None  # int8 activations: the blocks repacked for int8_gemm_linear
 
     def pack(self, kernels, interleaved: torch.Tensor | None = None, gguf_mode: str = "blocks") -> None:
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
@@ -84,6 +85,8 @@ class CpuLinear(nn.Module):
                     self.blocks_max_rows = gguf_blocks_max_rows(cpu_flags(), gguf_mode)
                 self.fast_path = (self.weight, self.bias, packed)
                 self.activations = "int8" if gguf_mode == "int8" else "float32"
+                if gguf_mode == "int8" and kernels.int8_gemm_supported() and self.weight.shape[0] % 16 == 0:
+                    self.int8_gemm = repack_for_int8_gemm(self.weight.detach())
             return
         if self.weight.dtype != torch.float32:
             return
@@ -117,8 +120,11 @@ class CpuLinear(nn.Module):
             return onednn_linear(x, packed, bias, keep_bf16=self.bf16_output)
         x = x.float()  # no-op for float32
         path = gguf_linear_path(cpu_flags(), rows, self.activations)
+        if path == "int8:gemm" and self.int8_gemm is not None:
+            return self.kernels.int8_gemm_linear(x, *self.int8_gemm, bias)
         if path != "float32":
-            return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:") :])
+            isa = path[len("int8:") :]
+            return self.kernels.int8_dot_linear(x, weight, bias, "avx512vnni" if isa == "gemm" else isa)
         return self.kernels.quantized_linear(x, weight, bias)
 
 

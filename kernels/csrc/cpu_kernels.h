@@ -53,6 +53,12 @@ std::vector<std::string> int8_dot_isas();
 torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                               const std::string& isa);
 
+// The same weights repacked for many rows of x (int8_gemm_cpu.cpp; kernels/quant.py
+// repack_for_int8_gemm): 16 output columns per 512-bit dot, AVX512-VNNI only.
+bool int8_gemm_supported();
+torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                               c10::optional<torch::Tensor> bias);
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);

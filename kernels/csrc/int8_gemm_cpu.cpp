@@ -1,0 +1,174 @@
+// y = x @ W^T + bias by AVX512-VNNI integer dots over GGUF blocks repacked for many rows of x
+// (kernels/quant.py repack_for_int8_gemm). int8_dot_cpu.cpp multiplies one weight row with one
+// x row per 256-bit dot and converts and scales every one of them: ~7 multiply-adds per
+// instruction, a quarter of oneDNN's bf16 rate. Here one 512-bit dpbusd serves 16 output
+// columns (4 K-values each, embedded x broadcast), the 16 columns' unpacked block is reused
+// for up to 8 rows of x, and the scale work is one convert and two FMAs per block, row and 16
+// columns: ~38 multiply-adds per instruction, from 4-bit weights (4x fewer bytes than bf16).
+//
+// Repacked layout, per group of 16 output columns and per 32-block b (u: the unsigned stored
+// value, 4-bit q, or 8-bit q + 128):
+//   4-bit: 256 bytes, 4 x 64: lane c of vector i holds u[c][4i..4i+3] in its low nibbles and
+//          u[c][16+4i..16+4i+3] in its high ones; 8-bit: 512 bytes, 8 x 64: lane c of vector
+//          j holds u[c][4j..4j+3]
+//   scales d[16] and offsets o[16] float32 (4-bit: o = m, the GGUF min; 8-bit: o = -128 d)
+// and x is quantized per 32-block as int8_dot_cpu.cpp does (dx = max|x| / 127, qx, and
+// sx = dx * sum qx), so that w x summed over a block is  d dx sum(u qx) + o sx.
+#include "cpu_kernels.h"
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define CONVEYOR_INT8_GEMM 1
+#endif
+
+#ifdef CONVEYOR_INT8_GEMM
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+namespace {
+
+constexpr int64_t kRowsPerTile = 8;  // rows of x per pass over a column group's blocks (registers)
+
+struct GemmProblem {
+  const int8_t* xq;    // [M, K]
+  const float* xd;     // [M, blocks]
+  const float* xs;     // [M, blocks]
+  const uint8_t* w;    // [N / 16, blocks, 256 or 512]
+  const float* d;      // [N / 16, blocks, 16]
+  const float* o;      // [N / 16, blocks, 16]
+  const float* bias;   // [N] or nullptr
+  float* y;            // [M, N]
+  int64_t M, K, N, blocks;
+  bool four_bit;
+};
+
+// One row of x per 32-block, the arithmetic of int8_dot_cpu.cpp's quantize_row (so both
+// kernels see the same int8 activations); cvtps_epi32 rounds half to even, as nearbyint.
+void quantize_row16(const float* x, int64_t blocks, int8_t* q, float* dx, float* sx) {
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qhi));
+    dx[b] = amax / 127.f;
+    sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  }
+}
+
+// The 8 vectors of u (16 columns x 4 K-values each) of one block
+inline void unpack_block(const uint8_t* src, bool four_bit, __m512i* w) {
+  if (four_bit) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i raw = _mm512_loadu_si512(src + 64 * i);
+      w[i] = _mm512_and_si512(raw, mask);
+      w[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(src + 64 * j);
+  }
+}
+
+// Rows m0..m0+MT of y for the 16 columns of group g
+template <int MT>
+void tile(const GemmProblem& p, int64_t g, int64_t m0) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t block_bytes = p.four_bit ? 256 : 512;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t gb = g * p.blocks + b;
+    __m512i w[8];
+    unpack_block(p.w + gb * block_bytes, p.four_bit, w);
+    const __m512 d = _mm512_loadu_ps(p.d + gb * 16), o = _mm512_loadu_ps(p.o + gb * 16);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t row = m0 + m;
+      const int32_t* quads = reinterpret_cast<const int32_t*>(p.xq + row * p.K + b * 32);
+      __m512i sum = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(quads[j]));
+      const int64_t xb = row * p.blocks + b;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(p.xd[xb])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.xs[xb]), acc[m]);
+    }
+  }
+  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + g * 16) : _mm512_setzero_ps();
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.N + g * 16, _mm512_add_ps(acc[m], bias));
+}
+
+template <int MT>
+void tail_tile(const GemmProblem& p, int64_t g, int64_t m0, int64_t rows) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return tail_tile<MT - 1>(p, g, m0, rows);
+  }
+  tile<MT>(p, g, m0);
+}
+
+void run(const GemmProblem& p) {
+  at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      int64_t m = 0;
+      for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) tile<kRowsPerTile>(p, g, m);
+      if (m < p.M) tail_tile<kRowsPerTile - 1>(p, g, m, p.M - m);
+    }
+  });
+}
+
+}  // namespace
+#pragma GCC pop_options
+#endif
+
+bool int8_gemm_supported() {
+#ifdef CONVEYOR_INT8_GEMM
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(int8_gemm_supported(), "int8_gemm_linear: needs AVX512-VNNI (with F, BW and VL)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "int8_gemm_linear: x [M, K] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  (packed.size(2) == 256 || packed.size(2) == 512),
+              "int8_gemm_linear: packed uint8 [N / 16, K / 32, 256 or 512] (repack_for_int8_gemm)");
+  const int64_t groups = packed.size(0), blocks = packed.size(1), M = x.size(0), K = x.size(1), N = groups * 16;
+  TORCH_CHECK(K == blocks * 32, "int8_gemm_linear: x has ", K, " features, the weight ", blocks * 32);
+  for (const auto* t : {&scales, &offsets})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == groups * blocks * 16,
+                "int8_gemm_linear: scales and offsets float32 [N / 16, K / 32, 16]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor b = bias.has_value() && bias->defined() && bias->numel() ? bias->contiguous() : torch::Tensor();
+  TORCH_CHECK(!b.defined() || (b.scalar_type() == torch::kFloat && b.numel() == N), "int8_gemm_linear: bias [N]");
+  if (M == 0) return y;
+#ifdef CONVEYOR_INT8_GEMM
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * blocks), xs(M * blocks);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row16(xp + m * K, blocks, xq.data() + m * K, xd.data() + m * blocks, xs.data() + m * blocks);
+  });
+  const GemmProblem p{xq.data(),
+                      xd.data(),
+                      xs.data(),
+                      packed.data_ptr<uint8_t>(),
+                      scales.data_ptr<float>(),
+                      offsets.data_ptr<float>(),
+                      b.defined() ? b.data_ptr<float>() : nullptr,
+                      y.data_ptr<float>(),
+                      M,
+                      K,
+                      N,
+                      blocks,
+                      packed.size(2) == 256};
+  run(p);
+#endif
+  return y;
+}
