@@ -1,5 +1,6 @@
 """One GGUF linear layer several ways, alternating in one run: integer dots (int8 activations,
-kernels/csrc/int8_dot_cpu.cpp; every ISA variant this CPU runs), float32 activations on the
+kernels/csrc/int8_dot_cpu.cpp; every ISA variant this CPU runs; and the repacked AVX512-VNNI
+GEMM, int8_gemm_cpu.cpp, where the CPU has it), float32 activations on the
 blocks (quant_linear_cpu.cpp), oneDNN on a prepacked float32 copy (the batch copy of
 quantization="auto" in float32) and on a prepacked bfloat16 copy (its batch copy where the CPU
 has AVX512-BF16 or AMX; emulated and slow elsewhere, so only run there unless --bf16), and
@@ -8,7 +9,7 @@ per output row from the dequantized blocks, x quantized per token, its cost incl
 the engine does not take: per-token int8 activations cost SmolLM2 ~3% perplexity
 (benchmarks/int8_agreement.py, docs/performance.md).
 
-    python benchmarks/gguf_layers.py [--rows 1,4,16,32,64,128] [--rounds 7] [--threads N]
+    python benchmarks/gguf_layers.py [--rows 1,4,16,32,64,128] [--rounds 7] [--threads N] [--copies 30]
 
 SmolLM2-135M's projection shapes (qkv 960x576, gate_up 3072x576, down 576x1536) in Q4_1 and
 Q8_0 (gguf-py quantizes random weights). Each round times every path on the same input once
@@ -64,6 +65,26 @@ def onednn_int8_linear(x: torch.Tensor, packed, scales, zero_points) -> torch.Te
     return y.mul_(x_scales)
 
 
+class Layer:
+    """One weight and its copies for each path (``--copies`` of them rotate: weights read cold)."""
+
+    def __init__(self, weight: torch.Tensor, with_bf16: bool, gemm: bool):
+        from kernels.cpu.linear import onednn_packed
+        from kernels.quant import dequantize, repack_for_int8_gemm
+
+        dense = dequantize(weight)
+        self.weight, self.copy = weight, onednn_packed(dense, 64)
+        self.bf16 = onednn_packed(dense.bfloat16(), 64) if with_bf16 else None
+        self.repacked = repack_for_int8_gemm(weight) if gemm else None
+        self.int8 = onednn_int8_packed(dense, 64)
+
+
+def rotating(fns: list):
+    """A call that runs the next of ``fns`` each time."""
+    calls = iter(range(1 << 62))
+    return lambda: fns[next(calls) % len(fns)]()
+
+
 def best_of(fn, calls: int, clock) -> float:
     times = []
     for _ in range(calls):
@@ -82,6 +103,12 @@ def main():
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--bf16", action="store_true", help="time the bf16 copy without bf16 hardware too")
     parser.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="copies of each weight, called in turn (30: beyond the caches, as a model's layers are read)",
+    )
+    parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
@@ -90,8 +117,7 @@ def main():
     args = parser.parse_args()
     from kernels.cpu import extension
     from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware, int8_dot_isa
-    from kernels.cpu.linear import onednn_linear, onednn_packed
-    from kernels.quant import dequantize
+    from kernels.cpu.linear import onednn_linear
 
     kernels = extension.load()
     if args.threads:
@@ -103,6 +129,8 @@ def main():
         f"| torch threads: {torch.get_num_threads()}",
     )
     with_bf16 = args.bf16 or has_bf16_hardware(cpu_flags())
+    gemm = kernels.int8_gemm_supported()
+    print(f"int8 GEMM (repacked, AVX512-VNNI): {'timed' if gemm else 'skipped (no AVX512-VNNI)'}")
     print(f"bf16 copy: {'timed' if with_bf16 else 'skipped (no AVX512-BF16/AMX; --bf16 times it emulated)'}")
     rows_list = [int(r) for r in args.rows.split(",")]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -110,22 +138,29 @@ def main():
     table = []
     for type_name in args.types.split(","):
         for shape_name, (n, k) in SHAPES.items():
-            weight = packed_weight(type_name, n, k)
-            copy = onednn_packed(dequantize(weight), 64)
-            bf16_copy = onednn_packed(dequantize(weight).bfloat16(), 64) if with_bf16 else None
-            int8_copy = onednn_int8_packed(dequantize(weight), 64)
+            layers = [Layer(packed_weight(type_name, n, k), with_bf16, gemm) for _ in range(args.copies)]
             for rows in rows_list:
                 x = torch.randn(rows, k)
                 paths = {
-                    f"int8 dot {variant}": (lambda v=variant: kernels.int8_dot_linear(x, weight, None, v))
+                    f"int8 dot {variant}": rotating(
+                        [lambda w=layer.weight, v=variant: kernels.int8_dot_linear(x, w, None, v) for layer in layers]
+                    )
                     for variant in kernels.int8_dot_isas()
                 }
-                paths["f32 blocks"] = lambda: kernels.quantized_linear(x, weight, None)
-                paths["f32 copy"] = lambda: onednn_linear(x, copy, None)
-                if bf16_copy is not None:
-                    paths["bf16 copy"] = lambda: onednn_linear(x, bf16_copy, None)
-                if int8_copy is not None:
-                    paths["int8 oneDNN per token"] = lambda: onednn_int8_linear(x, *int8_copy)
+                paths["f32 blocks"] = rotating(
+                    [lambda w=lay.weight: kernels.quantized_linear(x, w, None) for lay in layers]
+                )
+                paths["f32 copy"] = rotating([lambda c=lay.copy: onednn_linear(x, c, None) for lay in layers])
+                if with_bf16:
+                    paths["bf16 copy"] = rotating([lambda c=lay.bf16: onednn_linear(x, c, None) for lay in layers])
+                if gemm:
+                    paths["int8 GEMM (repacked)"] = rotating(
+                        [lambda r=lay.repacked: kernels.int8_gemm_linear(x, *r, None) for lay in layers]
+                    )
+                if layers[0].int8 is not None:
+                    paths["int8 oneDNN per token"] = rotating(
+                        [lambda c=lay.int8: onednn_int8_linear(x, *c) for lay in layers]
+                    )
                 times = {name: [] for name in paths}
                 for _ in range(args.rounds):
                     for name, fn in paths.items():

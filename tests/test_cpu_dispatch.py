@@ -96,3 +96,21 @@ def test_kv_cache_dtype_names_the_field_and_the_choices():
 
     with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of \('auto', 'float32', 'bfloat16'\)"):
         EngineConfig(kv_cache_dtype="fp8")
+
+
+def test_gguf_kernel_mode_per_quantization_and_cpu():
+    """What each quantization asks of a GGUF layer; gguf_bf16 is refused, naming the field,
+    where bf16 would be emulated."""
+    from engine.errors import ModelLoadError
+    from engine.models.loader import gguf_kernel_mode
+
+    avx2 = frozenset({"avx2", "fma"})
+    zen5 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
+    amx = zen5 | {"amx_bf16"}
+    assert [gguf_kernel_mode("auto", "auto", f) for f in (avx2, zen5, amx)] == ["float32_copy", "int8", "bf16_copy"]
+    assert {gguf_kernel_mode("auto", "float32", f) for f in (avx2, zen5, amx)} == {"float32_copy"}
+    assert [gguf_kernel_mode("gguf_int8", "float32", f) for f in (frozenset(), avx2)] == ["blocks", "int8"]
+    assert gguf_kernel_mode("gguf_bf16", "auto", zen5) == "bf16_copy"
+    with pytest.raises(ModelLoadError, match="quantization=gguf_bf16 needs a CPU with AVX512-BF16 or AMX"):
+        gguf_kernel_mode("gguf_bf16", "auto", avx2)
+    assert gguf_kernel_mode("gguf", "auto", zen5) == "blocks"

@@ -108,17 +108,19 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
     return possible
 
 
-def gguf_kernel_mode(quantization: str, dtype: str = "float32") -> str:
-    """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``);
-    ``dtype``: the one asked ("auto" may take int8 activations or a bfloat16 copy:
-    ``gguf_auto_mode``). "gguf_bf16" asks the bfloat16 copy itself (bf16 hardware only)."""
+def gguf_kernel_mode(quantization: str, dtype: str = "float32", flags: frozenset[str] | None = None) -> str:
+    """How layers kept as GGUF blocks run (kernels/cpu/linear.py ``CpuLinear.pack``) on a CPU
+    with ``flags`` (this one's by default); ``dtype``: the one asked ("auto" may take int8
+    activations or a bfloat16 copy: ``gguf_auto_mode``). "gguf_bf16" asks the bfloat16 copy
+    itself (bf16 hardware only)."""
+    flags = cpu_flags() if flags is None else flags
     if quantization == "auto":
-        return gguf_auto_mode(cpu_flags(), dtype)
+        return gguf_auto_mode(flags, dtype)
     if quantization == "gguf_bf16":
-        if not has_bf16_hardware(cpu_flags()):
+        if not has_bf16_hardware(flags):
             raise ModelLoadError("quantization=gguf_bf16 needs a CPU with AVX512-BF16 or AMX (bf16 is emulated here)")
         return "bf16_copy"
-    if quantization == "gguf_int8" and int8_dot_isa(cpu_flags()):
+    if quantization == "gguf_int8" and int8_dot_isa(flags):
         return "int8"
     return "blocks"
 

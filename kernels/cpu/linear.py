@@ -29,17 +29,20 @@ class CpuLinear(nn.Module):
 
     A GGUF-packed weight (kernels/quant.py: uint8 4-bit or int8 8-bit blocks) is held as it
     is; ``dispatch.gguf_linear_path`` picks the kernel for a step's rows. With int8
-    activations (``pack(gguf_mode="int8")``, what ``quantization="gguf_int8"`` asks) steps of
-    up to ``dispatch.INT8_MAX_ROWS`` rows run integer dots (kernels/csrc/int8_dot_cpu.cpp,
-    1.7-2x the float32 unpacking at one row, AVX2); otherwise, and for more rows, the
+    activations (``pack(gguf_mode="int8")``, what ``quantization="gguf_int8"`` asks, and
+    ``dtype="auto"`` with AVX512-VNNI) every step runs integer dots from a copy repacked for
+    512-bit dpbusd (``int8_gemm``, kernels/csrc/int8_gemm_cpu.cpp; widths that are multiples
+    of 16) where the CPU has AVX512-VNNI; elsewhere steps of up to ``dispatch.INT8_MAX_ROWS``
+    rows run the row dots (kernels/csrc/int8_dot_cpu.cpp, 1.7-2x the float32 unpacking at one
+    row, AVX2). Otherwise, and for more rows, the
     compiled ``quantized_linear`` unpacks the blocks to float32 in registers for up to
     ``kQuantFewRows`` rows of x and dequantizes a tile at a time into torch's mm for more.
     ``gguf_mode="float32_copy"`` (what ``quantization="auto"`` asks) adds a oneDNN float32
     copy for steps of more than ``blocks_max_rows`` rows (the CPU's crossover: 12 on AVX2, where
     the blocks lose 7-16% to it beyond; 4 with AVX-512, docs/performance.md), so each path
     serves the rows it is fastest for.
-    ``gguf_mode="bf16_copy"`` (``quantization="auto"`` with ``dtype="auto"`` where the CPU
-    has AVX512-BF16 or AMX) makes that copy bfloat16: those steps cast x to bf16 and oneDNN
+    ``gguf_mode="bf16_copy"`` (``quantization="gguf_bf16"``, and ``"auto"`` with
+    ``dtype="auto"`` on AMX) makes that copy bfloat16: those steps cast x to bf16 and oneDNN
     runs the hardware's bf16 dot products into float32 results (1.7-2x the float32 copy
     from 16 rows up on an AVX512-BF16 EPYC); the rest of the model stays float32.
 
