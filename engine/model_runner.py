@@ -120,7 +120,8 @@ class ModelRunner:
         self.tp = tp or self._start_workers(spec)
         if self.tp is not None:
             self.device = rank_device(self.device, self.tp.rank)
-        gguf_mode = gguf_kernel_mode(config.quantization, config.dtype)
+        # how CPU layers run GGUF blocks (a CUDA model ignores it, so nothing is refused there)
+        gguf_mode = gguf_kernel_mode(config.quantization, config.dtype) if self.device.type == "cpu" else "blocks"
         approximate_matmuls = (
             self.tp is None
             and gguf_mode in ("bf16_copy", "int8")

@@ -421,6 +421,29 @@ def test_compiled_silu_and_mul_matches_torch_in_float32_and_bfloat16():
     torch.testing.assert_close(out.float(), F.silu(gate_b) * up_b, atol=1e-30, rtol=2**-8)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["int8_gemm_cpu.cpp", "int8_dot_cpu.cpp"])
+def test_isa_specific_kernels_compile_for_an_avx2_only_cpu(source):
+    """The extension is built with -march=native, so this machine's own build cannot show a
+    kernel whose `#pragma GCC target` region uses an intrinsic outside it (an AVX512DQ one
+    under "avx512f,...": the whole extension then fails on AVX2 machines and every compiled
+    path is lost). Those files compile here as for an AVX2-only CPU (x86-64-v3)."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here")
+    includes = [arg for path in [*include_paths(), sysconfig.get_paths()["include"]] for arg in ("-I", path)]
+    flags = [f for f in extension.CFLAGS if f != "-march=native"] + ["-march=x86-64-v3", "-std=c++17"]
+    command = ["g++", *flags, "-DTORCH_EXTENSION_NAME=probe", "-c", str(extension.CSRC / source), "-o", "/dev/null"]
+    result = subprocess.run(command + includes, capture_output=True, text=True)
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert result.returncode == 0, errors[:3]
+
+
 def test_a_stale_build_lock_never_blocks_a_load(tmp_path):
     """A build killed mid-way leaves torch's `lock` file: the next builder, holding the build
     flock (so no live process is building), removes it and carries on instead of waiting."""

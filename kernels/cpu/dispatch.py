@@ -87,8 +87,9 @@ def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
     """quantization="auto": how a GGUF model's layers run (kernels/cpu/linear.py ``CpuLinear.pack``).
     ``dtype="auto"``, where the CPU has AVX512-VNNI but no AMX: "int8", the blocks repacked for
     integer dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp; on a
-    2-core AVX512-BF16 EPYC 1.1x the bf16 copy end to end on batches and 1.5x single-stream,
-    perplexity +0.1%, tokens independent of the batch; docs/performance.md). Where the CPU
+    2-core AVX512-BF16 EPYC 1.1x the bf16 copy end to end, batched and single-stream, same run,
+    perplexity +0.1%, tokens independent of the batch but for prefix-cache hits;
+    docs/performance.md). Where the CPU
     multiplies bf16 in hardware otherwise (AMX, where oneDNN's bf16 tiles outrun 512-bit
     dots; not measured here), "bf16_copy": a bfloat16 oneDNN copy for steps of many rows (on
     that EPYC 1.3-1.5x the float32 copy at up to 8 rows, 1.5-1.9x from 16; the quality gate:

@@ -73,8 +73,9 @@ class CpuLinear(nn.Module):
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
         kernel's ``interleaved`` copy (see ``pack_linears``); call once the weight has its
         final dtype and place. GGUF blocks (``gguf_mode``): "blocks" alone on float32
-        activations; "int8" alone, integer dots for steps of few rows; "float32_copy" with a
-        oneDNN float32 copy for steps of many rows."""
+        activations; "int8", integer dots on int8 activations (with AVX512-VNNI every step, from
+        a repacked copy; else steps of few rows); "float32_copy" / "bf16_copy" with a oneDNN
+        copy for steps of many rows."""
         assert gguf_mode in GGUF_MODES, gguf_mode
         if is_packed(self.weight):
             if kernels is not None:

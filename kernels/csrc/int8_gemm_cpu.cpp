@@ -17,6 +17,7 @@
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <vector>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -46,10 +47,10 @@ struct GemmProblem {
 // One row of x per 32-block, the arithmetic of int8_dot_cpu.cpp's quantize_row (so both
 // kernels see the same int8 activations); cvtps_epi32 rounds half to even, as nearbyint.
 void quantize_row16(const float* x, int64_t blocks, int8_t* q, float* dx, float* sx) {
-  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < blocks; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, sign_off), _mm512_and_ps(hi, sign_off)));
+    // abs_ps is AVX512F (and_ps would need DQ, which the target does not promise)
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const float inverse = amax > 0.f ? 127.f / amax : 0.f;
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
@@ -87,9 +88,13 @@ void tile(const GemmProblem& p, int64_t g, int64_t m0) {
     const __m512 d = _mm512_loadu_ps(p.d + gb * 16), o = _mm512_loadu_ps(p.o + gb * 16);
     for (int m = 0; m < MT; ++m) {
       const int64_t row = m0 + m;
-      const int32_t* quads = reinterpret_cast<const int32_t*>(p.xq + row * p.K + b * 32);
+      const int8_t* quads = p.xq + row * p.K + b * 32;
       __m512i sum = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(quads[j]));
+      for (int j = 0; j < 8; ++j) {
+        int32_t quad;  // 4 int8 of x, broadcast to the 16 columns (memcpy: no aliasing through int32_t*)
+        std::memcpy(&quad, quads + 4 * j, sizeof quad);
+        sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(quad));
+      }
       const int64_t xb = row * p.blocks + b;
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(p.xd[xb])), acc[m]);
       acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.xs[xb]), acc[m]);
