@@ -53,6 +53,15 @@ std::vector<std::string> int8_dot_isas();
 torch::Tensor int8_dot_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                               const std::string& isa);
 
+// x [M, K] quantized per 32-block for the integer dots (int8_dot_cpu.cpp): values, scales
+// dx = max|x| / 127 and sums dx * sum(qx) per block, row by row. Both int8 kernels take it.
+struct QuantizedRows {
+  std::vector<int8_t> values;  // [M, K]
+  std::vector<float> scales;   // [M, K / 32]
+  std::vector<float> sums;     // [M, K / 32]
+};
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K);
+
 // The same weights repacked for many rows of x (int8_gemm_cpu.cpp; kernels/quant.py
 // repack_for_int8_gemm): 16 output columns per 512-bit dot, AVX512-VNNI only.
 bool int8_gemm_supported();

@@ -12,13 +12,11 @@
 //          u[c][16+4i..16+4i+3] in its high ones; 8-bit: 512 bytes, 8 x 64: lane c of vector
 //          j holds u[c][4j..4j+3]
 //   scales d[16] and offsets o[16] float32 (4-bit: o = m, the GGUF min; 8-bit: o = -128 d)
-// and x is quantized per 32-block as int8_dot_cpu.cpp does (dx = max|x| / 127, qx, and
-// sx = dx * sum qx), so that w x summed over a block is  d dx sum(u qx) + o sx.
+// and x is quantized per 32-block by int8_dot_cpu.cpp's quantize_rows (dx = max|x| / 127,
+// qx, and sx = dx * sum qx), so that w x summed over a block is  d dx sum(u qx) + o sx.
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
-#include <cmath>
 #include <cstring>
-#include <vector>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define CONVEYOR_INT8_GEMM 1
@@ -43,23 +41,6 @@ struct GemmProblem {
   int64_t M, K, N, blocks;
   bool four_bit;
 };
-
-// One row of x per 32-block, the arithmetic of int8_dot_cpu.cpp's quantize_row (so both
-// kernels see the same int8 activations); cvtps_epi32 rounds half to even, as nearbyint.
-void quantize_row16(const float* x, int64_t blocks, int8_t* q, float* dx, float* sx) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-    // abs_ps is AVX512F (and_ps would need DQ, which the target does not promise)
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtsepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtsepi32_epi8(qhi));
-    dx[b] = amax / 127.f;
-    sx[b] = dx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
-  }
-}
 
 // The 8 vectors of u (16 columns x 4 K-values each) of one block
 inline void unpack_block(const uint8_t* src, bool four_bit, __m512i* w) {
@@ -153,16 +134,10 @@ torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
   TORCH_CHECK(!b.defined() || (b.scalar_type() == torch::kFloat && b.numel() == N), "int8_gemm_linear: bias [N]");
   if (M == 0) return y;
 #ifdef CONVEYOR_INT8_GEMM
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * blocks), xs(M * blocks);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row16(xp + m * K, blocks, xq.data() + m * K, xd.data() + m * blocks, xs.data() + m * blocks);
-  });
-  const GemmProblem p{xq.data(),
-                      xd.data(),
-                      xs.data(),
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);  // as the row dots quantize
+  const GemmProblem p{xq.values.data(),
+                      xq.scales.data(),
+                      xq.sums.data(),
                       packed.data_ptr<uint8_t>(),
                       scales.data_ptr<float>(),
                       offsets.data_ptr<float>(),
