@@ -1,6 +1,6 @@
 """One GGUF linear layer several ways, alternating in one run: integer dots (int8 activations,
-kernels/csrc/int8_dot_cpu.cpp; every ISA variant this CPU runs; and the repacked AVX512-VNNI
-GEMM, int8_gemm_cpu.cpp, where the CPU has it), float32 activations on the
+kernels/csrc/int8_dot_cpu.cpp, and the repacked GEMM, int8_gemm_cpu.cpp: every ISA variant this
+CPU runs of both), float32 activations on the
 blocks (quant_linear_cpu.cpp), oneDNN on a prepacked float32 copy (the batch copy of
 quantization="auto" in float32) and on a prepacked bfloat16 copy (its batch copy where the CPU
 has AVX512-BF16 or AMX; emulated and slow elsewhere, so only run there unless --bf16), and
@@ -129,8 +129,9 @@ def main():
         f"| torch threads: {torch.get_num_threads()}",
     )
     with_bf16 = args.bf16 or has_bf16_hardware(cpu_flags())
-    gemm = kernels.int8_gemm_supported()
-    print(f"int8 GEMM (repacked, AVX512-VNNI): {'timed' if gemm else 'skipped (no AVX512-VNNI)'}")
+    gemm_isas = kernels.int8_gemm_isas()
+    gemm = bool(gemm_isas)
+    print(f"int8 GEMM (repacked): {', '.join(gemm_isas) if gemm else 'skipped (no AVX2)'}")
     print(f"bf16 copy: {'timed' if with_bf16 else 'skipped (no AVX512-BF16/AMX; --bf16 times it emulated)'}")
     rows_list = [int(r) for r in args.rows.split(",")]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -153,9 +154,9 @@ def main():
                 paths["f32 copy"] = rotating([lambda c=lay.copy: onednn_linear(x, c, None) for lay in layers])
                 if with_bf16:
                     paths["bf16 copy"] = rotating([lambda c=lay.bf16: onednn_linear(x, c, None) for lay in layers])
-                if gemm:
-                    paths["int8 GEMM (repacked)"] = rotating(
-                        [lambda r=lay.repacked: kernels.int8_gemm_linear(x, *r, None) for lay in layers]
+                for variant in gemm_isas:
+                    paths[f"int8 GEMM {variant}"] = rotating(
+                        [lambda r=lay.repacked, v=variant: kernels.int8_gemm_linear(x, *r, None, v) for lay in layers]
                     )
                 if layers[0].int8 is not None:
                     paths["int8 oneDNN per token"] = rotating(

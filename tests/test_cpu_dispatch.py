@@ -34,21 +34,21 @@ def expected_isa(flags):
 def test_every_isa_combination(flags):
     isa = dispatch.int8_dot_isa(flags)
     assert isa == expected_isa(flags)
+    vnni512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"} <= flags
+    assert dispatch.int8_gemm_isa(flags) == ("avx512vnni" if vnni512 else "avx2" if isa else None)
     for rows in (1, 2, dispatch.INT8_MAX_ROWS, dispatch.INT8_MAX_ROWS + 1, 512):
-        path = dispatch.gguf_linear_path(flags, rows)
-        if isa and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            assert path == "int8:gemm"  # the repacked GEMM serves every row count
-        else:
-            assert path == (f"int8:{isa}" if isa and rows <= dispatch.INT8_MAX_ROWS else "float32")
+        # the repacked GEMM serves every row count; a layer without it, the row dots few rows
+        assert dispatch.gguf_linear_path(flags, rows) == ("int8:gemm" if isa else "float32")
+        row_dots = dispatch.gguf_linear_path(flags, rows, repacked=False)
+        assert row_dots == (f"int8:{isa}" if isa and rows <= dispatch.INT8_MAX_ROWS else "float32")
         assert dispatch.gguf_linear_path(flags, rows, activations="float32") == "float32"
     dtype, why = dispatch.cpu_auto_dtype(flags)
     bf16_hardware = "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
     assert dispatch.has_bf16_hardware(flags) == bf16_hardware
     assert dtype == torch.float32 and why  # activations stay float32; what changes is the GGUF path
-    # quantization="auto" with dtype="auto": int8 dots where 512-bit dpbusd runs and AMX's bf16
-    # tiles do not; else a bf16 copy on bf16 hardware; else (and with dtype=float32) float32
-    vnni512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"} <= flags
-    expected = "int8" if vnni512 and "amx_bf16" not in flags else "bf16_copy" if bf16_hardware else "float32_copy"
+    # quantization="auto" with dtype="auto": int8 dots where the GEMM runs (AVX2 and up) and AMX's
+    # bf16 tiles do not; else a bf16 copy on bf16 hardware; else (and with dtype=float32) float32
+    expected = "int8" if isa and "amx_bf16" not in flags else "bf16_copy" if bf16_hardware else "float32_copy"
     assert dispatch.gguf_auto_mode(flags, "auto") == expected
     assert ("int8 activations" in why, "bfloat16 copy of its weights" in why) == (
         expected == "int8",
@@ -107,7 +107,8 @@ def test_gguf_kernel_mode_per_quantization_and_cpu():
     avx2 = frozenset({"avx2", "fma"})
     zen5 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
     amx = zen5 | {"amx_bf16"}
-    assert [gguf_kernel_mode("auto", "auto", f) for f in (avx2, zen5, amx)] == ["float32_copy", "int8", "bf16_copy"]
+    assert [gguf_kernel_mode("auto", "auto", f) for f in (avx2, zen5, amx)] == ["int8", "int8", "bf16_copy"]
+    assert gguf_kernel_mode("auto", "auto", frozenset({"avx2"})) == "float32_copy"  # no FMA: no integer dots
     assert {gguf_kernel_mode("auto", "float32", f) for f in (avx2, zen5, amx)} == {"float32_copy"}
     assert [gguf_kernel_mode("gguf_int8", "float32", f) for f in (frozenset(), avx2)] == ["blocks", "int8"]
     assert gguf_kernel_mode("gguf_bf16", "auto", zen5) == "bf16_copy"

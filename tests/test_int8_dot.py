@@ -92,8 +92,15 @@ def test_int8_dot_on_many_rows_matches_the_fake_quantized_float32(isa, type_name
         torch.testing.assert_close(out, fake_quant_reference(x, packed, b), atol=2e-4, rtol=1e-4)
 
 
-GEMM = kernels is not None and kernels.int8_gemm_supported()
-needs_gemm = pytest.mark.skipif(not GEMM, reason="no AVX512-VNNI: the repacked GEMM does not run here")
+GEMM_ISAS = kernels.int8_gemm_isas() if kernels is not None else []
+needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="no AVX2: the repacked GEMM does not run here")
+# every GEMM variant; the ones this CPU cannot run are skipped (compiled: test_kernels.py)
+gemm_isa = pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+
+
+def skip_unless_runs(isa: str) -> None:
+    if isa not in GEMM_ISAS:
+        pytest.skip(f"this CPU does not run the {isa} GEMM")
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
@@ -115,14 +122,17 @@ def test_repacked_blocks_hold_the_same_weights(type_name):
     assert torch.equal((d * u + o).reshape(48, 96), dense)
 
 
-@needs_gemm
+@gemm_isa
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
-def test_int8_gemm_matches_the_integer_reference(type_name, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 64])
+def test_int8_gemm_matches_the_integer_reference(isa, type_name, rows):
     """The repacked GEMM on the int8 activations of int8_dot_linear (the same quantization):
-    within float32 rounding of the float64 integer reference, every tile size of rows (8
-    and the tails) and with or without a bias; so also within it of the row-by-row dots."""
+    within float32 rounding of the float64 integer reference, every tile size of rows (8 or
+    4 and the tails) and with or without a bias; so also within it of the row-by-row dots.
+    x reaches +-127 in every block, the AVX2 variant's int16 sums' worst case for 4-bit."""
     from kernels.quant import repack_for_int8_gemm
+
+    skip_unless_runs(isa)
 
     packed, _ = gguf_packed(type_name, 80, 576, seed=rows)
     repacked = repack_for_int8_gemm(packed)
@@ -130,34 +140,61 @@ def test_int8_gemm_matches_the_integer_reference(type_name, rows):
     x = torch.randn(rows, 576, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
     bias = torch.randn(80, generator=gen)
     for b in (bias, None):
-        out = kernels.int8_gemm_linear(x, *repacked, b)
+        out = kernels.int8_gemm_linear(x, *repacked, b, isa)
         torch.testing.assert_close(out, integer_reference(x, packed, b), atol=2e-4, rtol=1e-4)
-        torch.testing.assert_close(out, kernels.int8_dot_linear(x, packed, b, "avx512vnni"), atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(out, kernels.int8_dot_linear(x, packed, b, "avx2"), atol=2e-4, rtol=1e-4)
 
 
-@needs_gemm
-def test_int8_gemm_zero_rows_blocks_and_bad_calls():
+@gemm_isa
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_int8_gemm_at_the_largest_integer_sums(isa, type_name):
+    """Weights at their largest stored value (4-bit u = 15, 8-bit |q| = 127) times x at +-127
+    in every lane: the AVX2 variant's int16 sums of a 4-bit block reach 16 x 15 x 127 = 30,480
+    (of 32,767) and its 8-bit pairs 2 x 127 x 127; nothing wraps or saturates."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kernels.quant import pack_gguf_blocks, repack_for_int8_gemm
+
+    skip_unless_runs(isa)
+    qtype = GGMLQuantizationType[type_name]
+    weight = np.ones((32, 256), np.float32)
+    weight[16:] = -1.0
+    weight[:, ::32] = 0.0 if type_name == "Q4_1" else weight[:, ::32]  # Q4_1: min 0, so 1.0 -> u = 15
+    packed = pack_gguf_blocks(quantize(weight, qtype), int(qtype))
+    x = torch.cat([torch.ones(3, 256), -torch.ones(2, 256)])
+    out = kernels.int8_gemm_linear(x, *repack_for_int8_gemm(packed), None, isa)
+    torch.testing.assert_close(out, integer_reference(x, packed, None), atol=2e-4, rtol=1e-5)
+
+
+@gemm_isa
+def test_int8_gemm_zero_rows_blocks_and_bad_calls(isa):
     from kernels.quant import repack_for_int8_gemm
 
+    skip_unless_runs(isa)
     packed, _ = gguf_packed("Q4_1", 16, 64, seed=0)
     repacked = repack_for_int8_gemm(packed)
-    assert kernels.int8_gemm_linear(torch.empty(0, 64), *repacked, None).shape == (0, 16)
-    assert torch.equal(kernels.int8_gemm_linear(torch.zeros(2, 64), *repacked, None), torch.zeros(2, 16))
+    assert kernels.int8_gemm_linear(torch.empty(0, 64), *repacked, None, isa).shape == (0, 16)
+    assert torch.equal(kernels.int8_gemm_linear(torch.zeros(2, 64), *repacked, None, isa), torch.zeros(2, 16))
     with pytest.raises(RuntimeError, match="x has 96 features, the weight 64"):
-        kernels.int8_gemm_linear(torch.randn(1, 96), *repacked, None)
+        kernels.int8_gemm_linear(torch.randn(1, 96), *repacked, None, isa)
     with pytest.raises(RuntimeError, match="bias"):
-        kernels.int8_gemm_linear(torch.randn(1, 64), *repacked, torch.randn(5))
+        kernels.int8_gemm_linear(torch.randn(1, 64), *repacked, torch.randn(5), isa)
+    with pytest.raises(RuntimeError, match="isa 'sse2' does not run"):
+        kernels.int8_gemm_linear(torch.randn(1, 64), *repacked, None, "sse2")
 
 
 @needs_gemm
 def test_cpu_linear_in_int8_mode_runs_the_gemm_on_every_row_count():
-    """quantization="gguf_int8" on an AVX512-VNNI CPU: the layer holds the repacked copy and
-    serves 1 to 100 rows from it; a width that is not a multiple of 16 keeps the row dots."""
+    """quantization="gguf_int8": the layer holds the repacked copy and serves 1 to 100 rows
+    from it; a width that is not a multiple of 16 keeps the row dots for few rows."""
+    from kernels.cpu.dispatch import INT8_MAX_ROWS
     from kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
     from kernels.quant import QuantLinear
 
     wide, _ = gguf_packed("Q4_1", 32, 64, seed=1)
-    odd, _ = gguf_packed("Q4_1", 40 - 1, 64, seed=2)
+    odd, odd_dense = gguf_packed("Q4_1", 40 - 1, 64, seed=2)
     model = torch.nn.Module()
     model.wide, model.odd = QuantLinear(wide), QuantLinear(odd)
     swap_linears(model)
@@ -166,4 +203,6 @@ def test_cpu_linear_in_int8_mode_runs_the_gemm_on_every_row_count():
     for rows in (1, 13, 100):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(model.wide(x), integer_reference(x, wide, None), atol=2e-4, rtol=1e-4)
-        torch.testing.assert_close(model.odd(x), integer_reference(x, odd, None), atol=2e-4, rtol=1e-4)
+        # the row dots up to INT8_MAX_ROWS, the blocks on float32 activations above
+        odd_expected = integer_reference(x, odd, None) if rows <= INT8_MAX_ROWS else F.linear(x, odd_dense)
+        torch.testing.assert_close(model.odd(x), odd_expected, atol=2e-4, rtol=1e-4)

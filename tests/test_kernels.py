@@ -320,7 +320,11 @@ def test_cpu_linear_batch_copy_serves_many_rows(mode, rows):
     swap_linears(module)
     pack_linears(module, extension.load(), gguf_mode=mode)
     weight, _, copy = module[0].fast_path
-    assert weight is module[0].weight and (copy is not None) == torch.backends.mkldnn.is_available()
+    # oneDNN reorders a bf16 weight only where it has bf16 kernels (AVX-512 and up)
+    copy_made = torch.backends.mkldnn.is_available() and (
+        mode == "float32_copy" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    assert weight is module[0].weight and (copy is not None) == copy_made
     assert module[0].blocks_max_rows == gguf_blocks_max_rows(cpu_flags(), mode)
     on_copy = copy is not None and rows > module[0].blocks_max_rows
     expected = F.linear(x, dense, bias)
@@ -358,8 +362,8 @@ def test_a_bf16_output_product_feeds_silu_and_the_next_layer(rows):
     expected = F.linear(silu_and_mul(F.linear(x, gate_up_dense)), down_dense)
     if on_copy:  # two linears and a SiLU in bf16: about 2^-8 relative each, of the whole output
         assert (out - expected).norm() <= 0.02 * expected.norm()
-    else:
-        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    else:  # two float32 linears whose sums run in another order than torch's, and a SiLU
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
@@ -422,12 +426,12 @@ def test_compiled_silu_and_mul_matches_torch_in_float32_and_bfloat16():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["int8_gemm_cpu.cpp", "int8_dot_cpu.cpp"])
-def test_isa_specific_kernels_compile_for_an_avx2_only_cpu(source):
+def test_isa_specific_kernels_compile_for_an_avx2_only_cpu(tmp_path):
     """The extension is built with -march=native, so this machine's own build cannot show a
     kernel whose `#pragma GCC target` region uses an intrinsic outside it (an AVX512DQ one
     under "avx512f,...": the whole extension then fails on AVX2 machines and every compiled
-    path is lost). Those files compile here as for an AVX2-only CPU (x86-64-v3)."""
+    path is lost). The files with such regions compile here as for an AVX2-only CPU
+    (x86-64-v3), in one translation unit (torch's headers are most of the time)."""
     import shutil
     import subprocess
     import sysconfig
@@ -436,12 +440,17 @@ def test_isa_specific_kernels_compile_for_an_avx2_only_cpu(source):
 
     if shutil.which("g++") is None:
         pytest.skip("no g++ here")
+    probe = tmp_path / "probe.cpp"
+    probe.write_text("".join(f'#include "{extension.CSRC / name}"\n' for name in ISA_SPECIFIC_SOURCES))
     includes = [arg for path in [*include_paths(), sysconfig.get_paths()["include"]] for arg in ("-I", path)]
     flags = [f for f in extension.CFLAGS if f != "-march=native"] + ["-march=x86-64-v3", "-std=c++17"]
-    command = ["g++", *flags, "-DTORCH_EXTENSION_NAME=probe", "-c", str(extension.CSRC / source), "-o", "/dev/null"]
+    command = ["g++", *flags, "-DTORCH_EXTENSION_NAME=probe", "-c", str(probe), "-o", "/dev/null"]
     result = subprocess.run(command + includes, capture_output=True, text=True)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 0, errors[:3]
+
+
+ISA_SPECIFIC_SOURCES = ["int8_dot_cpu.cpp", "int8_gemm_cpu.cpp"]  # the files with `#pragma GCC target`
 
 
 def test_a_stale_build_lock_never_blocks_a_load(tmp_path):

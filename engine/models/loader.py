@@ -88,14 +88,12 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
     """Whether the model keeps its GGUF blocks (``quantization``: "auto", "gguf", "gguf_int8",
     "gguf_bf16" or "none"): "gguf" does (a GGUF Llama-family model; the kernels unpack the
     blocks into float32 arithmetic) and holds nothing more; "gguf_int8" too, with integer dots
-    on int8 activations where the CPU has them (every step with AVX512-VNNI, from a repacked
-    copy; steps of few rows on AVX2: ``gguf_kernel_mode``); "gguf_bf16" with a bfloat16 copy
-    for steps of many rows; "auto" does on CPU in float32, the backend adding what
-    ``dispatch.gguf_auto_mode`` picks for the CPU (int8 dots, or a bf16 or float32 copy for
-    steps of many rows: on the AVX2 CPU measured the blocks decode 1.1-1.4x faster at few
-    rows but run steps of 16+ rows 7-16% slower than float32's prepacked oneDNN weights, and
-    the default must never be slower than float32, docs/performance.md); "none" dequantizes
-    everything to ``dtype``."""
+    on int8 activations where the CPU has them (AVX2 and up: every step, from a copy repacked
+    for the GEMM; ``gguf_kernel_mode``); "gguf_bf16" with a bfloat16 copy for steps of many
+    rows; "auto" does on CPU in float32, the backend adding what ``dispatch.gguf_auto_mode``
+    picks for the CPU (int8 dots with dtype="auto" where the CPU has AVX2 and no AMX, a bf16
+    copy on AMX, else a float32 copy for steps of many rows, docs/performance.md); "none"
+    dequantizes everything to ``dtype``."""
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")
     if quantization == "none":

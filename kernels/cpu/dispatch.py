@@ -43,23 +43,34 @@ def int8_dot_isa(flags: frozenset[str]) -> str | None:
 
 
 def has_int8_gemm(flags: frozenset[str]) -> bool:
-    """What kernels/csrc/int8_gemm_cpu.cpp needs: 512-bit dpbusd (AVX512-VNNI) with F, BW and VL."""
+    """What kernels/csrc/int8_gemm_cpu.cpp's 512-bit variant needs: dpbusd (AVX512-VNNI) with F, BW and VL."""
     return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
 
 
+def int8_gemm_isa(flags: frozenset[str]) -> str | None:
+    """The repacked GEMM's variant (int8_gemm_cpu.cpp): 512-bit dpbusd with AVX512-VNNI, else
+    AVX2's maddubs + madd on 256-bit registers; None without AVX2+FMA."""
+    if "avx2" not in flags or "fma" not in flags:
+        return None
+    return "avx512vnni" if has_int8_gemm(flags) else "avx2"
+
+
 @functools.cache  # called per GGUF layer per step: flags and rows repeat
-def gguf_linear_path(flags: frozenset[str], rows: int, activations: str = "int8") -> str:
+def gguf_linear_path(flags: frozenset[str], rows: int, activations: str = "int8", repacked: bool = True) -> str:
     """How a linear over GGUF blocks multiplies ``rows`` rows of float32 activations:
     ``"int8:<isa>"`` (activations quantized per 32-block, integer dots) or ``"float32"``
     (blocks unpacked to float32 in registers or tiles). ``activations``: "int8" (the default
-    path) or "float32" (exact up to summation order: quantization="gguf"). With AVX512-VNNI
-    the repacked GEMM ("int8:gemm") serves every row count: on a 2-core EPYC it ran SmolLM2's
-    projections 3-8x the row-by-row dots at 1-16 rows and 1.1-1.6x the bf16 copy's oneDNN at
-    16-256 (docs/performance.md); elsewhere the row-by-row dots serve up to INT8_MAX_ROWS rows."""
+    path) or "float32" (exact up to summation order: quantization="gguf"). The repacked GEMM
+    ("int8:gemm", its variant: ``int8_gemm_isa``) serves every row count: with AVX512-VNNI
+    it ran SmolLM2's projections 3-8x the row-by-row dots at 1-16 rows and 1.1-1.6x the bf16
+    copy's oneDNN at 16-256; with AVX2 2x the row dots at one row and 9-12x to 1.0x the
+    float32 copy from 1 to 512 rows (2-core EPYCs, docs/performance.md). The row-by-row dots
+    (up to INT8_MAX_ROWS rows) serve a layer without the repacked copy (``repacked=False``:
+    ``CpuLinear`` makes none for a width that is not a multiple of 16)."""
     isa = int8_dot_isa(flags)
     if activations != "int8" or isa is None:
         return "float32"
-    if has_int8_gemm(flags):
+    if repacked and int8_gemm_isa(flags) is not None:
         return "int8:gemm"
     return f"int8:{isa}" if rows <= INT8_MAX_ROWS else "float32"
 
@@ -85,19 +96,18 @@ def has_avx512(flags: frozenset[str]) -> bool:
 
 def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
     """quantization="auto": how a GGUF model's layers run (kernels/cpu/linear.py ``CpuLinear.pack``).
-    ``dtype="auto"``, where the CPU has AVX512-VNNI but no AMX: "int8", the blocks repacked for
-    integer dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp; on a
-    2-core AVX512-BF16 EPYC 1.1x the bf16 copy end to end, batched and single-stream, same run,
-    perplexity +0.1%, tokens independent of the batch but for prefix-cache hits;
-    docs/performance.md). Where the CPU
-    multiplies bf16 in hardware otherwise (AMX, where oneDNN's bf16 tiles outrun 512-bit
-    dots; not measured here), "bf16_copy": a bfloat16 oneDNN copy for steps of many rows (on
-    that EPYC 1.3-1.5x the float32 copy at up to 8 rows, 1.5-1.9x from 16; the quality gate:
+    ``dtype="auto"`` on an x86 CPU with AVX2 and no AMX: "int8", the blocks repacked for integer
+    dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp), the weights
+    held once (perplexity +0.1%, tokens independent of the batch but for prefix-cache hits;
+    docs/performance.md). On 2-core EPYCs, same run: with AVX512-VNNI 1.1x the bf16 copy end to
+    end; with AVX2 only, 9-12x to 1.0x the float32 copy per layer from 1 to 512 rows. Where AMX
+    multiplies bf16 tiles (oneDNN's bf16 then outruns dots of 512-bit registers; reasoned, not
+    measured here), "bf16_copy": a bfloat16 oneDNN copy for steps of many rows (the quality gate:
     tests/test_bf16_quality.py). Elsewhere, or ``dtype="float32"``, "float32_copy": a float32
     copy, token-exact up to summation order."""
     if dtype != "auto":
         return "float32_copy"
-    if int8_dot_isa(flags) is not None and has_int8_gemm(flags) and "amx_bf16" not in flags:
+    if int8_gemm_isa(flags) is not None and "amx_bf16" not in flags:
         return "int8"
     return "bf16_copy" if has_bf16_hardware(flags) else "float32_copy"
 
@@ -124,8 +134,9 @@ def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
     (engine/model_runner.py ``resolve_kv_cache_dtype``)."""
     mode = gguf_auto_mode(flags, "auto")
     if mode == "int8":
+        found = "AVX512-VNNI" if int8_gemm_isa(flags) == "avx512vnni" else "AVX2"
         return torch.float32, (
-            "AVX512-VNNI found: float32 activations; a .gguf model's layers run integer dots on int8 "
+            f"{found} found: float32 activations; a .gguf model's layers run integer dots on int8 "
             "activations at every step (quantization=gguf_bf16 for a bfloat16 copy instead, dtype=float32 "
             "for float32 throughout), and its KV cache is bfloat16"
         )
@@ -136,4 +147,4 @@ def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
             f"{BLOCKS_MAX_ROWS['bf16']} rows multiply on a bfloat16 copy of its weights, and its KV cache is bfloat16 "
             "(dtype=float32: float32 copy and cache)"
         )
-    return torch.float32, "no AVX512-VNNI or bf16 hardware (AVX512-BF16/AMX): float32"
+    return torch.float32, "no AVX2 or bf16 hardware (AVX512-BF16/AMX): float32"

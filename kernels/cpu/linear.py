@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows, gguf_linear_path
+from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows, gguf_linear_path, int8_gemm_isa
 from kernels.cpu.memory import huge_page_copies
 from kernels.quant import QuantLinear, dequantize, is_packed, repack_for_int8_gemm
 
@@ -67,14 +67,15 @@ class CpuLinear(nn.Module):
         self.fast_path: tuple | None = None
         self.activations = "float32"  # GGUF blocks: "int8" where pack() was asked for integer dots
         self.blocks_max_rows = self.QUANT_MAX_ROWS  # GGUF blocks with a copy: the copy serves more rows
-        self.int8_gemm: tuple | None = None  # int8 activations: the blocks repacked for int8_gemm_linear
+        # int8 activations: (the blocks repacked for int8_gemm_linear, its variant)
+        self.int8_gemm: tuple | None = None
 
     def pack(self, kernels, interleaved: torch.Tensor | None = None, gguf_mode: str = "blocks") -> None:
         """Make the oneDNN copy and take the compiled ``kernels`` (None: none) and the few-row
         kernel's ``interleaved`` copy (see ``pack_linears``); call once the weight has its
         final dtype and place. GGUF blocks (``gguf_mode``): "blocks" alone on float32
-        activations; "int8", integer dots on int8 activations (with AVX512-VNNI every step, from
-        a repacked copy; else steps of few rows); "float32_copy" / "bf16_copy" with a oneDNN
+        activations; "int8", integer dots on int8 activations (every step from a copy of the
+        blocks repacked for the GEMM where the width is a multiple of 16, else the row dots); "float32_copy" / "bf16_copy" with a oneDNN
         copy for steps of many rows."""
         assert gguf_mode in GGUF_MODES, gguf_mode
         if is_packed(self.weight):
@@ -89,8 +90,9 @@ class CpuLinear(nn.Module):
                     self.blocks_max_rows = gguf_blocks_max_rows(cpu_flags(), gguf_mode)
                 self.fast_path = (self.weight, self.bias, packed)
                 self.activations = "int8" if gguf_mode == "int8" else "float32"
-                if gguf_mode == "int8" and kernels.int8_gemm_supported() and self.weight.shape[0] % 16 == 0:
-                    self.int8_gemm = repack_for_int8_gemm(self.weight.detach())
+                gemm_isa = int8_gemm_isa(cpu_flags())
+                if gguf_mode == "int8" and gemm_isa in kernels.int8_gemm_isas() and self.weight.shape[0] % 16 == 0:
+                    self.int8_gemm = (*repack_for_int8_gemm(self.weight.detach()), gemm_isa)
             return
         if self.weight.dtype != torch.float32:
             return
@@ -123,12 +125,11 @@ class CpuLinear(nn.Module):
         if packed is not None and rows > self.blocks_max_rows:
             return onednn_linear(x, packed, bias, keep_bf16=self.bf16_output)
         x = x.float()  # no-op for float32
-        path = gguf_linear_path(cpu_flags(), rows, self.activations)
-        if path == "int8:gemm" and self.int8_gemm is not None:
-            return self.kernels.int8_gemm_linear(x, *self.int8_gemm, bias)
+        path = gguf_linear_path(cpu_flags(), rows, self.activations, self.int8_gemm is not None)
+        if path == "int8:gemm":
+            return self.kernels.int8_gemm_linear(x, *self.int8_gemm[:3], bias, self.int8_gemm[3])
         if path != "float32":
-            isa = path[len("int8:") :]
-            return self.kernels.int8_dot_linear(x, weight, bias, "avx512vnni" if isa == "gemm" else isa)
+            return self.kernels.int8_dot_linear(x, weight, bias, path[len("int8:") :])
         return self.kernels.quantized_linear(x, weight, bias)
 
 

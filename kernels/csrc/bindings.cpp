@@ -29,8 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_per_thread_tiles", [] { return kQuantPerThreadTiles; }, "the default many-rows tiling");
   m.def("dequantize_weight", &dequantize_weight, "GGUF-block weight -> float32 [N, K]", kNoGil);
   m.def("int8_dot_linear", &int8_dot_linear, "x @ W^T + bias, W in GGUF blocks, x quantized to int8 per 32-block (CPU)", kNoGil);
-  m.def("int8_gemm_linear", &int8_gemm_linear, "x @ W^T + bias, W repacked from GGUF blocks for many rows, x int8 per 32-block (AVX512-VNNI)", kNoGil);
-  m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_linear runs on this CPU");
+  m.def("int8_gemm_linear", &int8_gemm_linear, "x @ W^T + bias, W repacked from GGUF blocks for many rows, x int8 per 32-block (AVX512-VNNI or AVX2)", kNoGil);
+  m.def("int8_gemm_isas", &int8_gemm_isas, "the int8_gemm_linear variants compiled in and runnable on this CPU");
   m.def("int8_dot_isas", &int8_dot_isas, "the int8_dot_linear variants compiled in and runnable on this CPU");
   m.def("quant_isa", [] {
 #if defined(__AVX2__) && defined(__FMA__)

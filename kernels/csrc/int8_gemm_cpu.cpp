@@ -1,10 +1,11 @@
-// y = x @ W^T + bias by AVX512-VNNI integer dots over GGUF blocks repacked for many rows of x
+// y = x @ W^T + bias by integer dots (AVX512-VNNI, or AVX2) over GGUF blocks repacked for many rows of x
 // (kernels/quant.py repack_for_int8_gemm). int8_dot_cpu.cpp multiplies one weight row with one
 // x row per 256-bit dot and converts and scales every one of them: ~7 multiply-adds per
 // instruction, a quarter of oneDNN's bf16 rate. Here one 512-bit dpbusd serves 16 output
 // columns (4 K-values each, embedded x broadcast), the 16 columns' unpacked block is reused
 // for up to 8 rows of x, and the scale work is one convert and two FMAs per block, row and 16
 // columns: ~38 multiply-adds per instruction, from 4-bit weights (4x fewer bytes than bf16).
+// The AVX2 variant (below) reads the same layout half a group at a time.
 //
 // Repacked layout, per group of 16 output columns and per 32-block b (u: the unsigned stored
 // value, 4-bit q, or 8-bit q + 128):
@@ -16,18 +17,17 @@
 // qx, and sx = dx * sum qx), so that w x summed over a block is  d dx sum(u qx) + o sx.
 #include "cpu_kernels.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cstring>
+#include <string>
+#include <vector>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define CONVEYOR_INT8_GEMM 1
 #endif
 
 #ifdef CONVEYOR_INT8_GEMM
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 namespace {
-
-constexpr int64_t kRowsPerTile = 8;  // rows of x per pass over a column group's blocks (registers)
 
 struct GemmProblem {
   const int8_t* xq;    // [M, K]
@@ -41,6 +41,23 @@ struct GemmProblem {
   int64_t M, K, N, blocks;
   bool four_bit;
 };
+
+// Every tile of rows: full tiles of MAX_ROWS, then one of the rows left (TILE<rows>).
+template <int MT, template <int> class Tile, class... Args>
+void tail_tile(int64_t rows, Args... args) {
+  if constexpr (MT > 1) {
+    if (rows < MT) return tail_tile<MT - 1, Tile>(rows, args...);
+  }
+  Tile<MT>::run(args...);
+}
+
+}  // namespace
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+namespace int8_gemm_avx512vnni {
+
+constexpr int64_t kRowsPerTile = 8;  // rows of x per pass over a column group's blocks (registers)
 
 // The 8 vectors of u (16 columns x 4 K-values each) of one block
 inline void unpack_block(const uint8_t* src, bool four_bit, __m512i* w) {
@@ -58,67 +75,145 @@ inline void unpack_block(const uint8_t* src, bool four_bit, __m512i* w) {
 
 // Rows m0..m0+MT of y for the 16 columns of group g
 template <int MT>
-void tile(const GemmProblem& p, int64_t g, int64_t m0) {
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t block_bytes = p.four_bit ? 256 : 512;
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    const int64_t gb = g * p.blocks + b;
-    __m512i w[8];
-    unpack_block(p.w + gb * block_bytes, p.four_bit, w);
-    const __m512 d = _mm512_loadu_ps(p.d + gb * 16), o = _mm512_loadu_ps(p.o + gb * 16);
-    for (int m = 0; m < MT; ++m) {
-      const int64_t row = m0 + m;
-      const int8_t* quads = p.xq + row * p.K + b * 32;
-      __m512i sum = _mm512_setzero_si512();
-      for (int j = 0; j < 8; ++j) {
-        int32_t quad;  // 4 int8 of x, broadcast to the 16 columns (memcpy: no aliasing through int32_t*)
-        std::memcpy(&quad, quads + 4 * j, sizeof quad);
-        sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(quad));
+struct Tile {
+  static void run(const GemmProblem& p, int64_t g, int64_t m0) {
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    const int64_t block_bytes = p.four_bit ? 256 : 512;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      const int64_t gb = g * p.blocks + b;
+      __m512i w[8];
+      unpack_block(p.w + gb * block_bytes, p.four_bit, w);
+      const __m512 d = _mm512_loadu_ps(p.d + gb * 16), o = _mm512_loadu_ps(p.o + gb * 16);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t row = m0 + m;
+        const int8_t* quads = p.xq + row * p.K + b * 32;
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+          int32_t quad;  // 4 int8 of x, broadcast to the 16 columns (memcpy: no aliasing through int32_t*)
+          std::memcpy(&quad, quads + 4 * j, sizeof quad);
+          sum = _mm512_dpbusd_epi32(sum, w[j], _mm512_set1_epi32(quad));
+        }
+        const int64_t xb = row * p.blocks + b;
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(p.xd[xb])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.xs[xb]), acc[m]);
       }
-      const int64_t xb = row * p.blocks + b;
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(p.xd[xb])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.xs[xb]), acc[m]);
     }
+    const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + g * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.N + g * 16, _mm512_add_ps(acc[m], bias));
   }
-  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + g * 16) : _mm512_setzero_ps();
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(p.y + (m0 + m) * p.N + g * 16, _mm512_add_ps(acc[m], bias));
-}
-
-template <int MT>
-void tail_tile(const GemmProblem& p, int64_t g, int64_t m0, int64_t rows) {
-  if constexpr (MT > 1) {
-    if (rows < MT) return tail_tile<MT - 1>(p, g, m0, rows);
-  }
-  tile<MT>(p, g, m0);
-}
+};
 
 void run(const GemmProblem& p) {
   at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       int64_t m = 0;
-      for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) tile<kRowsPerTile>(p, g, m);
-      if (m < p.M) tail_tile<kRowsPerTile - 1>(p, g, m, p.M - m);
+      for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) Tile<kRowsPerTile>::run(p, g, m);
+      if (m < p.M) tail_tile<kRowsPerTile - 1, Tile>(p.M - m, p, g, m);
     }
   });
 }
 
-}  // namespace
+}  // namespace int8_gemm_avx512vnni
+#pragma GCC pop_options
+
+// AVX2: the same layout, 8 columns (half a group) per 256-bit register. No dpbusd: maddubs
+// multiplies u8 by s8 and adds pairs into int16, madd adds those pairs into int32.
+// 4-bit: 2 x 15 x 127 per pair, so a block's 8 maddubs sum in int16 without overflow (30,480)
+// and one madd per block widens them. 8-bit: u up to 255 would saturate maddubs, so it runs
+// llama.cpp's sign trick on q = u - 128 (|q| times x with q's sign, 2 x 128 x 127 per pair)
+// and madds each one; the offset o = -128 d is then already in q.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace int8_gemm_avx2 {
+
+constexpr int64_t kRowsPerTile = 4;  // int16 sums and float32 sums of 4 rows, and a block's vector: 13 registers
+
+inline __m256i broadcast_quad(const int8_t* quads, int j) {
+  int32_t quad;
+  std::memcpy(&quad, quads + 4 * j, sizeof quad);
+  return _mm256_set1_epi32(quad);
+}
+
+// Rows m0..m0+MT of y for the 8 columns of half h of group g
+template <int MT>
+struct Tile {
+  static void run(const GemmProblem& p, int64_t g, int64_t h, int64_t m0) {
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
+    const int64_t block_bytes = p.four_bit ? 256 : 512;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      const int64_t gb = g * p.blocks + b;
+      const uint8_t* src = p.w + gb * block_bytes + 32 * h;
+      const int8_t* quads[MT];
+      for (int m = 0; m < MT; ++m) quads[m] = p.xq + (m0 + m) * p.K + b * 32;
+      __m256i sum[MT];
+      for (int m = 0; m < MT; ++m) sum[m] = _mm256_setzero_si256();
+      if (p.four_bit) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * i));
+          const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          for (int m = 0; m < MT; ++m) {
+            sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, broadcast_quad(quads[m], i)));
+            sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, broadcast_quad(quads[m], i + 4)));
+          }
+        }
+        for (int m = 0; m < MT; ++m) sum[m] = _mm256_madd_epi16(sum[m], ones);
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * j)), flip);
+          const __m256i magnitude = _mm256_sign_epi8(q, q);
+          for (int m = 0; m < MT; ++m) {
+            const __m256i signed_x = _mm256_sign_epi8(broadcast_quad(quads[m], j), q);
+            sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+          }
+        }
+      }
+      const __m256 d = _mm256_loadu_ps(p.d + gb * 16 + 8 * h), o = _mm256_loadu_ps(p.o + gb * 16 + 8 * h);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t xb = (m0 + m) * p.blocks + b;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, _mm256_set1_ps(p.xd[xb])), acc[m]);
+        if (p.four_bit) acc[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.xs[xb]), acc[m]);
+      }
+    }
+    const int64_t column = g * 16 + 8 * h;
+    const __m256 bias = p.bias ? _mm256_loadu_ps(p.bias + column) : _mm256_setzero_ps();
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(p.y + (m0 + m) * p.N + column, _mm256_add_ps(acc[m], bias));
+  }
+};
+
+void run(const GemmProblem& p) {
+  at::parallel_for(0, p.N / 8, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t half = begin; half < end; ++half) {
+      const int64_t g = half / 2, h = half % 2;
+      int64_t m = 0;
+      for (; m + kRowsPerTile <= p.M; m += kRowsPerTile) Tile<kRowsPerTile>::run(p, g, h, m);
+      if (m < p.M) tail_tile<kRowsPerTile - 1, Tile>(p.M - m, p, g, h, m);
+    }
+  });
+}
+
+}  // namespace int8_gemm_avx2
 #pragma GCC pop_options
 #endif
 
-bool int8_gemm_supported() {
+std::vector<std::string> int8_gemm_isas() {
+  std::vector<std::string> isas;
 #ifdef CONVEYOR_INT8_GEMM
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back("avx2");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    isas.push_back("avx512vnni");
 #endif
+  return isas;
 }
 
 torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
-                               c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(int8_gemm_supported(), "int8_gemm_linear: needs AVX512-VNNI (with F, BW and VL)");
+                               c10::optional<torch::Tensor> bias, const std::string& isa) {
+  const auto runnable = int8_gemm_isas();
+  TORCH_CHECK(std::find(runnable.begin(), runnable.end(), isa) != runnable.end(), "int8_gemm_linear: isa '", isa,
+              "' does not run on this CPU (int8_gemm_isas() lists what does)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "int8_gemm_linear: x [M, K] float32");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   (packed.size(2) == 256 || packed.size(2) == 512),
@@ -148,7 +243,10 @@ torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
                       N,
                       blocks,
                       packed.size(2) == 256};
-  run(p);
+  if (isa == "avx512vnni")
+    int8_gemm_avx512vnni::run(p);
+  else
+    int8_gemm_avx2::run(p);
 #endif
   return y;
 }
