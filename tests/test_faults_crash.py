@@ -36,7 +36,7 @@ def slow_model(tmp_path_factory):
         num_hidden_layers=4,
         num_attention_heads=6,
         num_key_value_heads=2,
-        max_position_embeddings=2048,  # jobs of 1,600 tokens: several leases even on a fast CPU
+        max_position_embeddings=2048,  # long jobs: several leases even on a fast CPU
     )
 
 
@@ -127,7 +127,8 @@ def test_healthy_jobs_longer_than_the_lease_are_never_reclaimed(spawn, slow_mode
         [spawn(namespace, f"long-{n}", slow_model, lease_s=lease_s, args=["--max-num-seqs", "1"]) for n in "ab"]
     )
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
-    jobs = client.submit_many([long_job(i, max_tokens=1600) for i in range(4)], progress=False)
+    # 800 tokens: ~10 s a job on a 2-core AVX2 EPYC, so several leases on a CPU 3x as fast
+    jobs = client.submit_many([long_job(i, max_tokens=800) for i in range(4)], progress=False)
     results = [job.result(timeout=180) for job in jobs]
 
     records = ledger.records([job.job_id for job in jobs])
@@ -135,7 +136,7 @@ def test_healthy_jobs_longer_than_the_lease_are_never_reclaimed(spawn, slow_mode
         assert rec.attempt == 1 and [(e.type, e.attempt) for e in rec.terminals] == [("done", 1)]
         assert {e.attempt for e in rec.tokens} == {1}
         check_attempt_sequences(rec)
-    assert all(r.attempt == 1 and len(r.token_ids) == 1600 for r in results)
+    assert all(r.attempt == 1 and len(r.token_ids) == 800 for r in results)
     for replica in pair:
         assert replica.reclaimed_entries() == [], f"{replica.consumer} reclaimed a healthy job"
         assert replica.alive()

@@ -113,4 +113,6 @@ def test_int8_tokens_do_not_depend_on_the_batch(engines):
     together = [o.token_ids for o in int8.generate(texts, params, use_tqdm=False)]
     alone = [int8.generate([t], params, use_tqdm=False)[0].token_ids for t in texts]
     assert dispatch.gguf_linear_path(dispatch.cpu_flags(), 1, "int8").startswith("int8:")
+    # one sequence decodes in the compiled decoder, 16 on the layers: the same kernels
+    assert int8.engine.runner.backend.decoder, "the compiled decoder should serve int8 decode steps"
     assert together == alone

@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_and_cache_", &rotary_and_cache_, "rotate q and k in place, store k and v in the cache (CPU, fp32; fp32 or bf16 caches)", kNoGil);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, double, int64_t, int64_t,
-                          int64_t, double>())
+                          int64_t, double, std::string>())
       .def("forward", &LlamaDecoder::forward, "final-norm hidden states of a decode step (CPU, fp32)", kNoGil);
   m.def("interleaved_supported", [] {
 #ifdef __AVX512F__

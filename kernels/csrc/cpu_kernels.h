@@ -2,6 +2,8 @@
 #pragma once
 #include <torch/extension.h>
 #include <cstdint>
+#include <string>
+#include <vector>
 #include <type_traits>
 
 // Runs body(T{}) with T = float for a float32 tensor, uint16_t for a bfloat16 one (the element
@@ -81,27 +83,31 @@ class LlamaDecoder {
  public:
   // Per layer: input norm, post-attention norm, qkv weight, qkv bias, o weight, o bias,
   // gate_up weight, gate_up bias, down weight, down bias, k cache, v cache; an empty
-  // tensor for an absent bias.
+  // tensor for an absent bias. With `int8_gemm_isa` (int8 activations, int8_gemm_linear's
+  // variant), each weight is the GEMM's repacked values and 8 more tensors follow: the
+  // scales and offsets of qkv, o, gate_up and down.
   LlamaDecoder(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm, double eps,
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale);
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+               std::string int8_gemm_isa);
   // The final-norm hidden states [T, H]; `embedded` [T, H] is overwritten.
   torch::Tensor forward(torch::Tensor embedded, torch::Tensor cos, torch::Tensor sin,
                         torch::Tensor slot_mapping, torch::Tensor block_tables,
                         torch::Tensor context_lens) const;
 
  private:
+  struct Projection {
+    torch::Tensor weight;  // float32 (plain or interleaved), GGUF blocks, or the GEMM's values
+    c10::optional<torch::Tensor> bias;
+    torch::Tensor scales, offsets;  // the GEMM's; undefined: few_rows_linear serves
+  };
   struct Layer {
-    torch::Tensor input_norm, post_norm, qkv;
-    c10::optional<torch::Tensor> qkv_bias;
-    torch::Tensor o;
-    c10::optional<torch::Tensor> o_bias;
-    torch::Tensor gate_up;
-    c10::optional<torch::Tensor> gate_up_bias;
-    torch::Tensor down;
-    c10::optional<torch::Tensor> down_bias;
+    torch::Tensor input_norm, post_norm;
+    Projection qkv, o, gate_up, down;
     torch::Tensor k_cache, v_cache;
   };
+  torch::Tensor project(const Projection& p, const torch::Tensor& x) const;
   std::vector<Layer> layers_;
+  std::string int8_gemm_isa_;
   torch::Tensor final_norm_;
   double eps_;
   int64_t num_heads_, num_kv_heads_, head_dim_;

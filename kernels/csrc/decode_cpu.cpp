@@ -17,14 +17,24 @@ c10::optional<torch::Tensor> bias_or_none(const torch::Tensor& bias) {
 
 LlamaDecoder::LlamaDecoder(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm,
                            double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           double scale)
-    : final_norm_(std::move(final_norm)), eps_(eps), num_heads_(num_heads), num_kv_heads_(num_kv_heads),
-      head_dim_(head_dim), scale_(scale) {
+                           double scale, std::string int8_gemm_isa)
+    : int8_gemm_isa_(std::move(int8_gemm_isa)), final_norm_(std::move(final_norm)), eps_(eps),
+      num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {
+  const bool gemm = !int8_gemm_isa_.empty();
   for (auto& t : layers) {
-    TORCH_CHECK(t.size() == 12, "LlamaDecoder: 12 tensors per layer");
-    layers_.push_back({t[0], t[1], t[2], bias_or_none(t[3]), t[4], bias_or_none(t[5]), t[6],
-                       bias_or_none(t[7]), t[8], bias_or_none(t[9]), t[10], t[11]});
+    TORCH_CHECK(t.size() == (gemm ? 20u : 12u), "LlamaDecoder: ", gemm ? 20 : 12, " tensors per layer");
+    auto projection = [&](int i) {
+      const int extra = 12 + (i - 2);  // qkv's scales at 12, offsets at 13, then o's, ...
+      return gemm ? Projection{t[i], bias_or_none(t[i + 1]), t[extra], t[extra + 1]}
+                  : Projection{t[i], bias_or_none(t[i + 1]), {}, {}};
+    };
+    layers_.push_back({t[0], t[1], projection(2), projection(4), projection(6), projection(8), t[10], t[11]});
   }
+}
+
+torch::Tensor LlamaDecoder::project(const Projection& p, const torch::Tensor& x) const {
+  if (p.scales.defined()) return int8_gemm_linear(x, p.weight, p.scales, p.offsets, p.bias, int8_gemm_isa_);
+  return few_rows_linear(x, p.weight, p.bias);
 }
 
 torch::Tensor LlamaDecoder::forward(torch::Tensor embedded, torch::Tensor cos, torch::Tensor sin,
@@ -36,16 +46,16 @@ torch::Tensor LlamaDecoder::forward(torch::Tensor embedded, torch::Tensor cos, t
   torch::Tensor hidden = torch::zeros_like(embedded);  // residual + 0: the first norm's input
   for (const Layer& l : layers_) {
     add_rms_norm_(hidden, residual, l.input_norm, eps_);
-    auto qkv = few_rows_linear(hidden, l.qkv, l.qkv_bias);
+    auto qkv = project(l.qkv, hidden);
     auto q = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, head_dim_});
     auto k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads_, head_dim_});
     rotary_and_cache_(q, k, v, cos, sin, l.k_cache, l.v_cache, slot_mapping);
     auto attention = paged_decode_attention(q.contiguous(), l.k_cache, l.v_cache, block_tables, context_lens, scale_);
-    auto out = few_rows_linear(attention.view({tokens, q_size}), l.o, l.o_bias);
+    auto out = project(l.o, attention.view({tokens, q_size}));
     add_rms_norm_(out, residual, l.post_norm, eps_);
-    auto gate_up = few_rows_linear(out, l.gate_up, l.gate_up_bias);
-    hidden = few_rows_linear(silu_and_mul(gate_up), l.down, l.down_bias);
+    auto gate_up = project(l.gate_up, out);
+    hidden = project(l.down, silu_and_mul(gate_up));
   }
   add_rms_norm_(hidden, residual, final_norm_, eps_);
   return hidden;
