@@ -1,9 +1,10 @@
 """Quality gate of the int8-activation path (quantization="gguf_int8", and "auto" with
-dtype="auto" on a CPU with AVX512-VNNI and no AMX: integer dots on GGUF blocks) against our
-float32 on the real SmolLM2, on a real text. With AVX512-VNNI the repacked GEMM runs every
-step; on AVX2 the row dots run steps of up to INT8_MAX_ROWS rows, so here they run every
-step too (prompts scored whole, 16 sequences decoded at once): every number below comes
-from int8 activations.
+dtype="auto" on a CPU with AVX2 and no AMX: integer dots on GGUF blocks) against our float32
+on the real SmolLM2, on a real text. The repacked GEMM (512-bit with AVX512-VNNI, else AVX2)
+runs every step, and the row dots, which serve a layer without it, are allowed every row
+count here too (prompts scored whole, 16 sequences decoded at once): every number below
+comes from int8 activations. llama.cpp's perplexity on the same tokens and GGUF:
+benchmarks/peer_perplexity.py (node-llama-cpp is not installed in CI).
 
 - perplexity of the Debian GPL-3 text within 1% of float32's (the issue's gate);
 - greedy agreement with float32 on the first 32 tokens of 16 prompts, reported (run with -s)
