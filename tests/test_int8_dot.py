@@ -150,7 +150,8 @@ def test_int8_gemm_matches_the_integer_reference(isa, type_name, rows):
 def test_int8_gemm_at_the_largest_integer_sums(isa, type_name):
     """Weights at their largest stored value (4-bit u = 15, 8-bit |q| = 127) times x at +-127
     in every lane: the AVX2 variant's int16 sums of a 4-bit block reach 16 x 15 x 127 = 30,480
-    (of 32,767) and its 8-bit pairs 2 x 127 x 127; nothing wraps or saturates."""
+    (of 32,767) and its 8-bit pairs 2 x 128 x 127 (a block of q = -128); nothing wraps or
+    saturates."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
@@ -162,7 +163,10 @@ def test_int8_gemm_at_the_largest_integer_sums(isa, type_name):
     weight = np.ones((32, 256), np.float32)
     weight[16:] = -1.0
     weight[:, ::32] = 0.0 if type_name == "Q4_1" else weight[:, ::32]  # Q4_1: min 0, so 1.0 -> u = 15
-    packed = pack_gguf_blocks(quantize(weight, qtype), int(qtype))
+    raw = quantize(weight, qtype)
+    if type_name == "Q8_0":  # q = -128 (u = 0), which gguf's quantizer never writes but a file may hold
+        raw[0, 2:34] = 0x80  # row 0, block 0: a float16 scale, then 32 int8 values
+    packed = pack_gguf_blocks(raw, int(qtype))
     x = torch.cat([torch.ones(3, 256), -torch.ones(2, 256)])
     out = kernels.int8_gemm_linear(x, *repack_for_int8_gemm(packed), None, isa)
     torch.testing.assert_close(out, integer_reference(x, packed, None), atol=2e-4, rtol=1e-5)

@@ -14,7 +14,7 @@ def build_decoder(kernels, layout: DecoderLayout):
     linears = [m for layer in layout.layers for m in layer[2:6]]  # qkv, o, gate_up, down
     if not all(isinstance(m, CpuLinear) and m.fast_path for m in linears):
         return False
-    gemm_isa = int8_gemm_isa(linears)
+    gemm_isa = decoder_gemm_isa(linears)
     if gemm_isa is None:  # int8 activations without the repacked GEMM: the layers' path serves
         return False
     none = torch.empty(0)
@@ -40,7 +40,7 @@ def build_decoder(kernels, layout: DecoderLayout):
     )
 
 
-def int8_gemm_isa(linears: list[CpuLinear]) -> str | None:
+def decoder_gemm_isa(linears: list[CpuLinear]) -> str | None:
     """The GEMM variant the decoder runs its projections with on int8 activations ("": float32
     activations, few_rows_linear; None: int8 activations on a projection without the repacked
     copy, which the decoder does not serve)."""

@@ -147,4 +147,4 @@ def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
             f"{BLOCKS_MAX_ROWS['bf16']} rows multiply on a bfloat16 copy of its weights, and its KV cache is bfloat16 "
             "(dtype=float32: float32 copy and cache)"
         )
-    return torch.float32, "no AVX2 or bf16 hardware (AVX512-BF16/AMX): float32"
+    return torch.float32, "no AVX2 with FMA and no bf16 hardware (AVX512-BF16/AMX): float32"

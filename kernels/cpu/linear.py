@@ -30,11 +30,12 @@ class CpuLinear(nn.Module):
     A GGUF-packed weight (kernels/quant.py: uint8 4-bit or int8 8-bit blocks) is held as it
     is; ``dispatch.gguf_linear_path`` picks the kernel for a step's rows. With int8
     activations (``pack(gguf_mode="int8")``, what ``quantization="gguf_int8"`` asks, and
-    ``dtype="auto"`` with AVX512-VNNI) every step runs integer dots from a copy repacked for
-    512-bit dpbusd (``int8_gemm``, kernels/csrc/int8_gemm_cpu.cpp; widths that are multiples
-    of 16) where the CPU has AVX512-VNNI; elsewhere steps of up to ``dispatch.INT8_MAX_ROWS``
-    rows run the row dots (kernels/csrc/int8_dot_cpu.cpp, 1.7-2x the float32 unpacking at one
-    row, AVX2). Otherwise, and for more rows, the
+    ``dtype="auto"`` on AVX2 CPUs without AMX) every step runs integer dots from a copy
+    repacked for the GEMM (``int8_gemm``, kernels/csrc/int8_gemm_cpu.cpp: 512-bit dpbusd with
+    AVX512-VNNI, else AVX2 maddubs; widths that are multiples of 16); a layer of another width
+    runs steps of up to ``dispatch.INT8_MAX_ROWS`` rows on the row dots
+    (kernels/csrc/int8_dot_cpu.cpp) and more on the blocks in float32, with no oneDNN copy
+    (slower prefill for such a layer; SmolLM2 has none). Otherwise, and for more rows, the
     compiled ``quantized_linear`` unpacks the blocks to float32 in registers for up to
     ``kQuantFewRows`` rows of x and dequantizes a tile at a time into torch's mm for more.
     ``gguf_mode="float32_copy"`` (what ``quantization="auto"`` asks) adds a oneDNN float32

@@ -170,11 +170,15 @@ struct Tile {
           }
         }
       }
-      const __m256 d = _mm256_loadu_ps(p.d + gb * 16 + 8 * h), o = _mm256_loadu_ps(p.o + gb * 16 + 8 * h);
+      const __m256 d = _mm256_loadu_ps(p.d + gb * 16 + 8 * h);
       for (int m = 0; m < MT; ++m) {
         const int64_t xb = (m0 + m) * p.blocks + b;
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, _mm256_set1_ps(p.xd[xb])), acc[m]);
-        if (p.four_bit) acc[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.xs[xb]), acc[m]);
+      }
+      if (p.four_bit) {
+        const __m256 o = _mm256_loadu_ps(p.o + gb * 16 + 8 * h);
+        for (int m = 0; m < MT; ++m)
+          acc[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.xs[(m0 + m) * p.blocks + b]), acc[m]);
       }
     }
     const int64_t column = g * 16 + 8 * h;
@@ -199,19 +203,22 @@ void run(const GemmProblem& p) {
 #endif
 
 std::vector<std::string> int8_gemm_isas() {
-  std::vector<std::string> isas;
+  static const std::vector<std::string> isas = [] {  // the decoder asks every projection of every step
+    std::vector<std::string> found;
 #ifdef CONVEYOR_INT8_GEMM
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas.push_back("avx2");
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    isas.push_back("avx512vnni");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) found.push_back("avx2");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+      found.push_back("avx512vnni");
 #endif
+    return found;
+  }();
   return isas;
 }
 
 torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
                                c10::optional<torch::Tensor> bias, const std::string& isa) {
-  const auto runnable = int8_gemm_isas();
+  static const auto runnable = int8_gemm_isas();
   TORCH_CHECK(std::find(runnable.begin(), runnable.end(), isa) != runnable.end(), "int8_gemm_linear: isa '", isa,
               "' does not run on this CPU (int8_gemm_isas() lists what does)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "int8_gemm_linear: x [M, K] float32");
