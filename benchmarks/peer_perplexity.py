@@ -23,10 +23,15 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 
-def ours(chunks: list[list[int]], dtype: str) -> float:
-    from engine import LLM, SamplingParams
+def load_ours(dtype: str):
+    from engine import LLM
 
-    llm = LLM("smollm2", dtype=dtype, device="cpu", kv_cache_memory="128MiB", seed=0)
+    return LLM("smollm2", dtype=dtype, device="cpu", kv_cache_memory="128MiB", seed=0)
+
+
+def ours(chunks: list[list[int]], llm) -> float:
+    from engine import SamplingParams
+
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
     logprobs = [e[t].logprob for o, c in zip(outputs, chunks) for e, t in zip(o.prompt_logprobs[1:], c[1:])]
@@ -56,15 +61,16 @@ def main() -> None:
 
     from harness import describe_cpu
 
-    from engine import LLM
     from engine.models.gguf_import import smollm2_gguf
 
     print(describe_cpu(), flush=True)
-    tokenizer = LLM("smollm2", dtype="float32", device="cpu", kv_cache_memory="16MiB").get_tokenizer()
-    ids = tokenizer.encode(Path(args.text).read_text())
+    float32 = load_ours("float32")
+    ids = float32.get_tokenizer().encode(Path(args.text).read_text())
     chunks = [ids[i * args.chunk : (i + 1) * args.chunk] for i in range(args.chunks)]
     print(f"{Path(args.text).name}: {args.chunks} x {args.chunk} tokens", flush=True)
-    figures = {name: ours(chunks, name) for name in ("float32", "auto")}
+    figures = {"float32": ours(chunks, float32)}
+    del float32
+    figures["auto"] = ours(chunks, load_ours("auto"))
     figures["llama.cpp"] = llamacpp(chunks, smollm2_gguf())
     for name, value in figures.items():
         print(f"perplexity {name:>10}: {value:.4f} ({100 * (value / figures['float32'] - 1):+.2f}% vs our float32)")

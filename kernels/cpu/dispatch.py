@@ -70,7 +70,7 @@ def gguf_linear_path(flags: frozenset[str], rows: int, activations: str = "int8"
     isa = int8_dot_isa(flags)
     if activations != "int8" or isa is None:
         return "float32"
-    if repacked and int8_gemm_isa(flags) is not None:
+    if repacked:  # int8_dot_isa's AVX2+FMA is all the GEMM needs (int8_gemm_isa)
         return "int8:gemm"
     return f"int8:{isa}" if rows <= INT8_MAX_ROWS else "float32"
 
@@ -97,8 +97,8 @@ def has_avx512(flags: frozenset[str]) -> bool:
 def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
     """quantization="auto": how a GGUF model's layers run (kernels/cpu/linear.py ``CpuLinear.pack``).
     ``dtype="auto"`` on an x86 CPU with AVX2 and no AMX: "int8", the blocks repacked for integer
-    dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp), the weights
-    held once (perplexity +0.1%, tokens independent of the batch but for prefix-cache hits;
+    dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp), the blocks
+    and their repacked copy held, no float copy (perplexity +0.1%, tokens independent of the batch but for prefix-cache hits;
     docs/performance.md). On 2-core EPYCs, same run: with AVX512-VNNI 1.1x the bf16 copy end to
     end; with AVX2 only, 9-12x to 1.0x the float32 copy per layer from 1 to 512 rows. Where AMX
     multiplies bf16 tiles (oneDNN's bf16 then outruns dots of 512-bit registers; reasoned, not
