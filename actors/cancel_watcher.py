@@ -15,12 +15,12 @@ import asyncio
 import logging
 import re
 
-from actors.base import Actor
-from actors.log_limits import RateLimitedLog, shown
-from actors.messages import CancelRequest, HeldJobs
-from actors.resilience import keep_subscribed
-from actors.streams import Streams
-from clients.limits import JOB_ID_PATTERN
+from conveyor.actors.base import Actor
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.actors.messages import CancelRequest, HeldJobs
+from conveyor.actors.resilience import keep_subscribed
+from conveyor.actors.streams import Streams
+from conveyor.clients.limits import JOB_ID_PATTERN
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 2.0

@@ -1,5 +1,5 @@
-"""The ``conveyor`` command: ``serve`` and ``demo`` (here, they need the engine) plus the
-light client commands ``submit`` and ``status`` (from clients.cli)."""
+"""`conveyor serve` and `conveyor demo`: the programs that run the engine (the `serve`
+extra). Registered by the `conveyor` command (conveyor/cli.py)."""
 
 import argparse
 import asyncio
@@ -13,43 +13,27 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clients import cli as client_cli
-from clients import connection
-from clients.errors import ConveyorError
-from clients.local_server import default_data_dir
-from clients.tool_parsers import PARSERS
+from conveyor.clients import connection
+from conveyor.clients.local_server import default_data_dir
+from conveyor.clients.tool_parsers import PARSERS
 
 log = logging.getLogger("conveyor")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    client_cli.start_other_program(argv)  # `conveyor gateway`: the gateway's own program
-    parser = argparse.ArgumentParser(prog="conveyor", description="LLM inference over Redis Streams")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run one engine replica")
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run one engine replica")
     _add_replica_options(serve)
     serve.set_defaults(func=run_serve)
-    demo = commands.add_parser("demo", help="embedded Valkey + one replica + a few prompts, streamed")
+    demo = subparsers.add_parser("demo", help="embedded Valkey + one replica + a few prompts, streamed")
     _add_engine_options(demo)
     demo.set_defaults(func=run_demo)
-    client_cli.register(commands)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        return args.func(args)
-    except ConveyorError as exc:  # e.g. no server to connect to: one line naming the ways out
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (``--max-num-seqs`` ...), defaults from the config."""
     import typing
 
-    from engine.config import EngineConfig
+    from conveyor.engine.config import EngineConfig
 
     hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
@@ -166,8 +150,8 @@ def lora_modules(given: list[str] | dict | None) -> dict[str, str]:
     """``--lora-modules name=DIR ...`` -> {name: DIR}, each a PEFT adapter the engine can serve."""
     if isinstance(given, dict) or not given:
         return dict(given or {})
-    from engine.lora.adapter import ADAPTER_NAME, check_adapter
-    from engine.lora.request import LoRARequest
+    from conveyor.engine.lora.adapter import ADAPTER_NAME, check_adapter
+    from conveyor.engine.lora.request import LoRARequest
 
     modules = {}
     for item in given:
@@ -185,8 +169,10 @@ def lora_modules(given: list[str] | dict | None) -> dict[str, str]:
 def build_engine(args: argparse.Namespace, own_process: bool = False):
     """The front door's end of an engine core, started in a process of its own (``own_process``)
     or on a thread of this one (actors/engine_client.py)."""
-    from actors.engine_client import EngineCoreClient  # light: a child core starts before torch is imported here
-    from engine.config import EngineConfig
+    from conveyor.actors.engine_client import (
+        EngineCoreClient,  # light: a child core starts before torch is imported here
+    )
+    from conveyor.engine.config import EngineConfig
 
     if getattr(args, "lora_modules", None):
         args.enable_lora = True
@@ -200,7 +186,7 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
 
 
 def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSettings):
-    from actors.config import ReplicaConfig
+    from conveyor.actors.config import ReplicaConfig
 
     config = ReplicaConfig(redis=redis_settings)
     for name in (
@@ -244,7 +230,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve_embedded(args: argparse.Namespace) -> int:
     """No --redis-url: an embedded Valkey in --data-dir, with its own password (or
     --redis-password-file / $REDIS_PASSWORD when given)."""
-    from actors.embedded_valkey import GENERATE, EmbeddedValkey
+    from conveyor.actors.embedded_valkey import GENERATE, EmbeddedValkey
 
     try:
         explicit = connection.resolve_settings(
@@ -286,7 +272,9 @@ def next_steps(data_dir: Path, namespace: str | None) -> str:
     python_env = f"CONVEYOR_DATA_DIR={where} " if own_dir else ""
     client = f'Client(namespace="{namespace}")' if namespace else "Client()"
     message = '[{"role": "user", "content": "Hi!"}]'
-    code = f"from clients import Client; print({client}.submit(messages={message}, max_tokens=32).result().text)"
+    code = (
+        f"from conveyor.clients import Client; print({client}.submit(messages={message}, max_tokens=32).result().text)"
+    )
     python = f"{python_env}{shlex.quote(sys.executable)} -c '{code}'"
     return "\n".join(
         [
@@ -318,7 +306,7 @@ def _usage_error(message: str) -> int:
 
 
 async def _serve(engine, config) -> int:
-    from actors.replica import Replica
+    from conveyor.actors.replica import Replica
 
     try:
         return await Replica(engine, config).run()
@@ -327,8 +315,8 @@ async def _serve(engine, config) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from actors.demo import run as run_demo_async
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.demo import run as run_demo_async
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     engine = build_engine(args)
     with tempfile.TemporaryDirectory(prefix="conveyor-demo-") as data_dir:
@@ -344,7 +332,3 @@ def _run_loop(coroutine) -> int:
         return uvloop.run(coroutine)
     except ImportError:
         return asyncio.run(coroutine)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

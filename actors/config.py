@@ -4,8 +4,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from clients.connection import RedisSettings, resolve_settings
-from clients.keys import default_namespace
+from conveyor.clients.connection import RedisSettings, resolve_settings
+from conveyor.clients.keys import default_namespace
 
 
 def _env_int_or_none(name: str) -> int | None:

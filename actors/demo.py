@@ -4,9 +4,9 @@ submitted through the async client, answers streamed to the terminal, clean shut
 import asyncio
 import sys
 
-from actors.config import ReplicaConfig
-from actors.replica import Replica
-from clients import AsyncClient
+from conveyor.actors.config import ReplicaConfig
+from conveyor.actors.replica import Replica
+from conveyor.clients import AsyncClient
 
 PROMPTS = [
     {"prompt": "The three primary colors are", "max_tokens": 32},

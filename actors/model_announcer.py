@@ -12,13 +12,13 @@ import time
 
 from redis.exceptions import ResponseError
 
-from actors.base import Actor
-from actors.log_limits import RateLimitedLog, shown
-from actors.metrics import ReplicaMetrics
-from actors.streams import Streams
-from clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
-from clients.replica_records import REPLICA_BEAT_S, record_fields
-from engine.engine_core import CoreFacts
+from conveyor.actors.base import Actor
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.actors.metrics import ReplicaMetrics
+from conveyor.actors.streams import Streams
+from conveyor.clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
+from conveyor.clients.replica_records import REPLICA_BEAT_S, record_fields
+from conveyor.engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
 log = logging.getLogger(__name__)

@@ -23,10 +23,10 @@ import asyncio
 import logging
 from typing import Callable
 
-from actors.base import Actor
-from actors.log_limits import RateLimitedLog
-from actors.resilience import keep_subscribed
-from actors.streams import Streams
+from conveyor.actors.base import Actor
+from conveyor.actors.log_limits import RateLimitedLog
+from conveyor.actors.resilience import keep_subscribed
+from conveyor.actors.streams import Streams
 
 log = logging.getLogger(__name__)
 LISTEN_TIMEOUT_S = 1.0  # how long one wait on the channels lasts before subscriptions are checked

@@ -5,12 +5,21 @@ import logging
 
 from redis.exceptions import ResponseError
 
-from actors.base import Actor
-from actors.log_limits import RateLimitedLog, shown
-from actors.messages import Delivery, EntryDone, EntryRefused, JobEnded, Release, StepOutputs
-from actors.streams import Streams
-from clients.events import CancelledEvent, DoneEvent, ErrorEvent, OutputChoice, Timings, TokenEvent, Usage, encode_event
-from engine.outputs import CompletionOutput, RequestOutput
+from conveyor.actors.base import Actor
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.actors.messages import Delivery, EntryDone, EntryRefused, JobEnded, Release, StepOutputs
+from conveyor.actors.streams import Streams
+from conveyor.clients.events import (
+    CancelledEvent,
+    DoneEvent,
+    ErrorEvent,
+    OutputChoice,
+    Timings,
+    TokenEvent,
+    Usage,
+    encode_event,
+)
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 ABORT_MESSAGES = {"deadline_exceeded": "the job's deadline passed while it was running"}

@@ -6,20 +6,20 @@ import logging
 import signal
 from pathlib import Path
 
-from actors import faults
-from actors.cancel_watcher import CancelWatcher
-from actors.config import ReplicaConfig
-from actors.engine_client import EngineCoreClient
-from actors.engine_core_actor import EngineCoreActor
-from actors.ingest import IngestActor
-from actors.ledger import JobLedger
-from actors.messages import Drain, HandBack
-from actors.metrics import ReplicaMetrics
-from actors.model_announcer import ModelAnnouncer
-from actors.partitions import PartitionKeeper
-from actors.publisher import PublisherActor
-from actors.streams import Streams
-from clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
+from conveyor.actors import faults
+from conveyor.actors.cancel_watcher import CancelWatcher
+from conveyor.actors.config import ReplicaConfig
+from conveyor.actors.engine_client import EngineCoreClient
+from conveyor.actors.engine_core_actor import EngineCoreActor
+from conveyor.actors.ingest import IngestActor
+from conveyor.actors.ledger import JobLedger
+from conveyor.actors.messages import Drain, HandBack
+from conveyor.actors.metrics import ReplicaMetrics
+from conveyor.actors.model_announcer import ModelAnnouncer
+from conveyor.actors.partitions import PartitionKeeper
+from conveyor.actors.publisher import PublisherActor
+from conveyor.actors.streams import Streams
+from conveyor.clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
 
 log = logging.getLogger(__name__)
 # an entry larger than any valid payload is refused from a stub; it never leaves the server

@@ -10,8 +10,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from actors.log_limits import RateLimitedLog, shown
-from clients.redis_cluster import FAILOVER_ERRORS
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.clients.redis_cluster import FAILOVER_ERRORS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

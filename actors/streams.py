@@ -13,14 +13,14 @@ from typing import AsyncIterator, Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from actors.messages import Delivery, ReadEntry
-from actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
-from actors.resilience import retrying
-from clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
-from clients.keys import GROUP, PRIORITY_CLASSES, Keys
-from clients.model_info import ModelInfo, publish_model_info_async
-from clients.redis_cluster import FAILOVER_ERRORS, queue_script
-from clients.replica_records import queue_beat
+from conveyor.actors.messages import Delivery, ReadEntry
+from conveyor.actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
+from conveyor.actors.resilience import retrying
+from conveyor.clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
+from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
+from conveyor.clients.model_info import ModelInfo, publish_model_info_async
+from conveyor.clients.redis_cluster import FAILOVER_ERRORS, queue_script
+from conveyor.clients.replica_records import queue_beat
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000

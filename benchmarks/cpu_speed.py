@@ -64,7 +64,7 @@ QUICK = dict(
 
 
 def greedy(max_tokens: int):
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -245,8 +245,8 @@ def run_transformers_continuous(
     ``max_new_tokens`` for all prompts, so requests go to its manager one by one."""
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-    from engine import EngineConfig
-    from engine.model_runner import CPU_KV_CACHE_BYTES
+    from conveyor.engine import EngineConfig
+    from conveyor.engine.model_runner import CPU_KV_CACHE_BYTES
 
     block_size = EngineConfig.block_size
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -309,7 +309,7 @@ def _collect_one(manager, finished: dict, bar) -> None:
 def mixed_workload(
     model: str, num_requests: int, hf_batch_sizes: list[int], max_num_seqs: int, max_num_batched_tokens: int
 ) -> dict:
-    from engine.models.loader import load_spec
+    from conveyor.engine.models.loader import load_spec
 
     spec = load_spec(model)
     prompts, output_lens = make_workload(num_requests, spec.hf_config.vocab_size)
@@ -436,7 +436,7 @@ def main():
 
 
 def measure(args, sizes: dict) -> dict:
-    from engine import LLM
+    from conveyor.engine import LLM
 
     gflops, read_gbps = matmul_gflops(), memory_read_gbps()  # before the model takes memory
     llm = LLM(

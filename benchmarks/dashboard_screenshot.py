@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from actors.embedded_valkey import EmbeddedValkey
-from clients import Client
-from clients.keys import Keys
+from conveyor.actors.embedded_valkey import EmbeddedValkey
+from conveyor.clients import Client
+from conveyor.clients.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -41,7 +41,11 @@ def free_port() -> int:
 def conveyor(*args: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "CONVEYOR_NAMESPACE": NAMESPACE}
     return subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", *args], cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
+        [sys.executable, "-m", "conveyor", *args],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -120,7 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder, EmbeddedValkey(Path(folder) / "valkey", password=None) as valkey:
         port, logs = free_port(), Path(folder)
         serve = conveyor("serve", "--model", "smollm2", "--redis-url", valkey.url, log=logs / "serve.log")
-        gateway = conveyor("gateway", "--redis-url", valkey.url, "--port", str(port), log=logs / "gateway.log")
+        gateway = conveyor("gateway", "--redis-url", valkey.url, "--port", str(port), log=logs / "conveyor.gateway.log")
         try:
             gateway_url = f"http://127.0.0.1:{port}"
             wait_for(f"{gateway_url}/health", 120)

@@ -37,7 +37,7 @@ def packed_weight(type_name: str, n: int, k: int):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from kernels.quant import pack_gguf_blocks
+    from conveyor.kernels.quant import pack_gguf_blocks
 
     qtype = GGMLQuantizationType[type_name]
     weight = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.05
@@ -69,8 +69,8 @@ class Layer:
     """One weight and its copies for each path (``--copies`` of them rotate: weights read cold)."""
 
     def __init__(self, weight: torch.Tensor, with_bf16: bool, gemm: bool):
-        from kernels.cpu.linear import onednn_packed
-        from kernels.quant import dequantize, repack_for_int8_gemm
+        from conveyor.kernels.cpu.linear import onednn_packed
+        from conveyor.kernels.quant import dequantize, repack_for_int8_gemm
 
         dense = dequantize(weight)
         self.weight, self.copy = weight, onednn_packed(dense, 64)
@@ -115,9 +115,9 @@ def main():
         help="cpu: this process's CPU seconds (with --threads 1, the time descheduled on a shared box is left out)",
     )
     args = parser.parse_args()
-    from kernels.cpu import extension
-    from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware, int8_dot_isa
-    from kernels.cpu.linear import onednn_linear
+    from conveyor.kernels.cpu import extension
+    from conveyor.kernels.cpu.dispatch import cpu_flags, has_bf16_hardware, int8_dot_isa
+    from conveyor.kernels.cpu.linear import onednn_linear
 
     kernels = extension.load()
     if args.threads:

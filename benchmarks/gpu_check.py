@@ -151,10 +151,10 @@ def check_kernels(device, sizes: dict) -> list[dict]:
 def kernel_errors(device, tokens: int, group: int, head_dim: int, dtype) -> dict:
     import torch
 
-    from kernels import attention as ref
-    from kernels import layer_ops
-    from kernels.triton import cache_write, decode_attention, prefill_attention
-    from kernels.triton import layer_ops as fused
+    from conveyor.kernels import attention as ref
+    from conveyor.kernels import layer_ops
+    from conveyor.kernels.triton import cache_write, decode_attention, prefill_attention
+    from conveyor.kernels.triton import layer_ops as fused
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
@@ -228,8 +228,8 @@ def kernel_errors(device, tokens: int, group: int, head_dim: int, dtype) -> dict
 def sampling_check(device) -> dict:
     import torch
 
-    from kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
-    from kernels.triton import sampling
+    from conveyor.kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
+    from conveyor.kernels.triton import sampling
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     vocab = 512 if device.type == "cpu" else 128256
@@ -251,7 +251,7 @@ def sampling_check(device) -> dict:
 def check_exactness(device, sizes: dict) -> list[dict]:
     from model_factory import build_tiny_model, hf_greedy, mixed_prompts
 
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     variants = {
         "triton+graphs": dict(attention_backend="triton"),
@@ -376,7 +376,7 @@ def make_workloads(sizes: dict) -> dict:
 
 
 def ours(model: str, device, dtype: str, options: dict):
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(model, device=device.type, dtype=dtype, attention_backend="triton", max_model_len=1024, **options)
 

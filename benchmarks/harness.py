@@ -36,7 +36,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 def vocab_size(model: str) -> int:
-    from engine.models.loader import load_spec
+    from conveyor.engine.models.loader import load_spec
 
     return load_spec(model).hf_config.vocab_size
 
@@ -172,7 +172,7 @@ def cpu_seconds(pid: int) -> float | None:
 @contextlib.contextmanager
 def embedded_valkey() -> Iterator[str]:
     """A throwaway Valkey server (no AOF); yields its URL."""
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     with tempfile.TemporaryDirectory(prefix="conveyor-bench-") as data_dir:
         with EmbeddedValkey(data_dir, appendonly=False, password=None) as server:

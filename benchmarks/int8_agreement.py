@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from test_int8_dot import quantize_activations  # noqa: E402
 from test_int8_quality import CHUNK, CHUNKS, LICENCE, TOKENS, common_prefix, perplexity, prompts  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from kernels.cpu import dispatch  # noqa: E402
-from kernels.cpu.linear import CpuLinear  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
+from conveyor.kernels.cpu import dispatch  # noqa: E402
+from conveyor.kernels.cpu.linear import CpuLinear  # noqa: E402
 
 
 def engine(quantization: str, seqs: int, fake_quant: bool = False) -> LLM:

@@ -68,7 +68,7 @@ def weight_counts(model: torch.nn.Module) -> dict:
 
 def _weights(param: torch.Tensor) -> int:
     """Weights a parameter holds: GGUF blocks (kernels/quant.py) pack several per byte."""
-    from kernels.quant import in_features_of, is_packed
+    from conveyor.kernels.quant import in_features_of, is_packed
 
     return param.shape[0] * in_features_of(param) if is_packed(param) else param.numel()
 
@@ -89,7 +89,7 @@ def _untied_embeddings(model: torch.nn.Module) -> list[torch.nn.Embedding]:
 
 def load_model(model: str) -> torch.nn.Module:
     """Our float32 CPU implementation of ``model`` (weights only, no KV cache)."""
-    from engine.models.loader import build_model, load_spec
+    from conveyor.engine.models.loader import build_model, load_spec
 
     spec = load_spec(model)
     return build_model(spec, min(spec.max_context, 4096), torch.float32, torch.device("cpu"))

@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="the engine's (none: float weights)")
     parser.add_argument("--json", default="benchmarks/results/lora.json")
     args = parser.parse_args()
-    from engine import LLM, LoRARequest, SamplingParams
+    from conveyor.engine import LLM, LoRARequest, SamplingParams
 
     llm = LLM(
         args.model, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, quantization=args.quantization

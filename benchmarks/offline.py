@@ -22,7 +22,7 @@ def make_workload(num_requests: int, vocab_size: int, seed: int = 0):
 
 
 def run_ours(model: str, prompts, output_lens, **options) -> dict:
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(model, **options)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
@@ -82,7 +82,7 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    from engine.models.loader import load_spec
+    from conveyor.engine.models.loader import load_spec
 
     spec = load_spec(args.model)
     prompts, output_lens = make_workload(args.num_requests, spec.hf_config.vocab_size)

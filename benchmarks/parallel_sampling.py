@@ -23,7 +23,7 @@ def prompt_positions_computed(llm) -> int:
 
 
 def run_round(llm, prompt, args, together: bool) -> tuple[float, list[list[int]], int]:
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     base = dict(temperature=0.8, max_tokens=args.max_tokens, ignore_eos=True)
     before = prompt_positions_computed(llm)
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args()
-    from engine import LLM
+    from conveyor.engine import LLM
 
     engines = {arm: LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens) for arm in ("n", "separate")}
     vocab = engines["n"].engine.spec.hf_config.vocab_size

@@ -24,13 +24,13 @@ sys.path.insert(0, str(HERE))
 
 
 def load_ours(dtype: str):
-    from engine import LLM
+    from conveyor.engine import LLM
 
     return LLM("smollm2", dtype=dtype, device="cpu", kv_cache_memory="128MiB", seed=0)
 
 
 def ours(chunks: list[list[int]], llm) -> float:
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
@@ -61,7 +61,7 @@ def main() -> None:
 
     from harness import describe_cpu
 
-    from engine.models.gguf_import import smollm2_gguf
+    from conveyor.engine.models.gguf_import import smollm2_gguf
 
     print(describe_cpu(), flush=True)
     float32 = load_ours("float32")

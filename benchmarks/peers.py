@@ -417,7 +417,7 @@ def worker_main(kind: str, config: dict) -> None:
 def _ours_engine(config: dict):
     import torch
 
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(config["model"], dtype=config["dtype"], max_num_seqs=config["max_num_seqs"], **config["options"])
 
@@ -491,8 +491,8 @@ def parse_option(text: str) -> tuple[str, object]:
 
 def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
     """The engine variants to run; peers that cannot be set up go to ``skipped`` with why."""
-    from engine.models.gguf_import import smollm2_gguf
-    from engine.models.loader import load_spec
+    from conveyor.engine.models.gguf_import import smollm2_gguf
+    from conveyor.engine.models.loader import load_spec
 
     spec = load_spec(args.model)
     gguf = args.gguf or (
@@ -566,7 +566,7 @@ def ours_dtypes(asked: list[str]) -> list[str]:
     bf16 (AMX-BF16 or AVX512-BF16; emulated elsewhere) "bfloat16" (the whole model in bf16)."""
     if asked != ["every"]:
         return asked
-    from kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware
+    from conveyor.kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware
 
     flags = cpu_flags()
     auto = ["auto"] if gguf_auto_mode(flags, "auto") != "float32_copy" else []

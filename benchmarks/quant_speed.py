@@ -39,7 +39,7 @@ def rss_mib() -> dict:
 
 
 def greedy(max_tokens: int):
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -76,13 +76,13 @@ def main():
     modes = [m for m in args.modes.split(",") if m != "none"] + ["none"]
     import torch
 
-    from engine import LLM
-    from kernels.cpu import extension
+    from conveyor.engine import LLM
+    from conveyor.kernels.cpu import extension
 
     kernels = extension.load()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
+    from conveyor.kernels.cpu.dispatch import cpu_flags, int8_dot_isa
 
     print(
         describe_cpu(),

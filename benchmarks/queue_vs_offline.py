@@ -35,7 +35,7 @@ QUEUE_MODES = {
 
 
 def offline_runner(model: str):
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(model, **ENGINE_OPTIONS)
 
@@ -47,7 +47,7 @@ def offline_runner(model: str):
 
 
 def queue_runner(redis_url: str, namespace: str):
-    from clients import Client
+    from conveyor.clients import Client
 
     client = Client(redis_url, namespace=namespace)
 
@@ -116,7 +116,7 @@ def main():
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    from engine.models.loader import load_spec
+    from conveyor.engine.models.loader import load_spec
 
     vocab = load_spec(args.model).hf_config.vocab_size
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_OPTIONS.items()]

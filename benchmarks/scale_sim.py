@@ -35,17 +35,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from actors.base import Actor  # noqa: E402
-from actors.config import ReplicaConfig  # noqa: E402
-from actors.ingest import IngestActor  # noqa: E402
-from actors.ledger import JobLedger  # noqa: E402
-from actors.messages import AbortJob, NewJob, StepOutputs  # noqa: E402
-from actors.partitions import PartitionKeeper  # noqa: E402
-from actors.publisher import PublisherActor  # noqa: E402
-from actors.streams import Streams  # noqa: E402
-from clients.connection import RedisSettings  # noqa: E402
-from engine.core_request import EngineCoreRequest  # noqa: E402
-from engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from conveyor.actors.base import Actor  # noqa: E402
+from conveyor.actors.config import ReplicaConfig  # noqa: E402
+from conveyor.actors.ingest import IngestActor  # noqa: E402
+from conveyor.actors.ledger import JobLedger  # noqa: E402
+from conveyor.actors.messages import AbortJob, NewJob, StepOutputs  # noqa: E402
+from conveyor.actors.partitions import PartitionKeeper  # noqa: E402
+from conveyor.actors.publisher import PublisherActor  # noqa: E402
+from conveyor.actors.streams import Streams  # noqa: E402
+from conveyor.clients.connection import RedisSettings  # noqa: E402
+from conveyor.engine.core_request import EngineCoreRequest  # noqa: E402
+from conveyor.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 
 NAMESPACE = "sim"
 MODEL = "sim-model"
@@ -275,7 +275,7 @@ def submit_one(client, job_id: str) -> float:
 def run_config(args, cluster, replicas: int, partitions: int, old: bool, scratch: Path) -> dict:
     import redis.cluster
 
-    from clients import Client
+    from conveyor.clients import Client
 
     for master in cluster.masters:
         _node(master).flushall()

@@ -168,7 +168,7 @@ def arrival_offsets(count: int, rate: float, burstiness: float, seed: int) -> li
 
 # ---- one request -----------------------------------------------------------------------------
 async def send_request(client, request: Request, args) -> RequestRecord:
-    from clients import ConveyorError
+    from conveyor.clients import ConveyorError
 
     record = RequestRecord(len(request.prompt_token_ids))
     prompt = (
@@ -294,7 +294,7 @@ async def run_benchmark(
     """One run: ``requests`` at ``rate`` through the queue or the gateway (``mode``)."""
     if mode == "http":
         return await _run_http(target, requests, rate, args, label, warmup)
-    from clients import AsyncClient
+    from conveyor.clients import AsyncClient
 
     async with AsyncClient(target.redis_url, args.namespace) as client:
         await wait_until_ready(client, target.replica)
@@ -361,7 +361,7 @@ async def _send_at(send, request: Request, send_time: float, limit: asyncio.Sema
 async def wait_until_ready(client, replica, timeout: float = 600.0) -> None:
     """One tiny job, answered: the replica is up and its model warm. A first start may
     take minutes (GGUF conversion, kernel build)."""
-    from clients import Timeout
+    from conveyor.clients import Timeout
 
     job = await client.submit(prompt_token_ids=[100, 101, 102, 103], max_tokens=4, temperature=0)
     deadline = time.monotonic() + timeout
@@ -906,7 +906,7 @@ def main(argv=None):
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    from engine.models.loader import resolve_model_dir
+    from conveyor.engine.models.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 

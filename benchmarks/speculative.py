@@ -30,7 +30,7 @@ SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_dec
 
 
 def make_engines(args) -> dict:
-    from engine import LLM
+    from conveyor.engine import LLM
 
     options = dict(
         max_num_seqs=max(args.concurrency),
@@ -46,7 +46,7 @@ def make_engines(args) -> dict:
 def make_jobs(tokenizer, text: str, count: int, round_index: int, doc_tokens: int) -> list:
     """``count`` map prompts, each on its own excerpt (new starts every round: no prefix
     cache help across jobs beyond the shared instruction)."""
-    from clients.summary_prompts import Prompts, SummarizeOptions
+    from conveyor.apps.documents.summary_prompts import Prompts, SummarizeOptions
 
     prompts = Prompts(SummarizeOptions(), None, 8192)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -59,7 +59,7 @@ def make_jobs(tokenizer, text: str, count: int, round_index: int, doc_tokens: in
 
 
 def run_once(llm, jobs: list, concurrency: int, max_tokens: int) -> dict:
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     before = {key: llm.engine.stats()[key] for key in SPEC_KEYS}

@@ -81,7 +81,7 @@ class GrammarTimer:
 
 
 def params_for(mode: str, tokens: int):
-    from engine import SamplingParams, StructuredOutputsParams
+    from conveyor.engine import SamplingParams, StructuredOutputsParams
 
     if mode == "constrained":
         constraint = StructuredOutputsParams(json=RECORDS)
@@ -141,7 +141,7 @@ def main():
     args = parser.parse_args()
     import torch
 
-    from engine import LLM
+    from conveyor.engine import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)

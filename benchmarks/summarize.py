@@ -52,7 +52,7 @@ def make_folder(folder: Path, paragraphs: int) -> list[Path]:
     import docx
     from fpdf import FPDF
 
-    from clients.documents import document_from_bytes
+    from conveyor.apps.documents.documents import document_from_bytes
 
     text = document_from_bytes(BZIP2.read_bytes(), BZIP2.name).text.split("\n\n")
     pdf = FPDF()
@@ -77,7 +77,7 @@ def make_folder(folder: Path, paragraphs: int) -> list[Path]:
 
 
 async def run_ours(client, paths, options) -> int:
-    from clients.summarize import summarize_documents_async
+    from conveyor.apps.documents.summarize import summarize_documents_async
 
     results = await summarize_documents_async(paths, client=client, wait_s=60, **options)
     failed = [r.error for r in results if not r.ok]
@@ -87,7 +87,7 @@ async def run_ours(client, paths, options) -> int:
 
 async def run_direct(client, docs, prompts, options) -> int:
     """The map and reduce jobs of every document, straight through the queue."""
-    from clients.summary_prompts import SummarizeOptions
+    from conveyor.apps.documents.summary_prompts import SummarizeOptions
 
     settings, semaphore = SummarizeOptions(**options), asyncio.Semaphore(options.get("max_in_flight", 8))
 
@@ -139,10 +139,10 @@ async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> 
     import httpx
     from langchain_openai import ChatOpenAI
 
-    from clients import AsyncClient
-    from clients.documents import load_documents
-    from clients.model_info import wait_for_model_info_async
-    from clients.summary_prompts import Prompts, SummarizeOptions
+    from conveyor.apps.documents.documents import load_documents
+    from conveyor.apps.documents.summary_prompts import Prompts, SummarizeOptions
+    from conveyor.clients import AsyncClient
+    from conveyor.clients.model_info import wait_for_model_info_async
 
     base = dict(
         max_tokens=args.max_tokens,

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import describe_cpu  # noqa: E402
 
-from clients.documents import document_from_bytes  # noqa: E402
-from clients.summary_points import FINISHED, SAME_POINT, content_words, sentences  # noqa: E402
-from clients.summary_prompts import DEFAULT_MAP_INSTRUCTION, SummarizeOptions  # noqa: E402
+from conveyor.apps.documents.documents import document_from_bytes  # noqa: E402
+from conveyor.apps.documents.summary_points import FINISHED, SAME_POINT, content_words, sentences  # noqa: E402
+from conveyor.apps.documents.summary_prompts import DEFAULT_MAP_INSTRUCTION, SummarizeOptions  # noqa: E402
 
 SOURCE = Path("/usr/share/doc/bzip2/manual.html")
 
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args()
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     print(describe_cpu(), flush=True)
     llm = LLM(args.model, max_model_len=8192)

@@ -1,9 +1,9 @@
 """Conveyor light client: wire protocol, sync and async clients. Needs only redis,
 msgpack, pydantic and tqdm (never torch, transformers, engine/ or actors/)."""
 
-from clients.async_client import AsyncClient, AsyncJob
-from clients.client import Client, Job
-from clients.errors import (
+from conveyor.clients.async_client import AsyncClient, AsyncJob
+from conveyor.clients.client import Client, Job
+from conveyor.clients.errors import (
     ConveyorError,
     InvalidJob,
     JobCancelled,
@@ -13,10 +13,10 @@ from clients.errors import (
     QueueFull,
     Timeout,
 )
-from clients.event_reader import JobResult, JobStatus
-from clients.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
-from clients.keys import GROUP, PRIORITY_CLASSES, Keys
-from clients.protocol import (
+from conveyor.clients.event_reader import JobResult, JobStatus
+from conveyor.clients.events import CancelledEvent, DoneEvent, ErrorEvent, TokenEvent
+from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
+from conveyor.clients.protocol import (
     SCHEMA_VERSION,
     JobRequest,
     decode_event,

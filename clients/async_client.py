@@ -9,11 +9,11 @@ from typing import Any, AsyncIterator, Iterable
 
 import redis.asyncio as aioredis
 
-from clients import client_core as core
-from clients.connection import RedisSettings
-from clients.event_reader import JobResult, JobStatus
-from clients.events import Event, TokenEvent
-from clients.redis_cluster import queue_script
+from conveyor.clients import client_core as core
+from conveyor.clients.connection import RedisSettings
+from conveyor.clients.event_reader import JobResult, JobStatus
+from conveyor.clients.events import Event, TokenEvent
+from conveyor.clients.redis_cluster import queue_script
 
 
 class AsyncClient(core.ClientState):

@@ -1,37 +1,27 @@
-"""Client subcommands `submit`, `status` and `summarize`.
+"""The light client's subcommands: `submit`, `status` and `dead`.
 
-The `conveyor` entry point (actors/cli.py) calls `register(subparsers)`; this module also
-runs on its own: `python -m clients.cli submit "Hello" --stream`. `register` adds
-`--redis-url` and `--namespace` to each subcommand, so the caller must not add them to
-its top-level parser as well (argparse would let the subcommand defaults win).
+The `conveyor` command (conveyor/cli.py) calls `register(subparsers)` when one of them
+runs. `register` adds `--redis-url`, `--namespace` and the credential flags to each
+subcommand (`connection_options`, which the other programs' subcommands share).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
-from pydantic import ValidationError
 
-from clients.async_client import AsyncClient
-from clients.batch_cli import register_batch
-from clients.cli_dead import register_dead
-from clients.client import Client, Job
-from clients.connection import add_connection_arguments, command_settings, refused_message, settings_from_args
-from clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
-from clients.keys import PRIORITY_CLASSES
-from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelNotPublished, only_model
-from clients.summarize import summarize_documents_async
-from clients.summarize_watch import watch_folder_async
-from clients.summary_prompts import SummarizeOptions
+from conveyor.clients.cli_dead import register_dead
+from conveyor.clients.client import Client, Job
+from conveyor.clients.connection import add_connection_arguments, command_settings, refused_message, settings_from_args
+from conveyor.clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
+from conveyor.clients.keys import PRIORITY_CLASSES
+from conveyor.clients.model_info import ModelNotPublished, only_model
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -55,66 +45,12 @@ JOB_OPTIONS = [
 ]
 
 
-# (flag, SummarizeOptions field, type) of `summarize`.
-SUMMARIZE_OPTIONS = [
-    ("--model", "model", str),
-    ("--max-tokens", "max_tokens", int),
-    ("--max-chunk-tokens", "max_chunk_tokens", int),
-    ("--context-tokens", "context_tokens", int),
-    ("--overlap-tokens", "overlap_tokens", int),
-    ("--instruction", "map_instruction", str),
-    ("--reduce-instruction", "reduce_instruction", str),
-    ("--system", "system_prompt", str),
-    ("--temperature", "temperature", float),
-    ("--repetition-penalty", "repetition_penalty", float),
-    ("--max-in-flight", "max_in_flight", int),
-    ("--job-timeout", "job_timeout", float),
-    ("--result-ttl", "result_ttl", int),
-]
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `submit`, `status`, `summarize` and `dead` (each with --redis-url/--namespace)."""
+    """Add `submit`, `status` and `dead` (each with --redis-url/--namespace)."""
     connection = connection_options()
     _add_submit(subparsers.add_parser("submit", parents=[connection], help="submit jobs and print results"))
     _add_status(subparsers.add_parser("status", parents=[connection], help="show queues and consumers"))
-    _add_summarize(
-        subparsers.add_parser(
-            "summarize", parents=[connection], help="summarize documents (map-reduce through the queue, resumable)"
-        )
-    )
     register_dead(subparsers, connection)
-    subparsers.add_parser(
-        "gateway",
-        help="OpenAI-compatible HTTP gateway: a program of its own (python -m gateway; `conveyor gateway --help`)",
-    )
-    subparsers.add_parser(
-        "dashboard",
-        help="the operator's web dashboard alone (python -m gateway.dashboard; `conveyor dashboard --help`)",
-    )
-    register_batch(subparsers, connection)
-
-
-def start_other_program(argv: list[str]) -> None:
-    """`conveyor gateway ...` becomes the gateway's own program (gateway/, the HTTP room, which
-    the light client never imports): this process is replaced by ``python -m gateway ...``;
-    `conveyor dashboard ...` likewise by ``python -m gateway.dashboard ...``."""
-    if argv[:1] == ["gateway"]:
-        os.execv(sys.executable, [sys.executable, "-m", "gateway", *argv[1:]])
-    if argv[:1] == ["dashboard"]:
-        os.execv(sys.executable, [sys.executable, "-m", "gateway.dashboard", *argv[1:]])
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    start_other_program(argv)
-    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor client commands")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ConveyorError as exc:  # e.g. no server to connect to: one line naming the ways out
-        return _fail(str(exc), EXIT_JOB_FAILED)
 
 
 def connection_options() -> argparse.ArgumentParser:
@@ -165,64 +101,7 @@ def _add_status(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=run_status)
 
 
-# What `summarize --help` says about paths: which files are read, how outputs are named.
-SUMMARIZE_DESCRIPTION = (
-    "Summarize PDF, DOCX, HTML, Markdown, reST and text files through the queue (map-reduce over "
-    "token-budgeted chunks that follow pages and headings; each point of a summary cites its pages "
-    "or heading; OUT/index.html reports them all); a rerun reuses finished jobs. Folders are read recursively; hidden files and folders (names "
-    "starting with '.') are skipped. Symbolic links inside a folder, to files or to folders, "
-    "are never followed: each one is reported as an error line (as is anything that is not a "
-    "regular file) and the other documents are still summarized. A PATH you name may itself "
-    "be a symbolic link, to a file or a folder: it is followed. Each document writes "
-    "NAME.summary.txt and NAME.summary.json under --out, NAME being its path inside its folder "
-    "(a/b.txt) or its file name; unsafe names are sanitized, not refused: empty and '.' parts "
-    "are dropped, control characters and leading dots become '_' (so '..' becomes '__' and "
-    "'.notes' becomes '_notes'). Outputs are written to a temporary file and renamed, so a "
-    "symbolic link already at an output path is replaced, never written through; a symbolic "
-    "link to a folder inside --out makes that document an error."
-)
-SUMMARIZE_PATHS_HELP = (
-    "PDF, DOCX, HTML, Markdown, reST or text files (told apart by content), or folders of "
-    "them (recursively; symlinks inside folders are skipped)"
-)
-SUMMARIZE_OUT_HELP = "output folder, created if missing; it may itself be a symlink (default: ./summaries)"
-
-
-def _add_summarize(parser: argparse.ArgumentParser) -> None:
-    parser.description = SUMMARIZE_DESCRIPTION
-    parser.add_argument("paths", nargs="*", metavar="PATH", help=SUMMARIZE_PATHS_HELP)
-    parser.add_argument("--out", default="summaries", help=SUMMARIZE_OUT_HELP)
-    parser.add_argument(
-        "--watch",
-        metavar="INBOX",
-        help="keep summarizing new and changed files of this folder, "
-        "each content once, until SIGTERM/SIGINT (then the documents in flight finish)",
-    )
-    parser.add_argument("--poll-s", type=float, default=2.0, help="--watch: seconds between looks at INBOX")
-    parser.add_argument(
-        "--schema",
-        metavar="FILE.json",
-        help="JSON schema every map and reduce step answers "
-        "under (structured outputs); the final JSON is validated against it",
-    )
-    for flag, field, kind in SUMMARIZE_OPTIONS:
-        info = SummarizeOptions.model_fields[field]
-        help_text = f"{info.description}; default: {info.default}" if info.description else f"default: {info.default}"
-        parser.add_argument(flag, dest=field, type=kind, default=None, help=help_text.replace("%", "%%"))
-    parser.add_argument("--priority-class", choices=PRIORITY_CLASSES, default=None, help="default: batch")
-    parser.add_argument(
-        "--wait-s",
-        type=_wait_seconds,
-        default=DEFAULT_MODEL_WAIT_S,
-        metavar="SECONDS",
-        help="how long to wait for a replica to publish its model info, e.g. while replicas "
-        f"load their model (0: fail at once); default: {DEFAULT_MODEL_WAIT_S:g}",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars (and no waiting lines)")
-    parser.set_defaults(func=run_summarize)
-
-
-def _wait_seconds(text: str) -> float:
+def wait_seconds(text: str) -> float:
     value = float(text)
     if math.isnan(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
@@ -233,7 +112,7 @@ def _wait_seconds(text: str) -> float:
 
 
 def run_submit(args: argparse.Namespace) -> int:
-    return _reporting_errors(_submit, args)
+    return reporting_errors(_submit, args)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -243,21 +122,21 @@ def _submit(args: argparse.Namespace) -> int:
         return _submit_prompt(client, args)
 
 
-def _reporting_errors(command: Any, args: argparse.Namespace) -> int:
+def reporting_errors(command: Any, args: argparse.Namespace) -> int:
     """Run a handler, turning expected failures into one line on stderr and an exit code."""
     try:
         return command(args)
     except InvalidJob as exc:
-        return _fail(exc.message, EXIT_USAGE)
+        return fail(exc.message, EXIT_USAGE)
     except redis.AuthenticationError as exc:
-        return _fail(refused_message(settings_from_args(args), exc), EXIT_JOB_FAILED)
+        return fail(refused_message(settings_from_args(args), exc), EXIT_JOB_FAILED)
     except (ConveyorError, redis.RedisError) as exc:  # Timeout is also an OSError: catch first
-        return _fail(getattr(exc, "message", None) or str(exc), EXIT_JOB_FAILED)
+        return fail(getattr(exc, "message", None) or str(exc), EXIT_JOB_FAILED)
     except OSError as exc:  # unreadable --file
-        return _fail(str(exc), EXIT_USAGE)
+        return fail(str(exc), EXIT_USAGE)
 
 
-def _fail(message: str, code: int) -> int:
+def fail(message: str, code: int) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
 
@@ -367,7 +246,7 @@ def _parse_line(number: int, line: str) -> dict[str, Any]:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    return _reporting_errors(_status, args)
+    return reporting_errors(_status, args)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -403,72 +282,3 @@ def _stream_lines(requests: dict[str, Any], indent: str) -> list[str]:
                 f"{indent}  consumer {consumer['name']}: pending {consumer['pending']}, idle {consumer['idle_s']:.1f} s"
             )
     return lines
-
-
-# ---------------------------------------------------------------- summarize
-
-
-def run_summarize(args: argparse.Namespace) -> int:
-    try:
-        return _reporting_errors(_summarize, args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to resume (finished jobs are reused)", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _summarize(args: argparse.Namespace) -> int:
-    names = [field for _, field, _ in SUMMARIZE_OPTIONS] + ["priority_class"]
-    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    if bool(args.paths) == bool(args.watch):
-        return _fail("summarize: give PATH arguments or --watch INBOX (one of the two)", EXIT_USAGE)
-    if args.schema:
-        try:
-            options["schema"] = json.loads(Path(args.schema).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            return _fail(f"--schema {args.schema}: cannot read a JSON schema there ({exc})", EXIT_USAGE)
-    try:
-        if args.watch:
-            asyncio.run(_watch_on_client(args, options))
-            return EXIT_OK
-        results = asyncio.run(_summarize_on_client(args, options))
-    except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        return _fail(f"invalid option {'.'.join(map(str, error['loc']))}: {error['msg']}", EXIT_USAGE)
-    for result in results:
-        print(_summary_line(result.record), file=sys.stdout if result.ok else sys.stderr)
-    return EXIT_OK if all(r.ok for r in results) else EXIT_JOB_FAILED
-
-
-async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]) -> list:
-    """summarize_documents on a client with this command's URL, credentials and TLS."""
-    async with AsyncClient(namespace=args.namespace, connection=command_settings(args)) as client:
-        return await summarize_documents_async(
-            args.paths, args.out, client=client, progress=not args.quiet, wait_s=args.wait_s, **options
-        )
-
-
-async def _watch_on_client(args: argparse.Namespace, options: dict[str, Any]) -> None:
-    async with AsyncClient(namespace=args.namespace, connection=settings_from_args(args)) as client:
-        await watch_folder_async(
-            args.watch,
-            args.out,
-            client=client,
-            poll_s=args.poll_s,
-            wait_s=args.wait_s,
-            progress=None if args.quiet else sys.stderr,
-            **options,
-        )
-
-
-def _summary_line(record: dict[str, Any]) -> str:
-    if record["status"] == "error":
-        return f"error: {record['error']}"
-    jobs = record["jobs"]
-    return (
-        f"{record['document']}: {len(record['chunks'])} chunks, {len(jobs)} jobs ({record['submitted']} "
-        f"submitted, {record['reused']} reused), {record['wall_s']:.1f} s -> {record['summary_file']}"
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

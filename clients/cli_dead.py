@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from clients.client import Client
-from clients.connection import command_settings
-from clients.dead_letters import iter_dead, requeue
+from conveyor.clients.client import Client
+from conveyor.clients.connection import command_settings
+from conveyor.clients.dead_letters import iter_dead, requeue
 
 
 def register_dead(subparsers: argparse._SubParsersAction, connection: argparse.ArgumentParser) -> None:

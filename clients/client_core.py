@@ -14,8 +14,8 @@ from typing import Any, Callable, Generator, Iterable
 
 from tqdm import tqdm
 
-from clients.connection import client_settings
-from clients.event_reader import (
+from conveyor.clients.connection import client_settings
+from conveyor.clients.event_reader import (
     READ_COUNT,
     Deadline,
     EventReader,
@@ -24,12 +24,12 @@ from clients.event_reader import (
     status_from_hash,
     terminal_from_hash,
 )
-from clients.events import Event, TerminalEvent
-from clients.job_record import CANCEL_LUA, SUBMIT_LUA
-from clients.keys import PRIORITY_CLASSES, Keys
-from clients.queue_status import model_names, queue_status_commands, queue_status_from
-from clients.redis_cluster import is_cluster
-from clients.submission import (
+from conveyor.clients.events import Event, TerminalEvent
+from conveyor.clients.job_record import CANCEL_LUA, SUBMIT_LUA
+from conveyor.clients.keys import PRIORITY_CLASSES, Keys
+from conveyor.clients.queue_status import model_names, queue_status_commands, queue_status_from
+from conveyor.clients.redis_cluster import is_cluster
+from conveyor.clients.submission import (
     ENQUEUED,
     SUBMIT_CHUNK,
     build_job,

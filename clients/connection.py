@@ -56,9 +56,9 @@ import redis.cluster as sync_cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from clients.errors import ConveyorError
-from clients.keys import DEFAULT_REDIS_URL, Keys, partitions_setting
-from clients.local_server import (
+from conveyor.clients.errors import ConveyorError
+from conveyor.clients.keys import DEFAULT_REDIS_URL, Keys, partitions_setting
+from conveyor.clients.local_server import (
     PASSWORD_FILE,
     URL_FILE,
     NoServerFound,

@@ -17,9 +17,9 @@ from typing import Iterator
 
 from redis.exceptions import ResponseError
 
-from clients.job_record import REQUEUE_LUA
-from clients.keys import Keys
-from clients.safe_payload import readable_job_id
+from conveyor.clients.job_record import REQUEUE_LUA
+from conveyor.clients.keys import Keys
+from conveyor.clients.safe_payload import readable_job_id
 
 FIELD_PREFIX = "field:"
 PAGE = 100

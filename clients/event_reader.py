@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from clients.errors import JobCancelled, JobFailed, Timeout
-from clients.events import (
+from conveyor.clients.errors import JobCancelled, JobFailed, Timeout
+from conveyor.clients.events import (
     CancelledEvent,
     DoneEvent,
     ErrorEvent,
@@ -22,8 +22,8 @@ from clients.events import (
     decode_event,
     decode_event_data,
 )
-from clients.job_record import FINAL_STATUSES
-from clients.job_record import Field as HashField
+from conveyor.clients.job_record import FINAL_STATUSES
+from conveyor.clients.job_record import Field as HashField
 
 READ_COUNT = 512
 TERMINAL_STATUSES = FINAL_STATUSES

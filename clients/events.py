@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from clients.errors import ProtocolError
+from conveyor.clients.errors import ProtocolError
 
 TERMINAL_TYPES = ("done", "error", "cancelled")
 FinishReason = Literal["stop", "length", "abort"]

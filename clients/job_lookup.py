@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from clients.event_reader import status_from_hash
-from clients.events import decode_event_data
-from clients.job_record import Field
-from clients.keys import Keys
-from clients.limits import JOB_ID_PATTERN
+from conveyor.clients.event_reader import status_from_hash
+from conveyor.clients.events import decode_event_data
+from conveyor.clients.job_record import Field
+from conveyor.clients.keys import Keys
+from conveyor.clients.limits import JOB_ID_PATTERN
 
 MAX_EVENTS = 50
 EVENT_BYTES = 8192  # of an event's data that leave the server

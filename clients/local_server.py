@@ -25,7 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
-from clients.errors import ConveyorError
+from conveyor.clients.errors import ConveyorError
 
 DATA_DIR_ENV = "CONVEYOR_DATA_DIR"
 PASSWORD_FILE = "password"

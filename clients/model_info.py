@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from clients.errors import ConveyorError, ProtocolError
-from clients.keys import Keys
+from conveyor.clients.errors import ConveyorError, ProtocolError
+from conveyor.clients.keys import Keys
 
 MODEL_INFO_VERSION = 1
 MODEL_INFO_TTL_S = 3600  # replicas republish well within it (MODEL_INFO_REPUBLISH_S)
@@ -129,7 +129,7 @@ class ModelInfo:
 
     def token_counter(self) -> Any:
         """A TokenCounter (clients.token_counter) for this model."""
-        from clients.token_counter import TokenCounter  # imports tokenizers and jinja2: only when asked
+        from conveyor.clients.token_counter import TokenCounter  # imports tokenizers and jinja2: only when asked
 
         if self.tokenizer_json is None:
             raise ModelNotPublished(f"model {self.name!r}: its model info carries no tokenizer.json")

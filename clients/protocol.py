@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from clients.errors import InvalidJob, ProtocolError
-from clients.events import (  # noqa: F401  (re-exported: events are part of the protocol)
+from conveyor.clients.errors import InvalidJob, ProtocolError
+from conveyor.clients.events import (  # noqa: F401  (re-exported: events are part of the protocol)
     EVENT_TYPES,
     TERMINAL_TYPES,
     CancelledEvent,
@@ -35,7 +35,7 @@ from clients.events import (  # noqa: F401  (re-exported: events are part of the
     encode_event,
     encode_event_data,
 )
-from clients.limits import (  # noqa: F401  (re-exported)
+from conveyor.clients.limits import (  # noqa: F401  (re-exported)
     EARLIEST_DEADLINE,
     INT32_MAX,
     JOB_ID_PATTERN,
@@ -65,8 +65,8 @@ from clients.limits import (  # noqa: F401  (re-exported)
     SEED_MAX,
     SEED_MIN,
 )
-from clients.safe_payload import read_payload, readable_job_id  # noqa: F401
-from clients.tool_schema import (
+from conveyor.clients.safe_payload import read_payload, readable_job_id  # noqa: F401
+from conveyor.clients.tool_schema import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     MessageToolCall,

@@ -20,9 +20,9 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from clients.keys import GROUP, PRIORITY_CLASSES, Keys
-from clients.redis_cluster import is_cluster
-from clients.replica_records import READ_REPLICAS_LUA, ReplicaRecord, read_args, records_from
+from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
+from conveyor.clients.redis_cluster import is_cluster
+from conveyor.clients.replica_records import READ_REPLICAS_LUA, ReplicaRecord, read_args, records_from
 
 MAX_MODELS = 64  # model names read from <ns>:models per look
 

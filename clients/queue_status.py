@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from clients.keys import GROUP, PRIORITY_CLASSES, Keys
+from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
 
 
 def model_names(keys: Keys, published: Iterable[bytes], stream_keys: Iterable[bytes]) -> list[str]:

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from clients.keys import Keys
+from conveyor.clients.keys import Keys
 
 REPLICA_BEAT_S = 2.0
 REPLICA_GONE_S = 10.0

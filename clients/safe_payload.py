@@ -13,8 +13,8 @@ from typing import Any
 
 import msgpack
 
-from clients.errors import ProtocolError
-from clients.limits import (
+from conveyor.clients.errors import ProtocolError
+from conveyor.clients.limits import (
     JOB_ID_PATTERN,
     MAX_DECODED_ELEMENTS,
     MAX_JSON_BYTES,

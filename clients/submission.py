@@ -6,9 +6,9 @@ import difflib
 import time
 from typing import Any, Iterable
 
-from clients.errors import InvalidJob, JobConflict, QueueFull
-from clients.keys import Keys
-from clients.protocol import JobRequest, encode_job, payload_digest, validate_job
+from conveyor.clients.errors import InvalidJob, JobConflict, QueueFull
+from conveyor.clients.keys import Keys
+from conveyor.clients.protocol import JobRequest, encode_job, payload_digest, validate_job
 
 JOB_FIELDS = frozenset(JobRequest.model_fields)
 SUBMIT_CHUNK = 500  # jobs per pipelined round trip in submit_many

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from clients.tool_schema import NamedToolChoice, ToolChoice, ToolSpec, choice_mode
+from conveyor.clients.tool_schema import NamedToolChoice, ToolChoice, ToolSpec, choice_mode
 
 ANY_OBJECT = {"type": "object"}
 

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from clients.events import ToolCall, ToolOutput
+from conveyor.clients.events import ToolCall, ToolOutput
 
 PARSERS = ("hermes", "llama3_json")
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

@@ -6,8 +6,8 @@ dynamic: request-level batching; collect up to ``max_batch_size`` requests or wa
 while newcomers wait.
 """
 
-from engine.config import EngineConfig
-from engine.sequence import Sequence
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.sequence import Sequence
 
 
 class ContinuousBatching:

@@ -9,7 +9,7 @@ hash and wait in an LRU free list: a later request with the same prefix takes th
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from conveyor.engine.sequence import Sequence
 
 
 class BlockManager:

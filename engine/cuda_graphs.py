@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
+from conveyor.engine.attention_metadata import AttentionMetadata
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:

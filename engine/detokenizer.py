@@ -5,7 +5,7 @@ multi-byte characters are only emitted once complete). A suffix that could be th
 a stop string is held back until it is either completed (and cut) or ruled out.
 """
 
-from engine.stop_strings import StopMatcher
+from conveyor.engine.stop_strings import StopMatcher
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the output, for correct leading spaces
 

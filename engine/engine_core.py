@@ -3,7 +3,7 @@ work and, between steps, applies what its socket brings (new requests, aborts, a
 It is started two ways, with the same class and the same frames either way (the front
 door's end is actors/engine_client.py):
 
-- in a process of its own (``conveyor serve``): ``python -m engine.engine_core <fd>``, so the
+- in a process of its own (``conveyor serve``): ``python -m conveyor.engine.engine_core <fd>``, so the
   front door's Python (asyncio, Redis, msgpack) never takes the GIL from the model's steps.
   Measured on the 2-core CPU (docs/performance.md "Front door cost"): with the model on a
   thread of the replica's process, decode steps took twice their offline time;
@@ -25,10 +25,10 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from engine.child_env import die_with_parent, ignore_stop_signals
-from engine.config import EngineConfig
-from engine.core_request import EngineCoreRequest
-from engine.outputs import RequestOutput
+from conveyor.engine.child_env import die_with_parent, ignore_stop_signals
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.core_request import EngineCoreRequest
+from conveyor.engine.outputs import RequestOutput
 
 log = logging.getLogger("conveyor.core")
 FRAME_HEADER = struct.Struct("!I")
@@ -186,7 +186,7 @@ def _run(engine, sock: socket.socket) -> int:
 
 
 def _build_engine(sock: socket.socket, config: EngineConfig):
-    from engine.llm_engine import LLMEngine
+    from conveyor.engine.llm_engine import LLMEngine
 
     try:
         return LLMEngine(config)
@@ -202,7 +202,7 @@ def portable(exc: BaseException) -> BaseException:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - any failure to round-trip
-        from engine.errors import ModelLoadError
+        from conveyor.engine.errors import ModelLoadError
 
         return ModelLoadError(f"{type(exc).__name__}: {exc}")
 
@@ -219,6 +219,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from engine.engine_core import main as module_main  # messages pickle as engine.engine_core's, not __main__'s
+    from conveyor.engine.engine_core import (
+        main as module_main,  # messages pickle as engine.engine_core's, not __main__'s
+    )
 
     sys.exit(module_main())

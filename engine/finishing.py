@@ -20,7 +20,7 @@ EOS, so for such a request EOS always ends it (2a holds whatever ``ignore_eos`` 
 ``min_tokens`` still bans the request's ``stop_token_ids``.
 """
 
-from engine.sequence import Sequence
+from conveyor.engine.sequence import Sequence
 
 StopReason = tuple[str, str | int | None]  # (finish_reason, stop_reason)
 

@@ -14,9 +14,9 @@ from collections import OrderedDict
 
 import xgrammar as xgr
 
-from engine.errors import InvalidRequest
-from engine.json_schema_support import too_many_repeats, unenforced
-from engine.structured_outputs import StructuredOutputsParams, schema_text
+from conveyor.engine.errors import InvalidRequest
+from conveyor.engine.json_schema_support import too_many_repeats, unenforced
+from conveyor.engine.structured_outputs import StructuredOutputsParams, schema_text
 
 MAX_CACHED = 256  # compiled grammars kept ...
 MAX_CACHED_BYTES = 256 << 20  # ... and their size, as xgrammar counts it

@@ -4,12 +4,12 @@ import time
 
 from jinja2.exceptions import TemplateError
 
-from engine import chat_tools
-from engine.core_request import EngineCoreRequest
-from engine.errors import InvalidRequest
-from engine.grammar_compiler import GrammarCompiler
-from engine.sampling_params import SamplingParams
-from engine.sequence import PRIORITY_CLASSES, Sequence
+from conveyor.engine import chat_tools
+from conveyor.engine.core_request import EngineCoreRequest
+from conveyor.engine.errors import InvalidRequest
+from conveyor.engine.grammar_compiler import GrammarCompiler
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.sequence import PRIORITY_CLASSES, Sequence
 
 MAX_PROMPT_CHARS = 4_000_000  # refuse to tokenize absurd inputs (the token limit is checked after)
 

@@ -10,12 +10,12 @@ from typing import Sequence as Seq
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompt_inputs import engine_prompt, prompt_list
-from engine.sampling_params import MAX_N, SamplingParams
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.errors import InvalidRequest
+from conveyor.engine.llm_engine import LLMEngine
+from conveyor.engine.outputs import CompletionOutput, RequestOutput
+from conveyor.engine.prompt_inputs import engine_prompt, prompt_list
+from conveyor.engine.sampling_params import MAX_N, SamplingParams
 
 
 class LLM:

@@ -15,21 +15,21 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
-from engine.errors import InvalidRequest, ModelLoadError
-from engine.finishing import StopRules
-from engine.input_processor import InputProcessor
-from engine.lora.adapter import check_adapter
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_spec
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.parallel_sampling import ParallelSampling
-from engine.plan import StepPlan, StepResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.spec_decode.drafter import spec_stats
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.errors import InvalidRequest, ModelLoadError
+from conveyor.engine.finishing import StopRules
+from conveyor.engine.input_processor import InputProcessor
+from conveyor.engine.lora.adapter import check_adapter
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.engine.models.loader import load_spec
+from conveyor.engine.output_processor import OutputProcessor
+from conveyor.engine.outputs import RequestOutput
+from conveyor.engine.parallel_sampling import ParallelSampling
+from conveyor.engine.plan import StepPlan, StepResult
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.spec_decode.drafter import spec_stats
 
 
 class LLMEngine:

@@ -5,8 +5,8 @@
 does (``tokenizer.decode([token_id])``); each id is decoded once per formatter.
 """
 
-from engine.outputs import Logprob
-from engine.plan import TokenLogprobs
+from conveyor.engine.outputs import Logprob
+from conveyor.engine.plan import TokenLogprobs
 
 
 class LogprobFormatter:

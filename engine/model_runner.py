@@ -9,25 +9,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata, PrefillSpan, pack_prefills
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, graph_buckets
-from engine.distributed.group import TPGroup, rank_device
-from engine.distributed.launcher import Workers
-from engine.distributed.shard import check_shardable, shard_model
-from engine.distributed.step_message import Tail, encode_step, sampled_tails
-from engine.grammar_masks import GrammarMasks, GrammarState
-from engine.lora.manager import LoRAManager
-from engine.models.decoder_layout import decoder_layout
-from engine.models.layers import PagedAttention
-from engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_kernel_mode, native_quantization
-from engine.plan import ScheduledSeq, StepPlan, StepResult
-from engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
-from engine.sampler import Sampler, SamplingRow
-from engine.spec_decode.verifier import verify
-from engine.vllm_options import kv_budget_from_utilization
-from kernels.cpu.dispatch import cpu_auto_dtype, cpu_flags
-from kernels.prepare import prepare
+from conveyor.engine.attention_metadata import AttentionMetadata, PrefillSpan, pack_prefills
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from conveyor.engine.distributed.group import TPGroup, rank_device
+from conveyor.engine.distributed.launcher import Workers
+from conveyor.engine.distributed.shard import check_shardable, shard_model
+from conveyor.engine.distributed.step_message import Tail, encode_step, sampled_tails
+from conveyor.engine.grammar_masks import GrammarMasks, GrammarState
+from conveyor.engine.lora.manager import LoRAManager
+from conveyor.engine.models.decoder_layout import decoder_layout
+from conveyor.engine.models.layers import PagedAttention
+from conveyor.engine.models.loader import ARCHITECTURES, ModelSpec, build_model, gguf_kernel_mode, native_quantization
+from conveyor.engine.plan import ScheduledSeq, StepPlan, StepResult
+from conveyor.engine.prompt_logprobs import PromptSpan, prompt_span, score_prompt
+from conveyor.engine.sampler import Sampler, SamplingRow
+from conveyor.engine.spec_decode.verifier import verify
+from conveyor.engine.vllm_options import kv_budget_from_utilization
+from conveyor.kernels.cpu.dispatch import cpu_auto_dtype, cpu_flags
+from conveyor.kernels.prepare import prepare
 
 log = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -63,7 +63,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     where it cannot run is refused with the reason."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return "torch"
-    from kernels.triton import unusable_reason
+    from conveyor.kernels.triton import unusable_reason
 
     reason = unusable_reason(device.type)
     if name == "auto":
@@ -156,8 +156,8 @@ class ModelRunner:
     def _bind_triton_kernels(self) -> None:
         if self.attention_backend != "triton":
             return
-        from kernels import layer_ops
-        from kernels.triton import attention
+        from conveyor.kernels import layer_ops
+        from conveyor.kernels.triton import attention
 
         for layer in self.attention_layers:
             layer.triton = attention

@@ -2,11 +2,11 @@
 
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.logprob_format import LogprobFormatter
-from engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, RequestTimestamps, SampleLogprobs
-from engine.plan import TokenLogprobs
-from engine.sequence import Sequence
+from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.logprob_format import LogprobFormatter
+from conveyor.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, RequestTimestamps, SampleLogprobs
+from conveyor.engine.plan import TokenLogprobs
+from conveyor.engine.sequence import Sequence
 
 
 @dataclass

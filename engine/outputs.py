@@ -10,7 +10,7 @@ them into ``RequestMetrics`` (``RequestOutput.metrics``), as in vLLM V1.
 
 from dataclasses import dataclass, field
 
-from engine.plan import TokenLogprobs
+from conveyor.engine.plan import TokenLogprobs
 
 
 @dataclass

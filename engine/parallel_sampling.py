@@ -17,9 +17,9 @@ scores the prompt (``prompt_logprobs``): the followers keep the prefix cache.
 
 import dataclasses
 
-from engine.outputs import CompletionOutput, RequestOutput, RequestTimestamps
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from conveyor.engine.outputs import CompletionOutput, RequestOutput, RequestTimestamps
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.sequence import Sequence
 
 
 def child_id(request_id: str, index: int) -> str:

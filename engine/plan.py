@@ -6,7 +6,7 @@ afterwards a scheduled sequence is a few integers and the block ids it just gain
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 
 @dataclass

@@ -2,7 +2,7 @@
 ``{"prompt": str}`` (TextPrompt), ``{"prompt_token_ids": [...]}`` (TokensPrompt, which may
 also carry the ``prompt`` text), or a list of any of these."""
 
-from engine.errors import InvalidRequest
+from conveyor.engine.errors import InvalidRequest
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 

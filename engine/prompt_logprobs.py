@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.plan import ScheduledSeq, TokenLogprobs
-from engine.sampler import token_logprobs, token_ranks
+from conveyor.engine.plan import ScheduledSeq, TokenLogprobs
+from conveyor.engine.sampler import token_logprobs, token_ranks
 
 SLICE_ROWS = 256
 

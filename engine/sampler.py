@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.plan import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise
+from conveyor.engine.plan import TokenLogprobs
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.fused = None
         if fused:
-            from kernels.triton import sampling
+            from conveyor.kernels.triton import sampling
 
             self.fused = sampling
 

@@ -3,9 +3,9 @@
 import math
 from dataclasses import dataclass, field
 
-from engine import sampling_limits as limits
-from engine.errors import InvalidRequest
-from engine.structured_outputs import StructuredOutputsParams
+from conveyor.engine import sampling_limits as limits
+from conveyor.engine.errors import InvalidRequest
+from conveyor.engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_N = limits.MAX_N

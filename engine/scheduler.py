@@ -25,14 +25,14 @@ stop conditions (engine/finishing.py) and calls ``finish``, the one way a sequen
 import itertools
 import time
 
-from engine.batching_policy import make_policy
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.finishing import StopRules
-from engine.parallel_sampling import waits_for_leader
-from engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
-from engine.sequence import PRIORITY_CLASSES, Sequence, SequenceStatus
-from engine.spec_decode.drafter import make_drafter
+from conveyor.engine.batching_policy import make_policy
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.finishing import StopRules
+from conveyor.engine.parallel_sampling import waits_for_leader
+from conveyor.engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
+from conveyor.engine.sequence import PRIORITY_CLASSES, Sequence, SequenceStatus
+from conveyor.engine.spec_decode.drafter import make_drafter
 
 
 class Scheduler:

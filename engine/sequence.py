@@ -5,7 +5,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 PRIORITY_CLASSES = ("interactive", "batch")
 _arrival_counter = itertools.count()

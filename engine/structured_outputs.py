@@ -9,8 +9,8 @@ compiled fails that request alone.
 import json
 from dataclasses import dataclass
 
-from engine import sampling_limits as limits
-from engine.errors import InvalidRequest
+from conveyor.engine import sampling_limits as limits
+from conveyor.engine.errors import InvalidRequest
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 

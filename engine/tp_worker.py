@@ -1,4 +1,4 @@
-"""A follower rank's process (``python -m engine.tp_worker``, beside the engine core's: it stands above
+"""A follower rank's process (``python -m conveyor.engine.tp_worker``, beside the engine core's: it stands above
 engine/distributed/, whose pieces it runs): joins rank 0's group, builds its shard of the model and its KV
 cache (a ModelRunner of its own), then runs each step plan rank 0 sends until told to stop.
 It never samples: rank 0 sends the tokens it sampled along with the next plan."""
@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from engine.distributed.group import TPGroup, join_store, rank_device
-from engine.distributed.step_message import decode_step
-from engine.model_runner import ModelRunner, resolve_device
-from engine.models.loader import load_spec
+from conveyor.engine.distributed.group import TPGroup, join_store, rank_device
+from conveyor.engine.distributed.step_message import decode_step
+from conveyor.engine.model_runner import ModelRunner, resolve_device
+from conveyor.engine.models.loader import load_spec
 
 
 def run_worker(config, rank: int, port: int, max_model_len: int, num_threads: int) -> None:
@@ -29,7 +29,7 @@ def run_worker(config, rank: int, port: int, max_model_len: int, num_threads: in
 
 
 if __name__ == "__main__":  # started by engine/distributed/launcher.py, arguments pickled on stdin
-    from engine.child_env import ignore_stop_signals
+    from conveyor.engine.child_env import ignore_stop_signals
 
     ignore_stop_signals()  # a rank ends with rank 0, never by a Ctrl-C to the process group
     run_worker(**pickle.loads(sys.stdin.buffer.read()))

@@ -1,7 +1,7 @@
-"""``python -m gateway``: the HTTP gateway's program (``conveyor gateway`` starts it)."""
+"""``python -m conveyor.gateway``: the HTTP gateway's program (``conveyor gateway`` starts it)."""
 
 import sys
 
-from gateway.cli import main
+from conveyor.gateway.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ streams) and the adapter in `lora`. /v1/models lists each adapter with its `pare
 
 from __future__ import annotations
 
-from gateway.tenants import ServedModel, Tenant
+from conveyor.gateway.tenants import ServedModel, Tenant
 
 
 async def resolve_model(tenant: Tenant, fields: dict) -> ServedModel:

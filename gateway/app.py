@@ -30,14 +30,10 @@ from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clients.async_client import AsyncJob
-from clients.errors import ConveyorError
-from clients.event_reader import outcome
-from clients.events import Event, TokenEvent
-from clients.openai_api.batch_store import MAX_UPLOAD_BYTES
-from clients.openai_api.errors import OpenAIError, from_conveyor, invalid
-from clients.openai_api.tool_requests import counted_messages, reads_tools
-from clients.openai_api.translate import (
+from conveyor.apps.openai_api.batch_store import MAX_UPLOAD_BYTES
+from conveyor.apps.openai_api.errors import OpenAIError, from_conveyor, invalid
+from conveyor.apps.openai_api.tool_requests import counted_messages, reads_tools
+from conveyor.apps.openai_api.translate import (
     chat_body,
     chat_logprobs,
     completion_body,
@@ -46,17 +42,21 @@ from clients.openai_api.translate import (
     job_from_completion,
     stream_flags,
 )
-from clients.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
-from gateway import dashboard_routes
-from gateway.adapters import adapter_objects, resolve_model
-from gateway.body_limit import BodyLimit, read_json
-from gateway.queue_gauges import QueueCollector
-from gateway.queue_watch import QueueWatches
-from gateway.settings import GatewaySettings
-from gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
-from gateway.tenant_share import TenantShare
-from gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
-from gateway.tools import ToolChunkWriter, named_function, with_tool_calls
+from conveyor.apps.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
+from conveyor.clients.async_client import AsyncJob
+from conveyor.clients.errors import ConveyorError
+from conveyor.clients.event_reader import outcome
+from conveyor.clients.events import Event, TokenEvent
+from conveyor.gateway import dashboard_routes
+from conveyor.gateway.adapters import adapter_objects, resolve_model
+from conveyor.gateway.body_limit import BodyLimit, read_json
+from conveyor.gateway.queue_gauges import QueueCollector
+from conveyor.gateway.queue_watch import QueueWatches
+from conveyor.gateway.settings import GatewaySettings
+from conveyor.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprobs, sse_events, stream_fault
+from conveyor.gateway.tenant_share import TenantShare
+from conveyor.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
+from conveyor.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
 
 log = logging.getLogger("conveyor.gateway")
 DEADLINE_GRACE_S = 2.0  # past a job's deadline, wait this long for the replica to report it

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 
-from clients.openai_api.batch_runner import BatchRunners, RunnerSettings
-from clients.openai_api.batch_store import (
+from conveyor.apps.openai_api.batch_runner import BatchRunners, RunnerSettings
+from conveyor.apps.openai_api.batch_store import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
     MAX_FILE_BYTES,
@@ -42,10 +42,10 @@ from clients.openai_api.batch_store import (
     check_jsonl,
     check_metadata,
 )
-from clients.openai_api.errors import OpenAIError, invalid
-from clients.openai_api.work_caps import WorkCaps
-from gateway.body_limit import read_json
-from gateway.tenants import load_grants, tenant_of
+from conveyor.apps.openai_api.errors import OpenAIError, invalid
+from conveyor.apps.openai_api.work_caps import WorkCaps
+from conveyor.gateway.body_limit import read_json
+from conveyor.gateway.tenants import load_grants, tenant_of
 
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
 MAX_FILES_LIMIT = 10_000  # OpenAI's bound and default for files.list

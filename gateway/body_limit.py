@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from clients.openai_api.errors import OpenAIError, invalid
-from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over, parse_object, too_deep  # noqa: F401
+from conveyor.apps.openai_api.errors import OpenAIError, invalid
+from conveyor.apps.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over, parse_object, too_deep  # noqa: F401
 
 
 class BodyTooLarge(OpenAIError):

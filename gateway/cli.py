@@ -1,4 +1,4 @@
-"""`conveyor gateway` (``python -m gateway``): the OpenAI-compatible HTTP gateway's program.
+"""`conveyor gateway` (``python -m conveyor.gateway``): the OpenAI-compatible HTTP gateway's program.
 Parsing its flags imports nothing heavy; FastAPI and uvicorn are loaded only when it runs."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import logging
 import os
 import sys
 
-from clients.cli import connection_options
-from clients.connection import check_credentials, settings_from_args
-from clients.errors import ConveyorError
-from gateway.settings import GatewaySettings
+from conveyor.clients.cli import connection_options
+from conveyor.clients.connection import check_credentials, settings_from_args
+from conveyor.clients.errors import ConveyorError
+from conveyor.gateway.settings import GatewaySettings
 
 # (flag, GatewaySettings field, type, help)
 OPTIONS = [
@@ -110,6 +110,10 @@ OPTIONS = [
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
+HELP = {
+    "gateway": "OpenAI-compatible HTTP gateway over the queue, with the operator's dashboard",
+    "dashboard": "the operator's web dashboard alone (no /v1 API)",
+}
 DESCRIPTIONS = {
     "gateway": "OpenAI-compatible HTTP gateway (/v1/completions, /v1/chat/completions, /v1/responses, "
     "Batch API) over the queue, with the operator's /dashboard",
@@ -117,10 +121,30 @@ DESCRIPTIONS = {
 }
 
 
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `conveyor gateway` and `conveyor dashboard` (registered by conveyor/cli.py)."""
+    for program, help_text in HELP.items():
+        parser = subparsers.add_parser(
+            program, parents=[connection_options()], description=DESCRIPTIONS[program], help=help_text
+        )
+        add_options(parser)
+        parser.set_defaults(func=lambda args, program=program: run_program(args, program))
+
+
 def main(argv: list[str] | None = None, program: str = "gateway") -> int:
+    """``python -m conveyor.gateway`` / ``conveyor.gateway.dashboard``: one program alone."""
     parser = argparse.ArgumentParser(
         prog=f"conveyor {program}", parents=[connection_options()], description=DESCRIPTIONS[program]
     )
+    add_options(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_program(args, program)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
     for flag, name, kind, help_text in OPTIONS:
         parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     parser.add_argument(
@@ -130,10 +154,11 @@ def main(argv: list[str] | None = None, program: str = "gateway") -> int:
         help="listen beyond loopback without API keys (env "
         "CONVEYOR_GATEWAY_ALLOW_NO_KEYS=1): anyone who reaches the port uses --namespace",
     )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("CONVEYOR_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+
+
+def run_program(args: argparse.Namespace, program: str) -> int:
+    if program == "dashboard":
+        os.environ.setdefault("CONVEYOR_GATEWAY_PORT", "8001")  # beside a gateway on 8000
     return run_gateway(args, api=program == "gateway")
 
 
@@ -158,8 +183,8 @@ def run_gateway(args: argparse.Namespace, api: bool = True) -> int:
     problem = check_credentials(settings.redis)
     if problem:
         return _fail(problem, EXIT_FAILED)
-    from gateway import batch_routes, responses  # fastapi + uvicorn: only now
-    from gateway.server import serve
+    from conveyor.gateway import batch_routes, responses  # fastapi + uvicorn: only now
+    from conveyor.gateway.server import serve
 
     try:
         if not api:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from clients.openai_api.errors import OpenAIError
-from gateway.tenants import bearer_token
+from conveyor.apps.openai_api.errors import OpenAIError
+from conveyor.gateway.tenants import bearer_token
 
 ACTION_HEADER = "x-conveyor-dashboard"
 

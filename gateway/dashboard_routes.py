@@ -14,12 +14,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from clients.dead_letters import dead_page_args, dead_page_from, requeue_async
-from clients.job_lookup import lookup_args, lookup_from, valid_job_id
-from clients.openai_api.batch_store import BatchStore
-from clients.openai_api.errors import OpenAIError, invalid
-from gateway.body_limit import read_json
-from gateway.dashboard_access import Viewer, actor_of, viewer_of
+from conveyor.apps.openai_api.batch_store import BatchStore
+from conveyor.apps.openai_api.errors import OpenAIError, invalid
+from conveyor.clients.dead_letters import dead_page_args, dead_page_from, requeue_async
+from conveyor.clients.job_lookup import lookup_args, lookup_from, valid_job_id
+from conveyor.gateway.body_limit import read_json
+from conveyor.gateway.dashboard_access import Viewer, actor_of, viewer_of
 
 MAX_TEXT = 200  # characters of any string a reply carries
 DEAD_PAGE, MAX_DEAD_PAGE = 25, 100

@@ -11,7 +11,7 @@ from typing import Iterable
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from clients.queue_metrics import NamespaceFacts
+from conveyor.clients.queue_metrics import NamespaceFacts
 
 STREAM_LABELS = ["namespace", "model", "priority_class", "partition"]
 STREAM_GAUGES = (

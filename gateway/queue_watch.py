@@ -11,8 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from clients.keys import Keys
-from clients.queue_metrics import NamespaceFacts, read_namespace_facts
+from conveyor.clients.keys import Keys
+from conveyor.clients.queue_metrics import NamespaceFacts, read_namespace_facts
 
 MAX_AGE_S = 1.0  # a read younger than this is reused
 SAMPLE_EVERY_S = 2.0

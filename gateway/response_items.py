@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from clients.event_reader import JobResult
-from clients.openai_api.errors import invalid
-from gateway.tools import openai_calls
+from conveyor.apps.openai_api.errors import invalid
+from conveyor.clients.event_reader import JobResult
+from conveyor.gateway.tools import openai_calls
 
 PASSED_ON = (
     "model",

@@ -26,17 +26,17 @@ from fastapi.responses import StreamingResponse
 from redis.exceptions import RedisError
 from starlette.background import BackgroundTask
 
-from clients.async_client import AsyncJob
-from clients.errors import ConveyorError, JobCancelled, JobFailed
-from clients.event_reader import JobResult, outcome
-from clients.events import TokenEvent
-from clients.job_record import FINAL_STATUSES
-from clients.openai_api.errors import OpenAIError, from_conveyor, invalid
-from clients.openai_api.tool_requests import counted_messages, reads_tools
-from clients.openai_api.translate import job_from_chat
-from gateway.adapters import resolve_model
-from gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
-from gateway.response_items import (
+from conveyor.apps.openai_api.errors import OpenAIError, from_conveyor, invalid
+from conveyor.apps.openai_api.tool_requests import counted_messages, reads_tools
+from conveyor.apps.openai_api.translate import job_from_chat
+from conveyor.clients.async_client import AsyncJob
+from conveyor.clients.errors import ConveyorError, JobCancelled, JobFailed
+from conveyor.clients.event_reader import JobResult, outcome
+from conveyor.clients.events import TokenEvent
+from conveyor.clients.job_record import FINAL_STATUSES
+from conveyor.gateway.adapters import resolve_model
+from conveyor.gateway.app import DEADLINE_GRACE_S, JobRun, RequestOptions, read_json
+from conveyor.gateway.response_items import (
     chat_body,
     check_fields,
     history_of,
@@ -45,9 +45,9 @@ from gateway.response_items import (
     output_items,
     usage,
 )
-from gateway.response_store import ResponseStore
-from gateway.streaming import Relay, StreamDiverged
-from gateway.tenants import Tenant, tenant_of
+from conveyor.gateway.response_store import ResponseStore
+from conveyor.gateway.streaming import Relay, StreamDiverged
+from conveyor.gateway.tenants import Tenant, tenant_of
 
 router = APIRouter()
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for the job to end before answering

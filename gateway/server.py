@@ -7,9 +7,9 @@ from typing import Any, Iterable
 import uvicorn
 from fastapi import APIRouter
 
-from gateway.app import create_app
-from gateway.connection_limits import limited_protocol
-from gateway.settings import GatewaySettings
+from conveyor.gateway.app import create_app
+from conveyor.gateway.connection_limits import limited_protocol
+from conveyor.gateway.settings import GatewaySettings
 
 MAX_HEADER_BYTES = 16 * 1024  # request line and headers (h11's bound of an incomplete event)
 GRACEFUL_SHUTDOWN_S = 10  # open streams get this long after SIGTERM; then their jobs are cancelled

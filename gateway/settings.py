@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from clients.connection import RedisSettings, resolve_settings
-from clients.keys import NAMESPACE_PATTERN, NAMESPACE_RULE, default_namespace
-from clients.limits import MAX_N
+from conveyor.clients.connection import RedisSettings, resolve_settings
+from conveyor.clients.keys import NAMESPACE_PATTERN, NAMESPACE_RULE, default_namespace
+from conveyor.clients.limits import MAX_N
 
 
 def _env(name: str, default: str | None = None) -> str | None:

@@ -21,11 +21,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from clients.errors import ConveyorError, JobFailed
-from clients.event_reader import outcome
-from clients.events import DoneEvent, Event, TokenEvent
-from clients.openai_api.errors import OpenAIError, from_conveyor
-from clients.openai_api.translate import (
+from conveyor.apps.openai_api.errors import OpenAIError, from_conveyor
+from conveyor.apps.openai_api.translate import (
     Vocabulary,
     chat_chunk,
     chat_logprobs,
@@ -34,6 +31,9 @@ from clients.openai_api.translate import (
     finish_reason,
     usage_chunk,
 )
+from conveyor.clients.errors import ConveyorError, JobFailed
+from conveyor.clients.event_reader import outcome
+from conveyor.clients.events import DoneEvent, Event, TokenEvent
 
 DONE_LINE = "data: [DONE]\n\n"
 log = logging.getLogger(__name__)

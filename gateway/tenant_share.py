@@ -9,7 +9,7 @@ import json
 from collections import Counter
 from typing import Any, Callable
 
-from clients.openai_api.errors import OpenAIError
+from conveyor.apps.openai_api.errors import OpenAIError
 
 UNMETERED = ("/health", "/metrics")
 UNKNOWN = "\0unknown"  # the bucket of requests whose key maps to no tenant (they get a 401)

@@ -28,11 +28,11 @@ from typing import Any
 import redis
 from fastapi import Request
 
-from clients.async_client import AsyncClient
-from clients.errors import ConveyorError
-from clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
-from clients.model_info import adapter_names, fetch_model_info_async
-from clients.openai_api.errors import OpenAIError
+from conveyor.apps.openai_api.errors import OpenAIError
+from conveyor.clients.async_client import AsyncClient
+from conveyor.clients.errors import ConveyorError
+from conveyor.clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
+from conveyor.clients.model_info import adapter_names, fetch_model_info_async
 
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from clients.events import DoneEvent, OutputChoice
-from clients.openai_api.translate import chat_chunk, finish_reason, usage_chunk
-from clients.tool_parsers import call_id
-from gateway.streaming import ChunkWriter, Relay
+from conveyor.apps.openai_api.translate import chat_chunk, finish_reason, usage_chunk
+from conveyor.clients.events import DoneEvent, OutputChoice
+from conveyor.clients.tool_parsers import call_id
+from conveyor.gateway.streaming import ChunkWriter, Relay
 
 ARGUMENT_PIECE_CHARS = 32
 

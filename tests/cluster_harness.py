@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from actors.embedded_valkey import EmbeddedValkey  # noqa: E402
+from conveyor.actors.embedded_valkey import EmbeddedValkey  # noqa: E402
 
 SLOTS = 16384
 

@@ -7,7 +7,6 @@ the whole session on a free loopback port, in a temporary directory.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,6 @@ if not Path("/dev/nvidia0").exists():
 # worker's on a 2-core box (the tests' tensors are tiny). OMP_NUM_THREADS, when set, wins.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-if str(REPO_ROOT) not in sys.path:  # so plain `pytest` finds clients/, actors/, engine/
-    sys.path.insert(0, str(REPO_ROOT))
 
 
 # The modules that take longest (replicas, rank processes, the real model) start first, so
@@ -77,7 +74,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
     if url:
         yield url
         return
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     server = EmbeddedValkey(tmp_path_factory.mktemp("valkey"), password=None).start()  # loopback, temp dir
     try:

@@ -34,8 +34,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from clients.events import decode_event  # noqa: E402
-from clients.keys import GROUP, Keys  # noqa: E402
+from conveyor.clients.events import decode_event  # noqa: E402
+from conveyor.clients.keys import GROUP, Keys  # noqa: E402
 
 CONVEYOR = REPO_ROOT / ".venv" / "bin" / "conveyor"
 TERMINAL = ("done", "error", "cancelled")
@@ -249,7 +249,7 @@ def pending_details(client: redis.Redis, stream: str) -> list[dict]:
 
 def private_server(data_dir: Path):
     """A private embedded Valkey with AOF, for tests that stop or restart the server."""
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     return EmbeddedValkey(data_dir, port=0, appendonly=True, password=None).start()  # loopback, temp dir
 

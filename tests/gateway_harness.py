@@ -33,7 +33,7 @@ CONVEYOR = REPO_ROOT / ".venv" / "bin" / "conveyor"
 # `conveyor gateway` (the installed command) and the same subcommand through the light client
 # CLI, which loads no engine code at all (the `conveyor` entry point builds `serve`'s options)
 CONVEYOR_GATEWAY = (str(CONVEYOR), "gateway")
-LIGHT_GATEWAY = (sys.executable, "-m", "gateway")
+LIGHT_GATEWAY = (sys.executable, "-m", "conveyor.gateway")
 READY_TIMEOUT_S = 60.0
 
 
@@ -87,9 +87,9 @@ class GatewayThread(_Gateway):
         connection: Any = None,
         **settings: Any,
     ) -> None:
-        from clients.connection import resolve_settings
-        from gateway.server import make_server
-        from gateway.settings import GatewaySettings
+        from conveyor.clients.connection import resolve_settings
+        from conveyor.gateway.server import make_server
+        from conveyor.gateway.settings import GatewaySettings
 
         self._socket = socket.socket()
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -3,10 +3,10 @@
 import asyncio
 import threading
 
-from actors.config import ReplicaConfig
-from actors.engine_client import EngineCoreClient
-from actors.replica import Replica
-from engine import EngineConfig, LLMEngine
+from conveyor.actors.config import ReplicaConfig
+from conveyor.actors.engine_client import EngineCoreClient
+from conveyor.actors.replica import Replica
+from conveyor.engine import EngineConfig, LLMEngine
 
 
 class ReplicaThread:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, howev
 
 from model_factory import VOCAB_SIZE, build_tiny_model, build_tokenizer, hf_greedy, mixed_prompts  # noqa: E402
 
-from engine import LLM, InvalidRequest, ModelLoadError, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, InvalidRequest, ModelLoadError, SamplingParams  # noqa: E402
 
 MAX_MODEL_LEN = 64
 KV = "64MiB"  # KV cache pool per engine: plenty for the tiny model, far below the 1 GiB default

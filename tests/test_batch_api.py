@@ -22,11 +22,11 @@ from gateway_harness import GatewayProcess, GatewayThread, openai_client
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
-from clients.batch_cli import _ids as cli_batch_ids
-from clients.keys import Keys
-from clients.openai_api.batch_runner import BatchRun, Lease, RunnerSettings, default_endpoints
-from clients.openai_api.batch_store import BatchKeys, BatchStore
-from gateway import batch_routes
+from conveyor.apps.openai_api.batch_cli import _ids as cli_batch_ids
+from conveyor.apps.openai_api.batch_runner import BatchRun, Lease, RunnerSettings, default_endpoints
+from conveyor.apps.openai_api.batch_store import BatchKeys, BatchStore
+from conveyor.clients.keys import Keys
+from conveyor.gateway import batch_routes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -40,9 +40,9 @@ FAST_ENV = {
 DONE = ("completed", "failed", "cancelled", "expired")
 # `conveyor gateway` with the batch router mounted (as the lead mounts it in the command)
 GATEWAY_WITH_BATCH = (
-    "import sys\nfrom gateway import server, batch_routes\nserve = server.serve\n"
+    "import sys\nfrom conveyor.gateway import server, batch_routes\nserve = server.serve\n"
     "server.serve = lambda settings, extra_routers=(): serve(settings, (batch_routes.router,))\n"
-    "from clients.cli import main\nsys.exit(main(['gateway', *sys.argv[1:]]))"
+    "from conveyor.cli import main\nsys.exit(main(['gateway', *sys.argv[1:]]))"
 )
 
 
@@ -70,7 +70,7 @@ def replica(tiny_model, redis_url, ns, one_torch_thread):
 @pytest.fixture(scope="module")
 def reference(tiny_model, one_torch_thread):
     """Greedy text of a request body, from the offline engine."""
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(tiny_model, kv_cache_memory="64MiB")
 
@@ -290,7 +290,7 @@ def test_cancel_keeps_the_finished_lines(redis_url, ns, replica, reference):
 
 
 def _job_ids(redis_url: str, ns: str, batch) -> list[str]:
-    from clients.openai_api.batch_runner import parse_input
+    from conveyor.apps.openai_api.batch_runner import parse_input
 
     content = raw(redis_url).get(BatchKeys(ns).file_content(batch.input_file_id))
     return [line.job_id for line in parse_input(content, batch.id, batch.endpoint, default_endpoints())[0]]
@@ -305,7 +305,7 @@ def test_a_batch_past_its_window_expires(redis_url, ns, replica):
 
 async def _expire_a_batch(redis_url: str, ns: str):
     """A batch whose window ended before it ran (its expires_at set in the past)."""
-    from clients import AsyncClient
+    from conveyor.clients import AsyncClient
 
     async with AsyncClient(redis_url, ns) as client:
         store = BatchStore(client.redis, ns)
@@ -366,7 +366,7 @@ def conveyor_batch(redis_url: str, ns: str, source: Path, target: Path, *flags: 
     command = [
         sys.executable,
         "-m",
-        "clients.cli",
+        "conveyor",
         "batch",
         str(source),
         str(target),

@@ -15,8 +15,8 @@ import redis.asyncio as aioredis
 from gateway_harness import GatewayThread, openai_client
 from scratch import scratch_namespace
 
-from clients.openai_api.batch_store import BatchStore
-from gateway import batch_routes
+from conveyor.apps.openai_api.batch_store import BatchStore
+from conveyor.gateway import batch_routes
 
 LINE = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}}
 

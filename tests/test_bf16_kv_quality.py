@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_int8_quality import NUM_PROMPTS, PROMPTS_FROM, TOKENS, greedy_prefixes
 
-from engine import LLM
+from conveyor.engine import LLM
 
 pytestmark = [
     pytest.mark.slow,

@@ -16,8 +16,8 @@ Only where the CPU has AVX512-BF16 or AMX: elsewhere gguf_bf16 is refused.
 import pytest
 from test_int8_quality import LICENCE, NUM_PROMPTS, PROMPTS_FROM, TOKENS, greedy_prefixes, perplexity_ratio
 
-from engine import LLM
-from kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
+from conveyor.engine import LLM
+from conveyor.kernels.cpu.dispatch import cpu_flags, has_bf16_hardware
 
 pytestmark = [
     pytest.mark.slow,

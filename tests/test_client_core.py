@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from clients import client_core as core
-from clients.errors import JobFailed, Timeout
-from clients.events import DoneEvent, ErrorEvent, TokenEvent
-from clients.keys import Keys
-from clients.protocol import encode_event
+from conveyor.clients import client_core as core
+from conveyor.clients.errors import JobFailed, Timeout
+from conveyor.clients.events import DoneEvent, ErrorEvent, TokenEvent
+from conveyor.clients.keys import Keys
+from conveyor.clients.protocol import encode_event
 
 
 class FakeClient:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from clients import (
+from conveyor.clients import (
     AsyncClient,
     CancelledEvent,
     Client,
@@ -31,8 +31,8 @@ from clients import (
     decode_job,
     encode_event,
 )
-from clients.connection import ASYNC_POOL_SIZE, RedisSettings
-from clients.protocol import encode_event_data
+from conveyor.clients.connection import ASYNC_POOL_SIZE, RedisSettings
+from conveyor.clients.protocol import encode_event_data
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_unknown_kwarg_suggests_the_right_name(client):
 
 
 def test_submit_is_idempotent_per_job_id(client):
-    from clients import JobConflict
+    from conveyor.clients import JobConflict
 
     first = client.submit("x", job_id="same")
     second = client.submit("x", job_id="same")
@@ -408,7 +408,7 @@ def _repo_root():
 
 
 def test_embedded_valkey_restart_keeps_data_and_port(tmp_path):
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     with EmbeddedValkey(tmp_path / "data") as server:
         url = server.url

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from clients import Client
+from conveyor.clients import Client
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose"
 REPO_ROOT = COMPOSE.parent
@@ -309,7 +309,7 @@ def password_server(tmp_path, secret_file, password_flag):
     """A Valkey of its own that requires the secret's password, as the redis service does."""
     import redis
 
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     password = secret_file.read_text().strip()
     server = EmbeddedValkey(tmp_path / "valkey", password=password).start()
@@ -462,7 +462,7 @@ def test_gateway_command_passes_its_healthcheck_with_the_secret(compose, tmp_pat
     """The compose command itself, on a Valkey that requires the secret's password."""
     if "--redis-password-file" not in gateway_help():
         pytest.skip("`conveyor gateway --help` does not list --redis-password-file yet (being written)")
-    from actors.embedded_valkey import EmbeddedValkey
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
 
     password = secret_file.read_text().strip()
     server = EmbeddedValkey(tmp_path / "valkey", password=password).start()
@@ -561,10 +561,41 @@ def test_the_build_context_leaves_out_the_venv_git_data_secrets_and_caches():
     ):
         assert not sent_to_the_builder(path), f"{path} would be sent to the builder"
     dockerfile = (COMPOSE / "Dockerfile").read_text()
-    for sources in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", dockerfile, re.M):
+    for sources in re.findall(r"^COPY (?!.*--from=)(?:--\S+ )*(.+) \S+$", dockerfile, re.M):
         for source in sources.split():
             assert sent_to_the_builder(source), f"COPY {source}: left out of the build context"
             assert sent_to_the_builder(f"{source}/x.py") or (REPO_ROOT / source).is_file()
+
+
+def dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions, one list per FROM stage (continuation lines joined)."""
+    text = (COMPOSE / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("FROM "):
+            stages.append([])
+        if line and not line.startswith("#"):
+            stages[-1].append(line)
+    return stages
+
+
+def test_the_image_runs_the_installed_wheel_and_holds_no_copy_of_the_source():
+    """The first stage builds the wheel; the image installs it (all its programs) and copies
+    nothing else of the build context but the entrypoint, so its commands import Conveyor
+    from site-packages only (the wheel-install test runs what an installed wheel serves)."""
+    *builders, image = dockerfile_stages()
+    assert builders and any("pip wheel" in line for line in builders[0]), "a stage builds the wheel"
+    copies = [line for line in image if line.startswith("COPY ")]
+    from_builder = [line for line in copies if "--from=" in line]
+    from_context = [line.split()[-2] for line in copies if "--from=" not in line]
+    assert from_builder and from_context == ["compose/entrypoint.sh"], copies
+    runs = [line for line in image if line.startswith("RUN ")]
+    assert any(".whl" in line and "[all]" in line and "pip install" in line for line in runs), "installs the wheel"
+    workdir = [line.split()[1] for line in image if line.startswith("WORKDIR ")]
+    assert workdir and workdir[-1] not in ("/src", "/app"), "the commands do not start in a folder of sources"
+    for folder in ("engine", "actors", "kernels", "clients", "gateway", "apps", "conveyor"):
+        assert not any(f" {folder} " in f" {line} " for line in copies), f"the image copies {folder}/"
 
 
 @pytest.fixture
@@ -617,7 +648,7 @@ def test_gateway_needs_api_keys_from_a_secret(compose):
     """Any container of the compose network reaches the gateway's 0.0.0.0: every request needs
     a key, read from a secret file kept out of git; the example's key is refused, and the
     command refuses to listen beyond loopback without keys at all."""
-    from gateway.tenants import load_grants
+    from conveyor.gateway.tenants import load_grants
 
     gateway = compose["services"]["gateway"]
     assert (
@@ -648,9 +679,9 @@ MONITORING = ("prometheus", "grafana")
 def exported_series() -> dict[str, set[str]]:
     """Every sample name the engine's and the gateway's /metrics can carry, with its labels
     (Prometheus adds `instance` and `job`), from the real metric objects."""
-    from actors.metrics import ReplicaMetrics
-    from gateway.app import Metrics
-    from gateway.queue_gauges import QueueCollector
+    from conveyor.actors.metrics import ReplicaMetrics
+    from conveyor.gateway.app import Metrics
+    from conveyor.gateway.queue_gauges import QueueCollector
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     series: dict[str, set[str]] = {}

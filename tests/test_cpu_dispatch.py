@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from kernels.cpu import dispatch
+from conveyor.kernels.cpu import dispatch
 
 ISA_FLAGS = [
     "avx2",
@@ -75,8 +75,8 @@ def test_kv_cache_dtype_choice(asked, dtype, backend, approximate_matmuls):
     """kv_cache_dtype: auto is the model's dtype, but bfloat16 beside a bf16 copy on the CPU's
     torch backend; bfloat16 under float32 activations only there; any other mismatch is refused,
     naming the field."""
-    from engine.config import EngineConfig
-    from engine.model_runner import resolve_kv_cache_dtype
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.model_runner import resolve_kv_cache_dtype
 
     config = EngineConfig(kv_cache_dtype=asked)
     mixed_ok = backend == "torch" and dtype == torch.float32
@@ -92,7 +92,7 @@ def test_kv_cache_dtype_choice(asked, dtype, backend, approximate_matmuls):
 
 
 def test_kv_cache_dtype_names_the_field_and_the_choices():
-    from engine.config import EngineConfig
+    from conveyor.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match=r"kv_cache_dtype: must be one of \('auto', 'float32', 'bfloat16'\)"):
         EngineConfig(kv_cache_dtype="fp8")
@@ -101,8 +101,8 @@ def test_kv_cache_dtype_names_the_field_and_the_choices():
 def test_gguf_kernel_mode_per_quantization_and_cpu():
     """What each quantization asks of a GGUF layer; gguf_bf16 is refused, naming the field,
     where bf16 would be emulated."""
-    from engine.errors import ModelLoadError
-    from engine.models.loader import gguf_kernel_mode
+    from conveyor.engine.errors import ModelLoadError
+    from conveyor.engine.models.loader import gguf_kernel_mode
 
     avx2 = frozenset({"avx2", "fma"})
     zen5 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}

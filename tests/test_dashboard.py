@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
-from clients import Client
-from clients.keys import Keys
+from conveyor.clients import Client
+from conveyor.clients.keys import Keys
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -189,7 +189,7 @@ def test_a_tenant_key_sees_only_its_namespace_and_cannot_act(redis_url, keys_fil
 
 
 def test_conveyor_dashboard_serves_the_page_without_the_api(redis_url, tmp_path):
-    program = (sys.executable, "-m", "gateway.dashboard")
+    program = (sys.executable, "-m", "conveyor.gateway.dashboard")
     with GatewayProcess(redis_url, tmp_path, "dash-alone", entry=program) as dashboard:
         assert httpx.get(f"{dashboard.url}/dashboard").status_code == 200
         assert httpx.get(f"{dashboard.url}/dashboard/api/overview").json()["namespace"] == "dash-alone"

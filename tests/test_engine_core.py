@@ -14,9 +14,9 @@ import psutil
 import pytest
 from fault_harness import JobLedger, spawner_fixture, start_all, wait_until
 
-from clients import Client
-from engine import LLM, SamplingParams
-from engine.errors import ModelLoadError
+from conveyor.clients import Client
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.errors import ModelLoadError
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def core_of(replica) -> psutil.Process:
 
     def find():
         children = psutil.Process(replica.pid).children()
-        return next((c for c in children if "engine.engine_core" in " ".join(c.cmdline())), None)
+        return next((c for c in children if "conveyor.engine.engine_core" in " ".join(c.cmdline())), None)
 
     return wait_until(find, 30, f"the engine core process of {replica.consumer}")
 
@@ -104,8 +104,8 @@ def test_a_dead_core_stops_its_replica_and_another_finishes_the_jobs(spawn, tiny
 
 
 def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
-    from actors.engine_client import EngineCoreClient
-    from engine import EngineConfig
+    from conveyor.actors.engine_client import EngineCoreClient
+    from conveyor.engine import EngineConfig
 
     started = time.monotonic()
     with pytest.raises(ModelLoadError, match="model") as in_core:
@@ -121,8 +121,8 @@ def test_a_model_that_cannot_load_fails_as_in_process(tmp_path):
 def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
     from transformers import AutoTokenizer
 
-    from engine.grammar_compiler import GrammarCompiler
-    from engine.structured_outputs import StructuredOutputsParams
+    from conveyor.engine.grammar_compiler import GrammarCompiler
+    from conveyor.engine.structured_outputs import StructuredOutputsParams
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     sender = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id or 0})
@@ -137,8 +137,8 @@ def test_a_compiled_grammar_crosses_processes_and_is_adopted_once(tiny_model):
 
 
 def test_a_load_error_that_cannot_be_pickled_still_reaches_the_front_door():
-    from engine.engine_core import portable
-    from engine.errors import InvalidRequest
+    from conveyor.engine.engine_core import portable
+    from conveyor.engine.errors import InvalidRequest
 
     unpicklable = InvalidRequest("model", "whatever went wrong")  # its __init__ takes two arguments
     with pytest.raises(TypeError):

@@ -4,8 +4,8 @@ float32) for every supported architecture, under every scheduling regime."""
 import pytest
 from model_factory import ARCHS, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
-from engine import LLM, SamplingParams
-from engine.models.decoder_layout import decoder_layout
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.models.decoder_layout import decoder_layout
 
 NUM_PROMPTS = 12
 REGIMES = {

@@ -20,10 +20,10 @@ from model_factory import build_tiny_model
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
-from actors.messages import HeldJobs, ReadEntry, Reclaimed
-from clients import Client
-from clients.errors import ConveyorError, JobCancelled, JobFailed
-from clients.keys import GROUP
+from conveyor.actors.messages import HeldJobs, ReadEntry, Reclaimed
+from conveyor.clients import Client
+from conveyor.clients.errors import ConveyorError, JobCancelled, JobFailed
+from conveyor.clients.keys import GROUP
 
 LONG = 1000  # tokens: 0.6-2 s on the tiny model, long enough to act on a running job
 BLOCKER = 4000  # tokens: a blocker must outlast a test's waits even on a fast CPU (cancelled after)
@@ -306,7 +306,7 @@ def test_reclaim_racing_the_previous_owners_finish_does_not_run_the_job_again(re
 
 
 def test_serve_num_kv_blocks_flag_reaches_the_engine_as_an_int(tiny_model):
-    from actors.cli import _add_engine_options, build_engine
+    from conveyor.actors.cli import _add_engine_options, build_engine
 
     parser = argparse.ArgumentParser()
     _add_engine_options(parser)

@@ -20,7 +20,7 @@ from fault_harness import (
 )
 from model_factory import build_tiny_model
 
-from clients import Client
+from conveyor.clients import Client
 
 LEASE_S = 2.0
 

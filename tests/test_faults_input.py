@@ -19,10 +19,10 @@ from fault_harness import JobLedger, check_attempt_sequences, record, spawner_fi
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from clients import Client
-from clients.errors import ProtocolError, QueueFull
-from clients.keys import Keys
-from clients.protocol import JobRequest, decode_job
+from conveyor.clients import Client
+from conveyor.clients.errors import ProtocolError, QueueFull
+from conveyor.clients.keys import Keys
+from conveyor.clients.protocol import JobRequest, decode_job
 
 MB = 1024 * 1024
 

@@ -18,9 +18,9 @@ from fault_harness import JobLedger, check_attempt_sequences, raw_job, record, s
 from model_factory import build_tiny_model
 from scratch import scratch_namespace
 
-from clients import Client
-from clients.errors import JobCancelled, JobFailed
-from clients.keys import Keys
+from conveyor.clients import Client
+from conveyor.clients.errors import JobCancelled, JobFailed
+from conveyor.clients.keys import Keys
 
 LEASE_S = 2.0
 MAX_DELIVERIES = 2

@@ -19,8 +19,8 @@ from fault_harness import (
 )
 from model_factory import build_tiny_model
 
-from clients import Client
-from clients.keys import Keys
+from conveyor.clients import Client
+from conveyor.clients.keys import Keys
 
 LEASE_S = 3.0
 

@@ -19,8 +19,8 @@ from fault_harness import (
     wait_until,
 )
 
-from clients import Client
-from clients.keys import Keys
+from conveyor.clients import Client
+from conveyor.clients.keys import Keys
 
 GRACE_S = 2.0
 LEASE_S = 4.0
@@ -124,7 +124,7 @@ def test_actor_stop_stops_an_actor_that_is_talking_to_redis(redis_url):
 
     import redis.asyncio as aioredis
 
-    from actors.base import Actor
+    from conveyor.actors.base import Actor
 
     class Chatty(Actor):
         """An actor whose loop is all Redis round trips, like the ingest and lease actors."""

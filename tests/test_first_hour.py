@@ -114,7 +114,7 @@ class Walk:
         )
 
     def start_gateway(self, port: int) -> None:
-        log = open(self.root / "gateway.log", "ab")
+        log = open(self.root / "conveyor.gateway.log", "ab")
         self.gateway = subprocess.Popen(
             [str(CONVEYOR), "gateway", "--port", str(port), "--log-level", "warning"],
             stdout=log,
@@ -159,7 +159,7 @@ def test_serve_keeps_its_data_in_the_user_folder_and_prints_what_to_run_next(wal
     assert (walk.data_dir / "password").stat().st_mode & 0o077 == 0
     assert list(walk.serve_dir.iterdir()) == [], "serve wrote into the folder it was started in"
     text = walk.serve_text()
-    for line in ('submit "Tell me a joke" --stream', " status", "gateway --port 8000", "from clients import Client"):
+    for line in ('submit "Tell me a joke" --stream', " status", "gateway --port 8000", "from conveyor.clients import Client"):
         assert line in text, f"serve's start message lacks {line!r}:\n{text[:3000]}"
 
 
@@ -198,7 +198,7 @@ def test_status_and_batch_from_another_folder(walk):
 def test_client_and_async_client_with_no_arguments(walk, local_env):
     import asyncio
 
-    from clients import AsyncClient, Client
+    from conveyor.clients import AsyncClient, Client
 
     with Client() as client:
         assert client.submit(prompt="Hello", max_tokens=2).result(timeout=COMMAND_S).finish_reason in ("length", "stop")
@@ -352,7 +352,7 @@ def chat_once(client) -> bool:
 
 
 def test_the_gateway_answers_again_soon_after_serve_restarts_and_old_results_stay(walk, local_env):
-    from clients import Client
+    from conveyor.clients import Client
 
     port = free_port()
     walk.start_gateway(port)

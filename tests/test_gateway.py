@@ -23,11 +23,11 @@ from fault_harness import JobLedger, ServeProcess, check_attempt_sequences, wait
 from gateway_harness import LIGHT_GATEWAY, REPO_ROOT, GatewayProcess, GatewayThread, async_openai_client, openai_client
 from model_factory import build_tiny_model
 
-from clients import Client
-from clients.events import TokenEvent
-from clients.keys import GROUP, Keys
-from gateway.streaming import BadLogprobs, Relay, StreamDiverged, checked_logprobs
-from gateway.tenants import KeyRing, load_grants, parse_key_list, read_keys_file
+from conveyor.clients import Client
+from conveyor.clients.events import TokenEvent
+from conveyor.clients.keys import GROUP, Keys
+from conveyor.gateway.streaming import BadLogprobs, Relay, StreamDiverged, checked_logprobs
+from conveyor.gateway.tenants import KeyRing, load_grants, parse_key_list, read_keys_file
 
 MODEL = "tiny"
 MAIN_KEY, BATCH_KEY, EMPTY_KEY = "sk-main-0123", "sk-batch-4567", "sk-empty-89ab"
@@ -86,7 +86,7 @@ class Stack:
 
     def expected(self, prompt, **sampling):
         """The offline engine's output for a prompt (text, or token ids)."""
-        from engine import SamplingParams
+        from conveyor.engine import SamplingParams
 
         params = SamplingParams(**{"temperature": 0.0, **sampling})
         return self.offline.generate([prompt], params, use_tqdm=False)[0]
@@ -108,7 +108,7 @@ class Stack:
 def _offline_engine(model_dir):
     import torch
 
-    from engine import LLM
+    from conveyor.engine import LLM
 
     torch.set_num_threads(1)
     return LLM(model_dir)

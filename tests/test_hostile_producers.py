@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from scratch import scratch_namespace
 
-from clients import Client
-from clients.errors import InvalidJob, QueueFull
-from clients.events import decode_event
-from clients.keys import Keys
-from engine import LLM, SamplingParams
+from conveyor.clients import Client
+from conveyor.clients.errors import InvalidJob, QueueFull
+from conveyor.clients.events import decode_event
+from conveyor.clients.keys import Keys
+from conveyor.engine import LLM, SamplingParams
 
 MB = 1024 * 1024
 NORMAL = {"prompt": "def main():", "max_tokens": 6, "temperature": 0}
@@ -328,8 +328,8 @@ def test_entries_under_the_size_limit_are_bounded_in_bytes_in_flight(target):
 
 
 def test_dead_letters_are_listed_and_requeued_in_pages(target, capsys):
-    from actors.cli import main
-    from clients.dead_letters import iter_dead, requeue
+    from conveyor.actors.cli import main
+    from conveyor.clients.dead_letters import iter_dead, requeue
 
     count = target.raw.xlen(target.keys.dead)
     assert count > 0
@@ -422,8 +422,8 @@ def test_hostile_structured_outputs_and_n_fail_alone(target):
 
 
 def test_the_wire_states_the_engines_ranges():
-    from clients import limits as wire
-    from engine import sampling_limits as engine_limits
+    from conveyor.clients import limits as wire
+    from conveyor.engine import sampling_limits as engine_limits
 
     for name in engine_limits.SHARED_WITH_THE_WIRE:
         assert getattr(wire, name) == getattr(engine_limits, name), name
@@ -448,7 +448,7 @@ def test_the_wire_states_the_engines_ranges():
 )
 def test_the_protocol_accepts_exactly_what_the_engine_runs(field, value):
     """One range, one source: a value the protocol accepts is one the engine runs, and back."""
-    from clients.protocol import JobRequest
+    from conveyor.clients.protocol import JobRequest
 
     try:
         JobRequest(prompt="hi", **{field: value})

@@ -30,9 +30,9 @@ from fault_harness import wait_until
 from gateway_harness import GatewayProcess
 from replica_harness import ReplicaThread
 
-from actors.embedded_valkey import EmbeddedValkey
-from clients.keys import Keys
-from clients.openai_api.batch_runner import FairShare
+from conveyor.actors.embedded_valkey import EmbeddedValkey
+from conveyor.apps.openai_api.batch_runner import FairShare
+from conveyor.clients.keys import Keys
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PASSWORD = secrets.token_urlsafe(18)
@@ -633,7 +633,7 @@ def started_cluster(directory: Path, attempts: int = 3):
     is port + 10000, which Valkey refuses)."""
     from cluster_harness import ValkeyCluster
 
-    from actors.embedded_valkey import EmbeddedValkeyError
+    from conveyor.actors.embedded_valkey import EmbeddedValkeyError
 
     for attempt in range(attempts):
         cluster = ValkeyCluster(directory / f"try{attempt}", masters=1)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from test_kernels import GGUF_TYPES, gguf_packed
 
-from kernels.cpu import extension
-from kernels.cpu.dispatch import cpu_flags, int8_dot_isa
-from kernels.quant import BLOCK, dequantize
+from conveyor.kernels.cpu import extension
+from conveyor.kernels.cpu.dispatch import cpu_flags, int8_dot_isa
+from conveyor.kernels.quant import BLOCK, dequantize
 
 kernels = extension.load()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.int8_dot_isas(), reason="no AVX2 int8 kernels here")
@@ -107,7 +107,7 @@ def skip_unless_runs(isa: str) -> None:
 def test_repacked_blocks_hold_the_same_weights(type_name):
     """repack_for_int8_gemm's values, scales and offsets rebuild the dequantized weight
     exactly (w = d u + o per block and column), so the GEMM multiplies the file's weights."""
-    from kernels.quant import repack_for_int8_gemm
+    from conveyor.kernels.quant import repack_for_int8_gemm
 
     packed, dense = gguf_packed(type_name, 48, 96, seed=4)
     values, scales, offsets = repack_for_int8_gemm(packed)
@@ -130,7 +130,7 @@ def test_int8_gemm_matches_the_integer_reference(isa, type_name, rows):
     within float32 rounding of the float64 integer reference, every tile size of rows (8 or
     4 and the tails) and with or without a bias; so also within it of the row-by-row dots.
     x reaches +-127 in every block, the AVX2 variant's int16 sums' worst case for 4-bit."""
-    from kernels.quant import repack_for_int8_gemm
+    from conveyor.kernels.quant import repack_for_int8_gemm
 
     skip_unless_runs(isa)
 
@@ -156,7 +156,7 @@ def test_int8_gemm_at_the_largest_integer_sums(isa, type_name):
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from kernels.quant import pack_gguf_blocks, repack_for_int8_gemm
+    from conveyor.kernels.quant import pack_gguf_blocks, repack_for_int8_gemm
 
     skip_unless_runs(isa)
     qtype = GGMLQuantizationType[type_name]
@@ -174,7 +174,7 @@ def test_int8_gemm_at_the_largest_integer_sums(isa, type_name):
 
 @gemm_isa
 def test_int8_gemm_zero_rows_blocks_and_bad_calls(isa):
-    from kernels.quant import repack_for_int8_gemm
+    from conveyor.kernels.quant import repack_for_int8_gemm
 
     skip_unless_runs(isa)
     packed, _ = gguf_packed("Q4_1", 16, 64, seed=0)
@@ -193,9 +193,9 @@ def test_int8_gemm_zero_rows_blocks_and_bad_calls(isa):
 def test_cpu_linear_in_int8_mode_runs_the_gemm_on_every_row_count():
     """quantization="gguf_int8": the layer holds the repacked copy and serves 1 to 100 rows
     from it; a width that is not a multiple of 16 keeps the row dots for few rows."""
-    from kernels.cpu.dispatch import INT8_MAX_ROWS
-    from kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
-    from kernels.quant import QuantLinear
+    from conveyor.kernels.cpu.dispatch import INT8_MAX_ROWS
+    from conveyor.kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
+    from conveyor.kernels.quant import QuantLinear
 
     wide, _ = gguf_packed("Q4_1", 32, 64, seed=1)
     odd, odd_dense = gguf_packed("Q4_1", 40 - 1, 64, seed=2)

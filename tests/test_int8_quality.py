@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 LICENCE = Path("/usr/share/common-licenses/GPL-3")
 PROMPTS_FROM = Path("/usr/share/common-licenses/Apache-2.0")
@@ -37,8 +37,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engines():
-    from kernels.cpu import dispatch
-    from kernels.cpu.linear import CpuLinear
+    from conveyor.kernels.cpu import dispatch
+    from conveyor.kernels.cpu.linear import CpuLinear
 
     options = dict(dtype="float32", device="cpu", kv_cache_memory="128MiB", seed=0, max_num_seqs=NUM_PROMPTS)
     default_rows = dispatch.INT8_MAX_ROWS
@@ -106,7 +106,7 @@ def test_int8_activations_keep_greedy_tokens(engines):
 
 
 def test_int8_tokens_do_not_depend_on_the_batch(engines):
-    from kernels.cpu import dispatch
+    from conveyor.kernels.cpu import dispatch
 
     int8, _ = engines
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from clients import job_record
-from clients.job_record import ANY, FINAL_STATUSES, HAND_BACK_LUA, REQUEUE_LUA, START_LUA, TRANSITIONS, Status
-from clients.keys import Keys
+from conveyor.clients import job_record
+from conveyor.clients.job_record import ANY, FINAL_STATUSES, HAND_BACK_LUA, REQUEUE_LUA, START_LUA, TRANSITIONS, Status
+from conveyor.clients.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 STATUSES = {value for name, value in vars(Status).items() if not name.startswith("_")}
@@ -37,7 +37,7 @@ def test_one_writer_per_transition():
 def test_no_other_module_writes_a_job_status():
     # the gateway's own batch hashes, and the Responses API's response objects (their own `status`)
     batch_records = {"batch_store.py", "batch_runner.py", "batch_routes.py", "responses.py"}
-    for path in [*REPO.glob("actors/*.py"), *REPO.glob("clients/**/*.py"), *REPO.glob("gateway/*.py")]:
+    for path in [*REPO.glob("actors/*.py"), *REPO.glob("clients/**/*.py"), *REPO.glob("apps/**/*.py"), *REPO.glob("gateway/*.py")]:
         if path.name == "job_record.py" or path.name in batch_records:
             continue
         assert not STATUS_WRITE.search(path.read_text()), f"{path} writes a job status itself"

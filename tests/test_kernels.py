@@ -4,15 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import (
+from conveyor.kernels.attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
     prefill_attention,
     write_kv_cache,
 )
-from kernels.cpu import extension
-from kernels.cpu.linear import CpuLinear, pack_linears, row_bucket
-from kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
+from conveyor.kernels.cpu import extension
+from conveyor.kernels.cpu.linear import CpuLinear, pack_linears, row_bucket
+from conveyor.kernels.sampling import apply_top_k_top_p_min_p, sample_with_noise
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS = 6, 2, 16, 4, 40
 
@@ -93,7 +93,7 @@ def test_decode_attention_kernel_matches_the_reference_on_every_shape(heads, kv_
 def test_rotary_and_cache_writes_a_bfloat16_cache_as_the_float32_one_rounded():
     """The fused rotary + cache write stores bf16 where the cache is bf16: the float32 cache's
     values rounded to nearest; q and k rotate the same either way."""
-    from kernels.layer_ops import rotary_and_cache
+    from conveyor.kernels.layer_ops import rotary_and_cache
 
     gen = torch.Generator().manual_seed(3)
     tokens, heads, kv_heads, dim = 5, 4, 2, 32
@@ -211,7 +211,7 @@ def gguf_packed(type_name: str, out_features: int, in_features: int, seed: int):
     from gguf.quants import dequantize as gguf_dequantize
     from gguf.quants import quantize
 
-    from kernels.quant import pack_gguf_blocks
+    from conveyor.kernels.quant import pack_gguf_blocks
 
     qtype = GGMLQuantizationType[type_name]
     weight = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
@@ -222,7 +222,7 @@ def gguf_packed(type_name: str, out_features: int, in_features: int, seed: int):
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_packed_gguf_blocks_dequantize_like_gguf_py(type_name):
     """Bit for bit, in the torch reference and the compiled kernel."""
-    from kernels.quant import dequantize
+    from conveyor.kernels.quant import dequantize
 
     packed, expected = gguf_packed(type_name, 37, 96, seed=1)
     assert torch.equal(dequantize(packed), expected)
@@ -269,7 +269,7 @@ def test_quantized_linear_tiles_shared_or_per_thread(type_name, per_thread):
 
 @pytest.mark.parametrize("rows", [1, 2, 12])
 def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
-    from kernels.quant import QuantLinear
+    from conveyor.kernels.quant import QuantLinear
 
     packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
     gen = torch.Generator().manual_seed(rows)
@@ -277,7 +277,7 @@ def test_cpu_linear_over_packed_blocks_and_the_torch_reference(rows):
     reference = QuantLinear(packed, torch.nn.Parameter(bias))
     torch.testing.assert_close(reference(x), F.linear(x, dense, bias), atol=2e-5, rtol=1e-5)
     module = torch.nn.Sequential(reference)
-    from kernels.cpu.linear import swap_linears
+    from conveyor.kernels.cpu.linear import swap_linears
 
     swap_linears(module)
     pack_linears(module, extension.load())
@@ -309,9 +309,9 @@ def test_cpu_linear_batch_copy_serves_many_rows(mode, rows):
     oneDNN copy of the dequantized weight more: float32, equal to the dequantized model up to
     summation order; bfloat16 (weights and x rounded to bf16, float32 sums), within what bf16's
     rounding of both factors can move each output."""
-    from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows
-    from kernels.cpu.linear import swap_linears
-    from kernels.quant import QuantLinear
+    from conveyor.kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows
+    from conveyor.kernels.cpu.linear import swap_linears
+    from conveyor.kernels.quant import QuantLinear
 
     packed, dense = gguf_packed("Q4_1", 48, 64, seed=rows)
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
@@ -342,9 +342,9 @@ def test_a_bf16_output_product_feeds_silu_and_the_next_layer(rows):
     """A gate_up-like CpuLinear (``bf16_output``) on its bf16 copy hands bf16 to silu_and_mul,
     whose bf16 result the next CpuLinear takes as it is; on the blocks both stay float32. The
     chain stays within bf16's rounding of the float32 one."""
-    from kernels.cpu.linear import swap_linears
-    from kernels.layer_ops import silu_and_mul
-    from kernels.quant import QuantLinear
+    from conveyor.kernels.cpu.linear import swap_linears
+    from conveyor.kernels.layer_ops import silu_and_mul
+    from conveyor.kernels.quant import QuantLinear
 
     gate_up, gate_up_dense = gguf_packed("Q4_1", 128, 64, seed=1)
     down, down_dense = gguf_packed("Q4_1", 64, 64, seed=2)
@@ -371,7 +371,7 @@ def test_add_rms_norm_takes_a_bf16_product_into_the_float32_stream(x_dtype):
     """o_proj's and down_proj's bf16 products (``BF16_OUTPUT_LINEARS``) go into add_rms_norm as
     they are: the float32 residual gains them exactly (as float32 adds), and the norm is
     written back into x in x's dtype, within one bf16 rounding of the float32 norm."""
-    from kernels.layer_ops import add_rms_norm, rms_norm_reference
+    from conveyor.kernels.layer_ops import add_rms_norm, rms_norm_reference
 
     if extension.load() is None:
         pytest.skip("no compiled CPU kernels on this machine")
@@ -390,8 +390,8 @@ def test_add_rms_norm_takes_a_bf16_product_into_the_float32_stream(x_dtype):
 def test_a_float32_layer_reads_a_bf16_product_as_float32():
     """A layer without a bf16 copy (a dense float32 weight, or GGUF blocks alone) behind a
     bf16_output one widens the bf16 x it gets and answers float32."""
-    from kernels.cpu.linear import swap_linears
-    from kernels.quant import QuantLinear
+    from conveyor.kernels.cpu.linear import swap_linears
+    from conveyor.kernels.quant import QuantLinear
 
     packed, dense = gguf_packed("Q4_1", 48, 64, seed=5)
     model = torch.nn.Module()

@@ -1,7 +1,8 @@
 """The dependency direction of docs/architecture.md, read from every file's imports with
 ``ast`` (lazy imports inside functions count): folders only import down the map
-(clients <- actors -> engine -> kernels), no two files import each other in a circle, and
-the light client loads neither torch nor the HTTP gateway's server."""
+(clients <- apps <- gateway; clients <- actors -> engine -> kernels), every import of the
+project goes through the one root `conveyor`, no two files import each other in a circle,
+and the light client loads neither torch nor the HTTP gateway's server."""
 
 import ast
 import subprocess
@@ -9,19 +10,28 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("clients", "gateway", "actors", "engine", "kernels")
-ALLOWED = {  # folder -> the folders its files may import
+FOLDERS = ("conveyor", "clients", "apps", "gateway", "actors", "engine", "kernels")
+ALLOWED = {  # folder -> the folders its files may import (`conveyor` is the root package's own files)
     "kernels": {"kernels"},
     "engine": {"engine", "kernels"},
     "clients": {"clients"},
-    "gateway": {"gateway", "clients"},
+    "apps": {"apps", "clients"},
+    "gateway": {"gateway", "apps", "clients"},
     "actors": {"actors", "clients", "engine"},
+    "conveyor": set(FOLDERS),  # the `conveyor` command's room and the lazy `from conveyor import LLM`
 }
 
 
 def module_name(path: Path) -> str:
+    """The installed name: each folder is a subpackage of `conveyor` (pyproject's package-dir)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(parts if parts[0] == "conveyor" else ["conveyor", *parts])
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FOLDERS else "conveyor"
 
 
 def project_modules() -> dict[str, Path]:
@@ -62,8 +72,23 @@ def test_folders_import_only_down_the_map():
         f"{name} imports {target}"
         for name, targets in import_graph().items()
         for target in targets
-        if target.split(".")[0] not in ALLOWED[name.split(".")[0]]
+        if folder_of(target) not in ALLOWED[folder_of(name)]
     ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_import_of_the_project_goes_through_the_conveyor_root():
+    """`import engine` would find the checkout's folder (not the installed package) and load
+    a second copy of the code: no file of the product, its tests or benchmarks does it."""
+    roots = set(FOLDERS) - {"conveyor"}
+    files = [p for folder in (*FOLDERS, "tests", "benchmarks", "scripts") for p in sorted((ROOT / folder).rglob("*.py"))]
+    wrong = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in roots]
     assert not wrong, "\n".join(wrong)
 
 
@@ -123,9 +148,11 @@ def test_no_import_circle_between_files():
 
 def test_the_light_client_loads_neither_torch_nor_the_gateway_server():
     code = (
-        "import sys, clients, clients.cli, clients.client, clients.async_client; "
+        "import sys, conveyor, conveyor.clients, conveyor.clients.cli, conveyor.clients.client, "
+        "conveyor.clients.async_client, conveyor.cli; "
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'fastapi', "
-        "'uvicorn', 'starlette', 'gateway', 'engine', 'actors', 'kernels')); print(heavy); sys.exit(bool(heavy))"
+        "'uvicorn', 'starlette') or m.split('.')[:2] in (['conveyor', f] for f in ('gateway', 'engine', 'actors', "
+        "'kernels', 'apps'))); print(heavy); sys.exit(bool(heavy))"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -7,10 +7,10 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from actors.base import Actor
-from actors.config import ReplicaConfig
-from actors.ledger import JobLedger
-from actors.messages import (
+from conveyor.actors.base import Actor
+from conveyor.actors.config import ReplicaConfig
+from conveyor.actors.ledger import JobLedger
+from conveyor.actors.messages import (
     AbortJob,
     CancelRequest,
     Delivery,
@@ -23,9 +23,9 @@ from actors.messages import (
     Release,
     WantCredits,
 )
-from actors.streams import Streams
-from clients.job_record import START_LUA
-from clients.keys import GROUP, Keys
+from conveyor.actors.streams import Streams
+from conveyor.clients.job_record import START_LUA
+from conveyor.clients.keys import GROUP, Keys
 
 WAIT_S = 5.0
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from actors.embedded_valkey import EmbeddedValkey, EmbeddedValkeyError
-from clients import AsyncClient, Client
-from clients.connection import NoServerFound, resolve_settings
-from clients.local_server import default_data_dir
+from conveyor.actors.embedded_valkey import EmbeddedValkey, EmbeddedValkeyError
+from conveyor.clients import AsyncClient, Client
+from conveyor.clients.connection import NoServerFound, resolve_settings
+from conveyor.clients.local_server import default_data_dir
 
 
 @pytest.fixture

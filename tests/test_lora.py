@@ -31,7 +31,7 @@ def merged_greedy(model_dir: str, adapter_dir: str | None, tokenizer) -> list[li
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from engine import LLM, LoRARequest
+    from conveyor.engine import LLM, LoRARequest
 
     root = tmp_path_factory.mktemp("lora")
     model_dir = build_tiny_model("llama", root / "model")
@@ -46,7 +46,7 @@ def setup(tmp_path_factory):
 
 
 def greedy(llm, lora, prompts=PROMPTS):
-    from engine import SamplingParams
+    from conveyor.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
@@ -70,7 +70,7 @@ def test_a_batch_mixing_adapters_and_the_base_equals_each_alone(setup):
 
 
 def test_one_slot_serves_two_adapters_in_turn(setup):
-    from engine import LLM
+    from conveyor.engine import LLM
 
     model_dir, _, llm, requests = setup
     expected = greedy(llm, [requests["a"], requests["b"], requests["a"]], PROMPTS)
@@ -80,7 +80,7 @@ def test_one_slot_serves_two_adapters_in_turn(setup):
 
 
 def test_bad_adapter_requests_fail_alone(setup, tmp_path):
-    from engine import LLM, LoRARequest, SamplingParams
+    from conveyor.engine import LLM, LoRARequest, SamplingParams
 
     model_dir, adapters, llm, requests = setup
     params = SamplingParams(temperature=0.0, max_tokens=2)
@@ -100,7 +100,7 @@ def test_an_adapter_on_a_bf16_product_adds_a_float_delta():
     """Behind a bf16 copy (dtype=auto on bf16 hardware) a projection's x and product may be
     bfloat16 (kernels/cpu/linear.py ``bf16_output``): the adapter's delta is computed from x
     widened to the adapter's float32 and added into the product."""
-    from engine.lora.layers import LoRABatch, LoRALinear
+    from conveyor.engine.lora.layers import LoRABatch, LoRALinear
 
     gen = torch.Generator().manual_seed(0)
     base = torch.nn.Linear(16, 8, bias=False)

@@ -80,8 +80,8 @@ def test_the_engines_rotary_frequencies_are_the_families_own(model_dirs, arch):
     they must stay what that module's RotaryEmbedding computes (default and llama3 rope)."""
     import importlib
 
-    from engine.models.layers import RotaryEmbedding
-    from engine.models.llama import rotary_for
+    from conveyor.engine.models.layers import RotaryEmbedding
+    from conveyor.engine.models.llama import rotary_for
 
     config = load_model(model_dirs[arch]).config
     (architecture,) = config.architectures

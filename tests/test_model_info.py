@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from clients import AsyncClient, Client, ProtocolError, cli
-from clients.keys import Keys
-from clients.model_info import (
+from conveyor.clients import AsyncClient, Client, ProtocolError, cli
+from conveyor.clients.keys import Keys
+from conveyor.clients.model_info import (
     ModelInfo,
     ModelNotPublished,
     fetch_model_info,
@@ -23,7 +23,7 @@ from clients.model_info import (
     wait_for_model_info,
     wait_for_model_info_async,
 )
-from clients.token_counter import TokenCounter
+from conveyor.clients.token_counter import TokenCounter
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
@@ -52,7 +52,7 @@ RICH_TEMPLATE = (
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from engine.models.loader import resolve_model_dir
+    from conveyor.engine.models.loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, howev
 
 from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_prompts  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
 
 KV = "64MiB"
 BLOCK = 16

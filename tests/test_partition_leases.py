@@ -15,10 +15,10 @@ import redis.asyncio as aioredis
 from fault_harness import spawner_fixture, start_all, wait_until
 from replica_harness import ReplicaThread
 
-from actors.streams import Streams
-from clients import Client
-from clients.connection import RedisSettings
-from clients.keys import Keys
+from conveyor.actors.streams import Streams
+from conveyor.clients import Client
+from conveyor.clients.connection import RedisSettings
+from conveyor.clients.keys import Keys
 
 PARTITIONS = 4
 LEASE_S = 1.5

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients.errors import InvalidJob, ProtocolError
-from clients.protocol import (
+from conveyor.clients.errors import InvalidJob, ProtocolError
+from conveyor.clients.protocol import (
     MAX_PROMPT_CHARS,
     CancelledEvent,
     DoneEvent,

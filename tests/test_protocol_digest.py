@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients import AsyncClient, Client, InvalidJob, QueueFull, decode_job
-from clients.job_record import SUBMIT_LUA
-from clients.keys import Keys
-from clients.protocol import (
+from conveyor.clients import AsyncClient, Client, InvalidJob, QueueFull, decode_job
+from conveyor.clients.job_record import SUBMIT_LUA
+from conveyor.clients.keys import Keys
+from conveyor.clients.protocol import (
     DEFAULT_ONLY_DIGEST_FIELDS,
     DIGEST_FIELDS,
     OPTIONAL_DIGEST_FIELDS,
@@ -33,7 +33,7 @@ from clients.protocol import (
     digest_input,
     payload_digest,
 )
-from clients.submission import submit_args
+from conveyor.clients.submission import submit_args
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
 NODE = shutil.which("node")
@@ -447,7 +447,7 @@ def test_script_with_json_field_and_no_digest(client, raw):
 
 
 def test_reused_id_with_another_payload_is_a_conflict(client):
-    from clients import JobConflict
+    from conveyor.clients import JobConflict
 
     client.submit("x", job_id="c1", priority_class="batch")
     assert client.submit("x", job_id="c1").enqueued is False  # priority_class is not in the digest

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.models.loader import resolve_model_dir
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.models.loader import resolve_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_chat_matches_transformers_greedy(llm, hf):
 def test_gguf_blocks_are_kept_and_hold_each_weight_once(llm):
     """quantization="gguf" runs the model's Q4_1/Q8_0 tensors as GGUF blocks,
     with the tied head and the embedding sharing one Q8_0 table, and no float32 copies."""
-    from kernels.cpu.linear import CpuLinear
+    from conveyor.kernels.cpu.linear import CpuLinear
 
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, CpuLinear)]

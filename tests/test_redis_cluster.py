@@ -31,12 +31,12 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 from replica_harness import ReplicaThread, run_producers
 
-from clients import AsyncClient, Client
-from clients.cli import main as cli_main
-from clients.connection import RedisSettings
-from clients.dead_letters import requeue
-from clients.keys import Keys
-from engine import LLM, SamplingParams
+from conveyor.clients import AsyncClient, Client
+from conveyor.clients.cli import main as cli_main
+from conveyor.clients.connection import RedisSettings
+from conveyor.clients.dead_letters import requeue
+from conveyor.clients.keys import Keys
+from conveyor.engine import LLM, SamplingParams
 
 PARTITIONS = 3
 LEASE_S = 3.0
@@ -141,7 +141,7 @@ def test_queue_status_ignores_stream_names_no_partition_owns(redis_url, namespac
 def test_replica_reads_every_partition_interactive_first_starting_in_turn():
     import redis.asyncio as aioredis
 
-    from actors.streams import Streams
+    from conveyor.actors.streams import Streams
 
     keys = Keys.of("ns", cluster=True, partitions=PARTITIONS)
     streams = Streams(aioredis.Redis(), keys, "c", "m", max_entry_bytes=1000)  # no I/O until used

@@ -10,10 +10,10 @@ import redis
 from model_factory import mixed_prompts
 from replica_harness import ReplicaThread, run_producers
 
-from clients import Client
-from clients.errors import JobFailed
-from clients.keys import Keys
-from engine import LLM, SamplingParams
+from conveyor.clients import Client
+from conveyor.clients.errors import JobFailed
+from conveyor.clients.keys import Keys
+from conveyor.engine import LLM, SamplingParams
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 
@@ -246,8 +246,8 @@ def test_second_submission_of_a_job_id_runs_once_and_conflicts_are_parked(replic
 
 
 def test_replica_publishes_model_info_and_serves_its_model_streams(tiny_model, redis_url, namespace):
-    from clients.model_info import fetch_model_info
-    from clients.token_counter import TokenCounter
+    from conveyor.clients.model_info import fetch_model_info
+    from conveyor.clients.token_counter import TokenCounter
 
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
@@ -280,7 +280,7 @@ def _walk(value):
 
 
 def test_resubmitting_a_job_id_same_payload_shares_the_run_other_payload_conflicts(replica, redis_url, namespace):
-    from clients import JobConflict
+    from conveyor.clients import JobConflict
 
     first_producer = Client(redis_url, namespace=namespace)
     second_producer = Client(redis_url, namespace=namespace)

@@ -11,9 +11,9 @@ import redis
 from model_factory import mixed_prompts
 from replica_harness import ReplicaThread
 
-from clients import AsyncClient, Client, InvalidJob, JobCancelled, JobFailed
-from clients.keys import Keys
-from engine import LLM, SamplingParams
+from conveyor.clients import AsyncClient, Client, InvalidJob, JobCancelled, JobFailed
+from conveyor.clients.keys import Keys
+from conveyor.engine import LLM, SamplingParams
 
 ENGINE_OPTIONS = dict(max_num_seqs=16, max_num_batched_tokens=256)
 SAMPLED = dict(n=3, temperature=0.9, top_p=0.95, seed=11, max_tokens=12)

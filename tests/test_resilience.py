@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from actors import resilience
+from conveyor.actors import resilience
 
 
 def run_with_failures(failures: list[BaseException]):

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, howev
 
 from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_prompts  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
 
 KV = "64MiB"  # KV cache pool per engine: plenty for the tiny model, far below the 1 GiB default
 

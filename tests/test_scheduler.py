@@ -4,14 +4,14 @@ import time
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig
-from engine.finishing import StopRules
-from engine.outputs import CompletionOutput, RequestOutput, RequestTimestamps
-from engine.plan import StepResult
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from conveyor.engine.block_manager import BlockManager
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.finishing import StopRules
+from conveyor.engine.outputs import CompletionOutput, RequestOutput, RequestTimestamps
+from conveyor.engine.plan import StepResult
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence
 
 EOS = 1
 

@@ -32,11 +32,11 @@ import pytest
 import redis
 from fault_harness import CONVEYOR, REPO_ROOT, ServeProcess, stop_all, wait_until
 
-from actors.embedded_valkey import EmbeddedValkey
-from clients import Client, cli
-from clients.connection import RedisSettings, redact, resolve_settings
-from clients.errors import JobCancelled
-from clients.keys import Keys
+from conveyor.actors.embedded_valkey import EmbeddedValkey
+from conveyor.clients import Client, cli
+from conveyor.clients.connection import RedisSettings, redact, resolve_settings
+from conveyor.clients.errors import JobCancelled
+from conveyor.clients.keys import Keys
 
 ADMIN_PASSWORD = secrets.token_urlsafe(18)
 REPLICA_PASSWORD = secrets.token_urlsafe(18)

@@ -22,14 +22,14 @@ import torch
 from model_factory import VOCAB_SIZE, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
-from engine.finishing import StopRules
-from engine.plan import StepResult
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.drafter import speculates
-from engine.spec_decode.ngram_proposer import NgramProposer
+from conveyor.engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
+from conveyor.engine.finishing import StopRules
+from conveyor.engine.plan import StepResult
+from conveyor.engine.scheduler import Scheduler
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.spec_decode.config import SpeculativeConfig
+from conveyor.engine.spec_decode.drafter import speculates
+from conveyor.engine.spec_decode.ngram_proposer import NgramProposer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 KV = "64MiB"
@@ -109,7 +109,7 @@ def test_speculative_config_follows_vllm_defaults_and_checks():
 def test_speculation_runs_steps_one_at_a_time_and_is_a_serve_flag(monkeypatch):
     import argparse
 
-    from actors import cli
+    from conveyor.actors import cli
 
     config = EngineConfig(model="x", speculative_config=NGRAM)
     assert config.async_scheduling is False  # the replica then keeps one step in flight
@@ -260,9 +260,9 @@ def test_each_verified_position_sees_the_tokens_before_it():
     step of its own would. Every position has the same logits (token 0 best, then 1, ...);
     a big frequency penalty makes greedy take the best token not yet output, and token 0
     (a stop id) is banned until 2 tokens are out: one step at a time that is 1, 2, 0, 3, 4."""
-    from engine.model_runner import RunnerSeq
-    from engine.sampler import Sampler
-    from engine.spec_decode.verifier import verify
+    from conveyor.engine.model_runner import RunnerSeq
+    from conveyor.engine.sampler import Sampler
+    from conveyor.engine.spec_decode.verifier import verify
 
     vocab, prompt = 50, [40, 41]
     params = SamplingParams(temperature=0, frequency_penalty=10.0, min_tokens=2, stop_token_ids=[0])
@@ -544,7 +544,7 @@ def test_replica_speculates_and_reports_acceptance(llama, redis_url, namespace):
     time, and the acceptance counters on the replica's metrics."""
     from replica_harness import ReplicaThread
 
-    from clients import Client
+    from conveyor.clients import Client
 
     prompts = mixed_prompts(VOCAB_SIZE, n=5, seed=8, min_len=3, max_len=40)
     continuations = [hf_greedy(llama, p, 24, ignore_eos=True) for p in prompts]

@@ -21,10 +21,10 @@ from gateway_harness import GatewayThread, openai_client
 from model_factory import _load, mixed_prompts
 from replica_harness import ReplicaThread
 
-from clients import Client
-from clients.errors import JobFailed
-from clients.keys import Keys
-from engine import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams, grammar_compiler
+from conveyor.clients import Client
+from conveyor.clients.errors import JobFailed
+from conveyor.clients.keys import Keys
+from conveyor.engine import LLM, InvalidRequest, SamplingParams, StructuredOutputsParams, grammar_compiler
 
 MODEL = "tiny-structured"
 POINT = {
@@ -409,8 +409,8 @@ def test_params_are_checked_when_the_request_is_accepted(llm):
     ],
 )
 def test_the_wire_bounds_structured_outputs(structured_outputs, field, problem):
-    from clients.errors import InvalidJob
-    from clients.protocol import validate_job
+    from conveyor.clients.errors import InvalidJob
+    from conveyor.clients.protocol import validate_job
 
     with pytest.raises(InvalidJob) as failure:
         validate_job({"prompt": "hi", "structured_outputs": structured_outputs})

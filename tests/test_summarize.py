@@ -21,13 +21,13 @@ import redis
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
-from clients import AsyncClient, cli
-from clients.chunking import MIN_FILL
-from clients.documents import Document, load_documents
-from clients.keys import Keys
-from clients.model_info import ModelInfo, publish_model_info
-from clients.summarize import summarize_documents, summarize_documents_async
-from clients.summary_prompts import Prompts, SummarizeError, SummarizeOptions, job_id
+from conveyor.apps.documents.chunking import MIN_FILL
+from conveyor.apps.documents.documents import Document, load_documents
+from conveyor.apps.documents.summarize import summarize_documents, summarize_documents_async
+from conveyor.apps.documents.summary_prompts import Prompts, SummarizeError, SummarizeOptions, job_id
+from conveyor.clients import AsyncClient, cli
+from conveyor.clients.keys import Keys
+from conveyor.clients.model_info import ModelInfo, publish_model_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LICENCE = Path("/usr/share/common-licenses/LGPL-3")
@@ -42,7 +42,7 @@ REPLICA_OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=512, dtype="float3
 def info():
     from transformers import AutoTokenizer
 
-    from engine.models.loader import resolve_model_dir
+    from conveyor.engine.models.loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
     return ModelInfo.from_hf_tokenizer("smollm2", 8192, {2}, tokenizer)
@@ -320,7 +320,7 @@ def test_killed_pipeline_resumes_without_resubmitting(uninterrupted, redis_url, 
             [
                 sys.executable,
                 "-m",
-                "clients.cli",
+                "conveyor",
                 "summarize",
                 *map(str, texts),
                 "--out",

@@ -22,14 +22,14 @@ from summarize_docs import (
     scanned_pdf,
 )
 
-from clients.doc_formats import detect_format
-from clients.doc_layout import citation_label, citation_of, coordinates
-from clients.documents import Document, document_from_bytes, load_documents
-from clients.extract_worker import ExtractLimits, extract_isolated
-from clients.summary_points import deduplicated, finished, sources_of, without_repeats
-from clients.summary_prompts import Prompts, SummarizeOptions
-from clients.summary_report import render
-from clients.token_counter import TokenCounter
+from conveyor.apps.documents.doc_formats import detect_format
+from conveyor.apps.documents.doc_layout import citation_label, citation_of, coordinates
+from conveyor.apps.documents.documents import Document, document_from_bytes, load_documents
+from conveyor.apps.documents.extract_worker import ExtractLimits, extract_isolated
+from conveyor.apps.documents.summary_points import deduplicated, finished, sources_of, without_repeats
+from conveyor.apps.documents.summary_prompts import Prompts, SummarizeOptions
+from conveyor.apps.documents.summary_report import render
+from conveyor.clients.token_counter import TokenCounter
 
 BZIP2_MANUAL = Path("/usr/share/doc/bzip2/manual.html")
 WALL_BOUND_S = ExtractLimits().wall_s + 5  # the worker's wall limit, plus starting it on a busy machine
@@ -42,7 +42,7 @@ def squash(text: str) -> str:
 @pytest.fixture(scope="module")
 def counter():
     """SmolLM2's tokenizer and chat template, read as a light client reads them (no transformers)."""
-    from engine.models.loader import resolve_model_dir
+    from conveyor.engine.models.loader import resolve_model_dir
 
     folder = resolve_model_dir("smollm2")
     return TokenCounter.from_json(
@@ -234,7 +234,7 @@ def test_the_report_escapes_every_text_it_shows():
 
 
 def test_cli_refuses_bad_schema_files_and_needs_paths_or_watch(tmp_path, capsys):
-    from clients import cli
+    from conveyor.clients import cli
 
     base = ["summarize", "--out", str(tmp_path / "out"), "--redis-url", "redis://127.0.0.1:1", "--quiet"]
     assert cli.main(base) == cli.EXIT_USAGE

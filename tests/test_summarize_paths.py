@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clients import cli
-from clients.documents import (
+from conveyor.apps.documents.documents import (
     Document,
     UnsafeOutputPath,
     load_documents,
@@ -22,6 +21,7 @@ from clients.documents import (
     summary_path,
     write_outputs,
 )
+from conveyor.clients import cli
 
 SECRET = "TOP SECRET: must never reach the model"
 RECORD = {"status": "done"}
@@ -252,8 +252,8 @@ def test_an_unreadable_subfolder_is_reported(tmp_path):
 def published_info():
     from transformers import AutoTokenizer
 
-    from clients.model_info import ModelInfo
-    from engine.models.loader import resolve_model_dir
+    from conveyor.clients.model_info import ModelInfo
+    from conveyor.engine.models.loader import resolve_model_dir
 
     return ModelInfo.from_hf_tokenizer(
         "smollm2", 8192, {2}, AutoTokenizer.from_pretrained(resolve_model_dir("smollm2"))
@@ -267,8 +267,8 @@ def test_the_cli_reports_skipped_links_and_unwritable_outputs_per_document(
     that document's error, and the other documents' records are still written."""
     import redis
 
-    from clients.keys import Keys
-    from clients.model_info import publish_model_info
+    from conveyor.clients.keys import Keys
+    from conveyor.clients.model_info import publish_model_info
 
     conn = redis.Redis.from_url(redis_url)
     publish_model_info(conn, Keys(namespace), published_info)

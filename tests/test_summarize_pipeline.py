@@ -20,9 +20,9 @@ from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 from summarize_docs import pdf_document
 
-from clients.keys import Keys
-from clients.model_info import ModelInfo, publish_model_info
-from clients.summarize import summarize_documents
+from conveyor.apps.documents.summarize import summarize_documents
+from conveyor.clients.keys import Keys
+from conveyor.clients.model_info import ModelInfo, publish_model_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JSON_C_README = Path("/usr/share/doc/libjson-c5/README.html")
@@ -139,7 +139,7 @@ def start_watch(redis_url: str, ns: str, inbox: Path, out: Path) -> subprocess.P
         [
             sys.executable,
             "-m",
-            "clients.cli",
+            "conveyor",
             "summarize",
             "--watch",
             str(inbox),

@@ -18,9 +18,9 @@ import pytest
 from fault_harness import REPO_ROOT, JobLedger, pending_owners, spawner_fixture, wait_until
 from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
-from clients import Client
-from engine import LLM, ModelLoadError, SamplingParams
-from engine.distributed.launcher import RankFailed
+from conveyor.clients import Client
+from conveyor.engine import LLM, ModelLoadError, SamplingParams
+from conveyor.engine.distributed.launcher import RankFailed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # each rank one thread: two ranks, two cores
 NUM_PROMPTS = 12
@@ -172,7 +172,7 @@ def test_hung_rank_fails_the_step_after_the_timeout(tmp_path, monkeypatch):
 def test_follower_ranks_exit_when_rank_0_is_killed(tmp_path):
     model = build_tiny_model("llama", tmp_path / "llama")
     script = (
-        "import sys, time; from engine import LLM; llm = LLM(sys.argv[1], tensor_parallel_size=2); "
+        "import sys, time; from conveyor import LLM; llm = LLM(sys.argv[1], tensor_parallel_size=2); "
         "print(llm.engine.runner.workers.processes[0].pid, flush=True); time.sleep(600)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}

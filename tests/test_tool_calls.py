@@ -10,11 +10,11 @@ import jsonschema
 import pytest
 from model_factory import build_tokenizer
 
-from clients.errors import InvalidJob
-from clients.submission import build_job
-from clients.tool_grammar import forced_call_schema
-from clients.tool_parsers import ToolReading, parse
-from engine.chat_tools import chat_text, default_tool_parser, fallback_messages, knows_tools
+from conveyor.clients.errors import InvalidJob
+from conveyor.clients.submission import build_job
+from conveyor.clients.tool_grammar import forced_call_schema
+from conveyor.clients.tool_parsers import ToolReading, parse
+from conveyor.engine.chat_tools import chat_text, default_tool_parser, fallback_messages, knows_tools
 
 WEATHER = {
     "type": "function",
@@ -76,7 +76,7 @@ def test_bad_tool_fields_name_the_field(fields, field):
 
 
 def test_a_history_with_calls_and_results_is_a_valid_job_and_part_of_its_digest():
-    from clients.protocol import payload_digest
+    from conveyor.clients.protocol import payload_digest
 
     with_calls = build_job({"messages": HISTORY, "tools": [WEATHER]})
     other = build_job({"messages": HISTORY, "tools": [WEATHER], "tool_choice": "required"})
@@ -124,7 +124,7 @@ def test_unreadable_or_unknown_calls_come_back_as_content_with_the_reason():
 
 @pytest.fixture(scope="module")
 def compiler(tmp_path_factory):
-    from engine.grammar_compiler import GrammarCompiler
+    from conveyor.engine.grammar_compiler import GrammarCompiler
 
     tokenizer = build_tokenizer(tmp_path_factory.mktemp("tool_tokenizer"))
     return GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
@@ -137,7 +137,7 @@ def compiler(tmp_path_factory):
 def test_forced_call_schemas_compile_and_read_back(compiler, choice, parallel):
     request = job(tool_choice=choice, parallel_tool_calls=parallel)
     structured = forced_call_schema(request.tools, request.tool_choice, parallel)
-    from engine.structured_outputs import StructuredOutputsParams
+    from conveyor.engine.structured_outputs import StructuredOutputsParams
 
     params = StructuredOutputsParams(**structured)
     params.validate()

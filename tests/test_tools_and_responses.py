@@ -53,7 +53,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_url):
-    from gateway import batch_routes, responses
+    from conveyor.gateway import batch_routes, responses
 
     log_dir = tmp_path_factory.mktemp("tools_logs")
     model_dir = build_tool_model(tmp_path_factory.mktemp("tool_model"))
@@ -404,8 +404,8 @@ def test_langchain_bind_tools_and_with_structured_output(stack):
 
 
 def test_an_adapter_named_by_model_runs_through_the_queue_as_offline(stack):
-    from clients import Client
-    from engine import LLM, LoRARequest, SamplingParams
+    from conveyor.clients import Client
+    from conveyor.engine import LLM, LoRARequest, SamplingParams
 
     [listed] = [m for m in stack.sdk.models.list().data if m.id == ADAPTER]
     assert listed.parent == MODEL

@@ -9,9 +9,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import torch  # noqa: E402
 from model_factory import build_tiny_model, hf_greedy, mixed_prompts  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.attention_metadata import AttentionMetadata  # noqa: E402
-from engine.cuda_graphs import DecodeBuffers, DecodeGraphs, bucket_for, graph_buckets  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine.attention_metadata import AttentionMetadata  # noqa: E402
+from conveyor.engine.cuda_graphs import DecodeBuffers, DecodeGraphs, bucket_for, graph_buckets  # noqa: E402
 
 
 def test_buckets_cover_every_batch_up_to_max_num_seqs():

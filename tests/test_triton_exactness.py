@@ -11,7 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import pytest  # noqa: E402
 from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
 
 REGIMES = {
     "ample_kv": dict(num_kv_blocks=64),
@@ -58,9 +58,9 @@ def test_backend_choice_and_its_errors(monkeypatch):
 
     import torch
 
-    from actors.cli import _add_engine_options
-    from engine.config import EngineConfig
-    from engine.model_runner import resolve_attention_backend
+    from conveyor.actors.cli import _add_engine_options
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.model_runner import resolve_attention_backend
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("auto", cpu) == "torch"  # never the default on CPU

@@ -12,14 +12,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from engine.models.llama import rotary_for  # noqa: E402
-from kernels import layer_ops  # noqa: E402
-from kernels.attention import paged_decode_attention_reference, prefill_attention, write_kv_cache  # noqa: E402
-from kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise  # noqa: E402
-from kernels.triton import cache_write, decode_attention  # noqa: E402
-from kernels.triton import layer_ops as triton_ops  # noqa: E402
-from kernels.triton import prefill_attention as triton_prefill
-from kernels.triton import sampling as triton_sampling
+from conveyor.engine.models.llama import rotary_for  # noqa: E402
+from conveyor.kernels import layer_ops  # noqa: E402
+from conveyor.kernels.attention import paged_decode_attention_reference, prefill_attention, write_kv_cache  # noqa: E402
+from conveyor.kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise  # noqa: E402
+from conveyor.kernels.triton import cache_write, decode_attention  # noqa: E402
+from conveyor.kernels.triton import layer_ops as triton_ops  # noqa: E402
+from conveyor.kernels.triton import prefill_attention as triton_prefill
+from conveyor.kernels.triton import sampling as triton_sampling
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 BLOCK_SIZE = 16

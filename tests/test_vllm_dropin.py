@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_factory, howev
 
 from model_factory import VOCAB_SIZE, build_tiny_model, build_tokenizer, mixed_prompts  # noqa: E402
 
-from engine import LLM, ModelLoadError, SamplingParams  # noqa: E402
-from engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from engine.vllm_options import kv_budget_from_utilization  # noqa: E402
+from conveyor.engine import LLM, ModelLoadError, SamplingParams  # noqa: E402
+from conveyor.engine.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from conveyor.engine.vllm_options import kv_budget_from_utilization  # noqa: E402
 
 # vllm/outputs.py: CompletionOutput's dataclass fields and RequestOutput.__init__'s arguments
 VLLM_COMPLETION_OUTPUT_FIELDS = (

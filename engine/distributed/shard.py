@@ -7,8 +7,8 @@ replicated head: only rank 0 computes logits). Each rank's KV cache holds its ow
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
-from engine.models.llama import LlamaForCausalLM
+from conveyor.engine.errors import ModelLoadError
+from conveyor.engine.models.llama import LlamaForCausalLM
 
 
 class RowParallelLinear(nn.Module):

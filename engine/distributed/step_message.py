@@ -5,8 +5,8 @@ grammars stay on rank 0: only it computes logits and samples."""
 
 import msgpack
 
-from engine.plan import NewSeqData, ScheduledSeq, StepPlan
-from engine.sampling_params import SamplingParams
+from conveyor.engine.plan import NewSeqData, ScheduledSeq, StepPlan
+from conveyor.engine.sampling_params import SamplingParams
 
 # (seq id, first position replaced, tokens from there): rank 0's token ids after a step
 Tail = tuple[str, int, list[int]]

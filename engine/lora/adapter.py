@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.errors import InvalidRequest
-from engine.lora.request import LoRARequest
+from conveyor.engine.errors import InvalidRequest
+from conveyor.engine.lora.request import LoRARequest
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 UNSUPPORTED_KEYS = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform")

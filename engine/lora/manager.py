@@ -8,10 +8,10 @@ from collections import OrderedDict
 
 import torch
 
-from engine.lora.adapter import check_adapter, read_adapter
-from engine.lora.layers import LoRABatch, LoRALinear
-from engine.lora.request import LoRARequest
-from engine.models.llama import LlamaForCausalLM
+from conveyor.engine.lora.adapter import check_adapter, read_adapter
+from conveyor.engine.lora.layers import LoRABatch, LoRALinear
+from conveyor.engine.lora.request import LoRARequest
+from conveyor.engine.models.llama import LlamaForCausalLM
 
 
 class LoRAManager:

@@ -3,8 +3,8 @@ one place that knows both the model classes and that description."""
 
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
-from kernels.backend import DecoderLayout
+from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.kernels.backend import DecoderLayout
 
 
 def decoder_layout(model: nn.Module) -> DecoderLayout | None:

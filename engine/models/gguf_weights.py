@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels.quant import BLOCK, BLOCK_BYTES, QuantEmbedding, QuantLinear, pack_gguf_blocks
+from conveyor.kernels.quant import BLOCK, BLOCK_BYTES, QuantEmbedding, QuantLinear, pack_gguf_blocks
 
 log = logging.getLogger(__name__)
 LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight$")

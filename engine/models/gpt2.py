@@ -4,10 +4,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from engine.errors import ModelLoadError
-from engine.models.layers import PagedAttention, TiedHead
-from engine.models.weights import WeightLoader
+from conveyor.engine.attention_metadata import AttentionMetadata
+from conveyor.engine.errors import ModelLoadError
+from conveyor.engine.models.layers import PagedAttention, TiedHead
+from conveyor.engine.models.weights import WeightLoader
 
 ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),

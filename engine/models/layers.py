@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from kernels.attention import paged_decode_attention, prefill_attention, write_kv_cache
-from kernels.layer_ops import add_rms_norm, rms_norm, rotary_and_cache
+from conveyor.engine.attention_metadata import AttentionMetadata
+from conveyor.kernels.attention import paged_decode_attention, prefill_attention, write_kv_cache
+from conveyor.kernels.layer_ops import add_rms_norm, rms_norm, rotary_and_cache
 
 
 class RMSNorm(nn.Module):

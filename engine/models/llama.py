@@ -6,11 +6,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention_metadata import AttentionMetadata
-from engine.errors import ModelLoadError
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
-from engine.models.weights import WeightLoader
-from kernels.layer_ops import silu_and_mul
+from conveyor.engine.attention_metadata import AttentionMetadata
+from conveyor.engine.errors import ModelLoadError
+from conveyor.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
+from conveyor.engine.models.weights import WeightLoader
+from conveyor.kernels.layer_ops import silu_and_mul
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FAMILIES = {  # architecture -> (qkv bias rule, per-head q/k norm)

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.config import DEFAULT_MODEL
-from engine.errors import ModelLoadError
-from engine.models.gguf_import import converted_dir, smollm2_gguf
-from engine.models.gguf_weights import place, read_packed
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.llama import LlamaForCausalLM, max_context, rotary_for
-from engine.models.weights import iter_checkpoint
-from kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware, int8_dot_isa
+from conveyor.engine.config import DEFAULT_MODEL
+from conveyor.engine.errors import ModelLoadError
+from conveyor.engine.models.gguf_import import converted_dir, smollm2_gguf
+from conveyor.engine.models.gguf_weights import place, read_packed
+from conveyor.engine.models.gpt2 import GPT2LMHeadModel
+from conveyor.engine.models.llama import LlamaForCausalLM, max_context, rotary_for
+from conveyor.engine.models.weights import iter_checkpoint
+from conveyor.kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware, int8_dot_isa
 
 log = logging.getLogger(__name__)
 QUANTIZATION_MODES = ("auto", "gguf", "gguf_int8", "gguf_bf16", "none")

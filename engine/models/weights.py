@@ -6,7 +6,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from engine.errors import ModelLoadError
+from conveyor.engine.errors import ModelLoadError
 
 
 def iter_checkpoint(model_dir: Path, skip=lambda name: False) -> Iterator[tuple[str, torch.Tensor]]:

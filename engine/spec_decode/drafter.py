@@ -9,10 +9,10 @@ further caps them by what the step leaves of its token budget and free KV slots.
 
 import numpy as np
 
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram_proposer import NgramProposer
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.sequence import Sequence
+from conveyor.engine.spec_decode.config import SpeculativeConfig
+from conveyor.engine.spec_decode.ngram_proposer import NgramProposer
 
 
 def speculates(params: SamplingParams) -> bool:

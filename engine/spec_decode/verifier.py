@@ -19,8 +19,8 @@ generator is rewound to have drawn exactly one per emitted token, so its stream 
 as without speculation: token i always uses draw i, whatever the drafts or the batch.
 """
 
-from engine.plan import StepResult
-from engine.sampler import Sampler, SamplingRow
+from conveyor.engine.plan import StepResult
+from conveyor.engine.sampler import Sampler, SamplingRow
 
 
 class PositionRow:

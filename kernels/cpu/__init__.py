@@ -2,6 +2,6 @@
 weights in huge pages (memory.py), the fast linear layer and weight packing (linear.py) and
 the compiled whole-model decoder (decoder.py), behind ``prepare`` (backend.py)."""
 
-from kernels.cpu.backend import CpuBackend, prepare
+from conveyor.kernels.cpu.backend import CpuBackend, prepare
 
 __all__ = ["CpuBackend", "prepare"]

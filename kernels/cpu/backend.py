@@ -5,11 +5,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels.backend import Backend, DecoderLayout
-from kernels.cpu import extension
-from kernels.cpu.decoder import build_decoder
-from kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
-from kernels.cpu.memory import move_weights_to_huge_pages, release_freed_memory
+from conveyor.kernels.backend import Backend, DecoderLayout
+from conveyor.kernels.cpu import extension
+from conveyor.kernels.cpu.decoder import build_decoder
+from conveyor.kernels.cpu.linear import CpuLinear, pack_linears, swap_linears
+from conveyor.kernels.cpu.memory import move_weights_to_huge_pages, release_freed_memory
 
 
 def prepare(

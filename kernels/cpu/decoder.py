@@ -2,8 +2,8 @@
 
 import torch
 
-from kernels.backend import DecoderLayout
-from kernels.cpu.linear import CpuLinear
+from conveyor.kernels.backend import DecoderLayout
+from conveyor.kernels.cpu.linear import CpuLinear
 
 
 def build_decoder(kernels, layout: DecoderLayout):

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows, gguf_linear_path, int8_gemm_isa
-from kernels.cpu.memory import huge_page_copies
-from kernels.quant import QuantLinear, dequantize, is_packed, repack_for_int8_gemm
+from conveyor.kernels.cpu.dispatch import cpu_flags, gguf_blocks_max_rows, gguf_linear_path, int8_gemm_isa
+from conveyor.kernels.cpu.memory import huge_page_copies
+from conveyor.kernels.quant import QuantLinear, dequantize, is_packed, repack_for_int8_gemm
 
 GGUF_MODES = ("blocks", "int8", "float32_copy", "bf16_copy")  # see CpuLinear.pack
 COPY_DTYPES = {"float32_copy": torch.float32, "bf16_copy": torch.bfloat16}

@@ -17,7 +17,7 @@ def interpreted() -> bool:
 
 
 if interpreted():
-    from kernels.triton.interpreter import patch_once_per_launch
+    from conveyor.kernels.triton.interpreter import patch_once_per_launch
 
     patch_once_per_launch()
 

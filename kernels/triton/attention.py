@@ -5,10 +5,10 @@ varlen prefill launch for all its prompt spans."""
 
 import torch
 
-from kernels.triton.cache_write import write_kv_cache
-from kernels.triton.decode_attention import paged_decode_attention
-from kernels.triton.layer_ops import rotary_
-from kernels.triton.prefill_attention import prefill_attention_varlen
+from conveyor.kernels.triton.cache_write import write_kv_cache
+from conveyor.kernels.triton.decode_attention import paged_decode_attention
+from conveyor.kernels.triton.layer_ops import rotary_
+from conveyor.kernels.triton.prefill_attention import prefill_attention_varlen
 
 __all__ = ["write_kv_cache", "paged_decode_attention", "prefill_attention_varlen", "rotary"]
 

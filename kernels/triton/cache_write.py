@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import interpreted
+from conveyor.kernels.triton import interpreted
 
 TOKENS_PER_PROGRAM = 256 if interpreted() else 16  # the interpreter's cost is per program
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import interpreted
+from conveyor.kernels.triton import interpreted
 
 # keys per iteration of a split; the interpreter's cost is per operation, not per element
 TILE = 256 if interpreted() else 32

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import interpreted
+from conveyor.kernels.triton import interpreted
 
 ROWS_PER_PROGRAM = 64 if interpreted() else 1  # the interpreter's cost is per program
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import interpreted
+from conveyor.kernels.triton import interpreted
 
 # query rows per program (16: the smallest tl.dot tile) and keys per iteration; the
 # interpreter's cost is per operation, not per element, so it takes big tiles

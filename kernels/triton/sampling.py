@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import interpreted
+from conveyor.kernels.triton import interpreted
 
 BLOCK_V = 4096 if interpreted() else 1024  # vocabulary tile
 BISECTION_STEPS = 40

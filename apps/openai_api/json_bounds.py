@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from clients.openai_api.errors import OpenAIError, invalid
+from conveyor.apps.openai_api.errors import OpenAIError, invalid
 
 MAX_JSON_DEPTH = 64  # objects and arrays nested in one body; OpenAI's own schemas stay far below
 

@@ -27,8 +27,8 @@ import time
 import uuid
 from typing import Any
 
-from clients.limits import MAX_JSON_BYTES
-from clients.redis_cluster import is_cluster, queue_script
+from conveyor.clients.limits import MAX_JSON_BYTES
+from conveyor.clients.redis_cluster import is_cluster, queue_script
 
 FILE_TTL_S = 7 * 86_400  # uploaded files
 BATCH_TTL_S = 30 * 86_400  # batches, their results and output files

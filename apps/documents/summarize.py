@@ -1,6 +1,6 @@
 """Summarize documents through the queue: map-reduce over token-budgeted chunks.
 
-    from clients.summarize import summarize_documents
+    from conveyor.apps.documents.summarize import summarize_documents
     results = summarize_documents(["report.txt", "docs/"], out_dir="summaries", max_tokens=96)
 
 Map: one job per chunk, each prompt starting with the same instruction. Reduce: the chunk
@@ -21,16 +21,16 @@ from typing import Any, Iterable
 
 from tqdm import tqdm
 
-from clients.async_client import AsyncClient, AsyncJob
-from clients.chunking import Chunk
-from clients.doc_layout import citation_label, citation_of, coordinates
-from clients.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
-from clients.errors import JobFailed, Timeout
-from clients.event_reader import JobResult
-from clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_for_model_info_async
-from clients.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
-from clients.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
-from clients.summary_report import write_report
+from conveyor.apps.documents.chunking import Chunk
+from conveyor.apps.documents.doc_layout import citation_label, citation_of, coordinates
+from conveyor.apps.documents.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
+from conveyor.apps.documents.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
+from conveyor.apps.documents.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
+from conveyor.apps.documents.summary_report import write_report
+from conveyor.clients.async_client import AsyncClient, AsyncJob
+from conveyor.clients.errors import JobFailed, Timeout
+from conveyor.clients.event_reader import JobResult
+from conveyor.clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_for_model_info_async
 
 __all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents", "summarize_documents_async"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 import logging
 
-from clients.doc_formats import ExtractError
-from clients.doc_layout import Block
-from clients.extract_markup import PARAGRAPH_BREAK
+from conveyor.apps.documents.doc_formats import ExtractError
+from conveyor.apps.documents.doc_layout import Block
+from conveyor.apps.documents.extract_markup import PARAGRAPH_BREAK
 
 MAX_PAGES = 2000
 

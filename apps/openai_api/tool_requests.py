@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from clients.openai_api.errors import invalid
+from conveyor.apps.openai_api.errors import invalid
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 MESSAGE_TOOL_FIELDS = ("tool_calls", "tool_call_id")

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 
-from clients.doc_formats import ExtractError, decode_text, detect_format, text_format
-from clients.doc_layout import Span, assemble
-from clients.extract_markup import text_blocks
-from clients.extract_worker import ISOLATED_FORMATS, extract_isolated
+from conveyor.apps.documents.doc_formats import ExtractError, decode_text, detect_format, text_format
+from conveyor.apps.documents.doc_layout import Span, assemble
+from conveyor.apps.documents.extract_markup import text_blocks
+from conveyor.apps.documents.extract_worker import ISOLATED_FORMATS, extract_isolated
 
 # Folders nested deeper than this under an input folder are reported, not read (each level
 # holds one open descriptor and one stack frame while the walk is below it).

@@ -9,7 +9,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from clients.documents import write_top_file
+from conveyor.apps.documents.documents import write_top_file
 
 REPORT_NAME = "index.html"
 STYLE = (

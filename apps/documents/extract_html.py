@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from lxml import etree
 
-from clients.doc_formats import ExtractError
-from clients.doc_layout import Block
+from conveyor.apps.documents.doc_formats import ExtractError
+from conveyor.apps.documents.doc_layout import Block
 
 DROPPED = frozenset(
     {

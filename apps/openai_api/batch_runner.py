@@ -31,12 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from clients.async_client import AsyncClient
-from clients.errors import ConveyorError, InvalidJob, JobCancelled, JobConflict, JobFailed, QueueFull
-from clients.event_reader import outcome, terminal_from_hash
-from clients.job_record import FINAL_STATUSES
-from clients.model_info import fetch_model_info_async
-from clients.openai_api.batch_store import (
+from conveyor.apps.openai_api.batch_store import (
     ANY_ENDPOINT,
     BATCH_TTL_S,
     MAX_ERRORS,
@@ -45,10 +40,15 @@ from clients.openai_api.batch_store import (
     BatchStore,
     derived_file_id,
 )
-from clients.openai_api.errors import OpenAIError, from_conveyor
-from clients.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over
-from clients.openai_api.work_caps import WorkCaps
-from clients.submission import build_job
+from conveyor.apps.openai_api.errors import OpenAIError, from_conveyor
+from conveyor.apps.openai_api.json_bounds import MAX_JSON_DEPTH, depth_over
+from conveyor.apps.openai_api.work_caps import WorkCaps
+from conveyor.clients.async_client import AsyncClient
+from conveyor.clients.errors import ConveyorError, InvalidJob, JobCancelled, JobConflict, JobFailed, QueueFull
+from conveyor.clients.event_reader import outcome, terminal_from_hash
+from conveyor.clients.job_record import FINAL_STATUSES
+from conveyor.clients.model_info import fetch_model_info_async
+from conveyor.clients.submission import build_job
 
 log = logging.getLogger("conveyor.batch")
 
@@ -87,7 +87,7 @@ class Endpoint:
 
 
 def default_endpoints() -> dict[str, Endpoint]:
-    from clients.openai_api import translate  # the gateway's own mapping: one source of truth
+    from conveyor.apps.openai_api import translate  # the gateway's own mapping: one source of truth
 
     return {
         "/v1/chat/completions": Endpoint(translate.job_from_chat, translate.chat_body, "chatcmpl-", True),

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clients.openai_api.errors import invalid
-from clients.protocol import JobRequest
+from conveyor.apps.openai_api.errors import invalid
+from conveyor.clients.protocol import JobRequest
 
 DEFAULT_MAX_TOKENS = JobRequest.model_fields["max_tokens"].default
 

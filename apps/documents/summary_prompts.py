@@ -8,12 +8,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from clients.chunking import Chunk, split_text
-from clients.doc_layout import section_starts
-from clients.documents import Document
-from clients.errors import ConveyorError
-from clients.limits import MAX_RESULT_TTL
-from clients.submission import JOB_FIELDS
+from conveyor.apps.documents.chunking import Chunk, split_text
+from conveyor.apps.documents.doc_layout import section_starts
+from conveyor.apps.documents.documents import Document
+from conveyor.clients.errors import ConveyorError
+from conveyor.clients.limits import MAX_RESULT_TTL
+from conveyor.clients.submission import JOB_FIELDS
 
 # Asking for a few complete sentences keeps SmolLM2 inside its budget; a last sentence cut by
 # the budget is dropped anyway (summary_points.finished).

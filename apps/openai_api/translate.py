@@ -14,12 +14,12 @@ import math
 import secrets
 from typing import Any, Callable, Iterable, Protocol
 
-from clients.errors import InvalidJob
-from clients.event_reader import JobResult
-from clients.events import Usage
-from clients.openai_api.errors import from_conveyor, invalid
-from clients.openai_api.tool_requests import TOOL_FIELDS, message_tool_fields, tool_fields
-from clients.submission import build_job
+from conveyor.apps.openai_api.errors import from_conveyor, invalid
+from conveyor.apps.openai_api.tool_requests import TOOL_FIELDS, message_tool_fields, tool_fields
+from conveyor.clients.errors import InvalidJob
+from conveyor.clients.event_reader import JobResult
+from conveyor.clients.events import Usage
+from conveyor.clients.submission import build_job
 
 BATCH_TIERS = ("flex",)
 INTERACTIVE_TIERS = ("auto", "default", "priority", "scale", "fast")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from clients.errors import InvalidJob, JobConflict, JobFailed, QueueFull, Timeout
+from conveyor.clients.errors import InvalidJob, JobConflict, JobFailed, QueueFull, Timeout
 
 TYPES = {
     400: "invalid_request_error",

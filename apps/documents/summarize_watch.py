@@ -26,12 +26,12 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
 
-from clients.async_client import AsyncClient
-from clients.documents import MAX_DOCUMENT_BYTES, document_from_bytes, safe_name, write_top_file
-from clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
-from clients.summarize import DocumentSummary, PipelineRun
-from clients.summary_prompts import SummarizeOptions
-from clients.summary_report import write_report
+from conveyor.apps.documents.documents import MAX_DOCUMENT_BYTES, document_from_bytes, safe_name, write_top_file
+from conveyor.apps.documents.summarize import DocumentSummary, PipelineRun
+from conveyor.apps.documents.summary_prompts import SummarizeOptions
+from conveyor.apps.documents.summary_report import write_report
+from conveyor.clients.async_client import AsyncClient
+from conveyor.clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
 
 STATE_NAME = ".conveyor-watch.json"
 PROGRESS_EVERY_S = 2.0

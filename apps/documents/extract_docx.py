@@ -8,8 +8,8 @@ import io
 import re
 import zipfile
 
-from clients.doc_formats import ExtractError
-from clients.doc_layout import Block
+from conveyor.apps.documents.doc_formats import ExtractError
+from conveyor.apps.documents.doc_layout import Block
 
 MAX_MEMBERS = 2000
 MAX_UNCOMPRESSED = 256 << 20  # all members together, as declared in the zip

@@ -28,22 +28,24 @@ from typing import Any
 import redis
 from tqdm import tqdm
 
-from clients.async_client import AsyncClient
-from clients.connection import command_settings
-from clients.errors import ConveyorError
-from clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
-from clients.openai_api.batch_runner import BatchRun, Lease, LeaseLost, RunnerSettings, new_owner
-from clients.openai_api.batch_store import ANY_ENDPOINT, TERMINAL, BatchStore, FileTooLarge, check_jsonl
+from conveyor.apps.openai_api.batch_runner import BatchRun, Lease, LeaseLost, RunnerSettings, new_owner
+from conveyor.apps.openai_api.batch_store import ANY_ENDPOINT, TERMINAL, BatchStore, FileTooLarge, check_jsonl
+from conveyor.clients.async_client import AsyncClient
+from conveyor.clients.cli import connection_options
+from conveyor.clients.connection import command_settings
+from conveyor.clients.errors import ConveyorError
+from conveyor.clients.model_info import DEFAULT_MODEL_WAIT_S, wait_for_model_info_async
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 RESTARTED = ("cancelled", "expired")  # a rerun starts a new batch (reusing the finished jobs)
 MAX_GENERATIONS = 100
 
 
-def register_batch(subparsers: argparse._SubParsersAction, connection: argparse.ArgumentParser) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `conveyor batch` (registered by conveyor/cli.py)."""
     parser = subparsers.add_parser(
         "batch",
-        parents=[connection],
+        parents=[connection_options()],
         description=__doc__.split("\n\n")[1],
         help="run an OpenAI batch file through the queue (resumable)",
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 
-from clients.doc_formats import RST_ADORNMENT
-from clients.doc_layout import Block
+from conveyor.apps.documents.doc_formats import RST_ADORNMENT
+from conveyor.apps.documents.doc_layout import Block
 
 PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")

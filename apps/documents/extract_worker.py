@@ -7,14 +7,14 @@ Bounds, per document (`ExtractLimits`): address space (RLIMIT_AS, default 1 GiB)
 return (default 16 M characters). Each format adds its own checks inside: the page cap of
 extract_pdf, the zip checks of extract_docx, lxml's default limits in extract_html.
 
-The child loads only the extraction modules (its `clients` package is a bare namespace:
-importing the whole client, redis and pydantic, would cost more than parsing most files).
+The child loads only the extraction modules (`conveyor`, `conveyor.apps` and
+`conveyor.apps.documents` import nothing themselves, so the client, redis and pydantic stay
+out of it: they would cost more than parsing most files).
 Arguments: KIND MAX_BYTES CPU_S MAX_CHARS; the file on stdin, a msgpack reply on stdout.
 """
 
 from __future__ import annotations
 
-import os
 import resource
 import signal
 import subprocess
@@ -23,15 +23,11 @@ from dataclasses import dataclass
 
 import msgpack
 
-from clients.doc_formats import ExtractError
-from clients.doc_layout import Block
+from conveyor.apps.documents.doc_formats import ExtractError
+from conveyor.apps.documents.doc_layout import Block
 
 ISOLATED_FORMATS = ("pdf", "docx", "html")
-CLIENTS_DIR = os.path.dirname(os.path.abspath(__file__))
-CHILD_MAIN = (
-    "import sys, types; package = types.ModuleType('clients'); package.__path__ = [sys.argv[1]]; "
-    "sys.modules['clients'] = package; from clients.extract_worker import main; main(sys.argv[2:])"
-)
+CHILD_MAIN = "import sys; from conveyor.apps.documents.extract_worker import main; main(sys.argv[1:])"
 
 
 @dataclass(frozen=True)
@@ -49,7 +45,6 @@ def extract_isolated(data: bytes, kind: str, limits: ExtractLimits = ExtractLimi
         sys.executable,
         "-c",
         CHILD_MAIN,
-        CLIENTS_DIR,
         kind,
         str(limits.memory_bytes),
         str(limits.cpu_s),
@@ -76,14 +71,14 @@ def extract_isolated(data: bytes, kind: str, limits: ExtractLimits = ExtractLimi
 def extract_blocks(data: bytes, kind: str) -> list[Block]:
     """The blocks of a document, parsed in this process (the worker's side)."""
     if kind == "pdf":
-        from clients.extract_pdf import pdf_blocks
+        from conveyor.apps.documents.extract_pdf import pdf_blocks
 
         return pdf_blocks(data)
     if kind == "docx":
-        from clients.extract_docx import docx_blocks
+        from conveyor.apps.documents.extract_docx import docx_blocks
 
         return docx_blocks(data)
-    from clients.extract_html import html_blocks
+    from conveyor.apps.documents.extract_html import html_blocks
 
     return html_blocks(data)
 
