@@ -1,5 +1,5 @@
 """CancelWatcher: turns cancellation requests into CancelRequests for the ledger, which
-sends the scheduler an AbortJob for a job it holds.
+sends the engine-core actor an AbortJob for a job it holds.
 
 Requests arrive on the ``<ns>:cancel`` pub/sub channel (immediate, any replica may own the
 job); pub/sub loses messages while disconnected, so the ``cancel`` flags of the jobs this

@@ -19,7 +19,8 @@ import threading
 from typing import TYPE_CHECKING
 
 from conveyor.engine.child_env import child_env
-from conveyor.engine.engine_core import CoreFacts, CoreFailed, Shutdown, encode_frame, receive_frame
+from conveyor.engine.core_frames import encode_frame, frame_reader, receive_frame
+from conveyor.engine.engine_core import CoreFacts, CoreFailed, Shutdown
 
 if TYPE_CHECKING:  # the front door imports the engine's heavy modules only once the core is started
     from conveyor.engine.input_processor import InputProcessor
@@ -111,7 +112,8 @@ class EngineCoreClient:
         is the first frame (None: the core has its engine already)."""
         self.sock, core_end = socket.socketpair()
         self.start = start_core(core_end)
-        self.writer: asyncio.StreamWriter | None = None  # the socket's once the event loop reads it
+        self.reader: asyncio.StreamReader | None = None  # the socket's once the event loop reads it
+        self.writer: asyncio.StreamWriter | None = None
         self.shutdown_sent = False
         try:
             if config is not None:
@@ -159,11 +161,22 @@ class EngineCoreClient:
             serialize_grammars=True,
         )
 
-    async def open_reader(self) -> asyncio.StreamReader:
-        """From now on the event loop owns the socket: frames go out through ``send``."""
+    async def open_stream(self) -> None:
+        """From now on the event loop owns the socket: frames go out through ``send`` and
+        come in through ``receive``."""
         self.sock.setblocking(False)
-        reader, self.writer = await asyncio.open_connection(sock=self.sock)
-        return reader
+        self.reader, self.writer = await asyncio.open_connection(sock=self.sock)
+
+    async def receive(self):
+        """The core's next message (engine/core_frames.py's reader over the stream);
+        asyncio.IncompleteReadError or ConnectionError when the core's end is gone."""
+        reads = frame_reader()
+        size = next(reads)
+        try:
+            while True:
+                size = reads.send(await self.reader.readexactly(size))
+        except StopIteration as done:
+            return done.value
 
     def send(self, message) -> None:
         self.writer.write(encode_frame(message))

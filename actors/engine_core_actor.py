@@ -1,5 +1,5 @@
-"""EngineCoreActor: the replica's one actor that talks to the engine core (the scheduler
-role), whichever way the core was started (actors/engine_client.py). It owns the jobs in
+"""EngineCoreActor: the replica's one actor that talks to the engine core (named
+"engine_core"), whichever way the core was started (actors/engine_client.py). It owns the jobs in
 the engine: their deliveries, why each was aborted, cancels that came before their job,
 and deadlines. New jobs and aborts go to the core as frames; a reader task publishes each
 StepDone the core sends, with the deliveries, to the publisher. The core dying ends the
@@ -7,7 +7,6 @@ actor, so the replica stops (exit 1) and another replica reclaims its jobs once 
 leases lapse."""
 
 import asyncio
-import pickle
 import time
 from collections import OrderedDict
 
@@ -15,7 +14,7 @@ from conveyor.actors.base import Actor, drain
 from conveyor.actors.engine_client import CoreDied, EngineCoreClient
 from conveyor.actors.messages import AbortJob, Delivery, NewJob, StepOutputs
 from conveyor.actors.metrics import ReplicaMetrics
-from conveyor.engine.engine_core import FRAME_HEADER, AbortRequest, AddRequest, StepDone
+from conveyor.engine.engine_core import AbortRequest, AddRequest, StepDone
 from conveyor.engine.outputs import RequestOutput
 
 EARLY_CANCEL_MEMORY_S = 60.0  # a cancel can overtake its job on the way in: remember it this long
@@ -25,7 +24,7 @@ CORE_EXIT_WAIT_S = 5.0
 
 
 class EngineCoreActor(Actor):
-    name = "scheduler"
+    name = "engine_core"
     mailbox_size = 1024
 
     def __init__(self, core: EngineCoreClient, publisher: Actor, metrics: ReplicaMetrics, job_hooks: tuple = ()):
@@ -44,8 +43,8 @@ class EngineCoreActor(Actor):
         return len(self.deliveries)
 
     async def run(self) -> None:
-        reader = await self.core.open_reader()
-        halves = [asyncio.ensure_future(self._forward_mail()), asyncio.ensure_future(self._publish_steps(reader))]
+        await self.core.open_stream()
+        halves = [asyncio.ensure_future(self._forward_mail()), asyncio.ensure_future(self._publish_steps())]
         try:
             done, _ = await asyncio.wait(halves, return_when=asyncio.FIRST_EXCEPTION)
             for half in done:
@@ -126,11 +125,10 @@ class EngineCoreActor(Actor):
                 self._abort(job_id, "deadline_exceeded")
 
     # ---- core -> publisher ----------------------------------------------------------
-    async def _publish_steps(self, reader: asyncio.StreamReader) -> None:
+    async def _publish_steps(self) -> None:
         while not self.stopped:
             try:
-                (length,) = FRAME_HEADER.unpack(await reader.readexactly(FRAME_HEADER.size))
-                done: StepDone = pickle.loads(await reader.readexactly(length))
+                done: StepDone = await self.core.receive()
             except (asyncio.IncompleteReadError, ConnectionError):
                 raise await self._core_died() from None
             self.steps += 1

@@ -15,7 +15,7 @@ def enabled() -> bool:
 
 
 def job_hooks() -> tuple:
-    """What the scheduler runs on each new job's metadata: nothing unless injection is on,
+    """What the engine-core actor runs on each new job's metadata: nothing unless injection is on,
     so production never pays for (or trips on) the seam."""
     return (crash_if_poisoned,) if enabled() else ()
 

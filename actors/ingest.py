@@ -1,6 +1,6 @@
 """IngestActor: pulls only as many jobs as the ledger grants it credits and bytes for (a
 flood waits in Redis, not in memory), decodes and validates them, and hands them to the
-scheduler. Entries the ledger reclaimed from a dead replica arrive in its mailbox and are
+engine-core actor. Entries the ledger reclaimed from a dead replica arrive in its mailbox and are
 taken in the same way, also while it waits for a grant.
 
 Entries are untrusted: an entry that cannot be read owns no job and is refused without
@@ -42,7 +42,7 @@ class IngestActor(Actor):
         streams: Streams,
         engine: EngineCoreClient,
         ledger: JobLedger,
-        scheduler: Actor,
+        engine_core: Actor,
         publisher: Actor,
         config: ReplicaConfig,
     ):
@@ -51,7 +51,7 @@ class IngestActor(Actor):
         # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
         self.inputs = engine.own_input_processor()
         self.ledger = ledger
-        self.scheduler = scheduler
+        self.engine_core = engine_core
         self.publisher = publisher
         self.config = config
         self.warnings = RateLimitedLog(log)
@@ -206,7 +206,7 @@ class IngestActor(Actor):
         await self._hand_on(entry, job, delivery, cancelled)
 
     async def _hand_on(self, entry: ReadEntry, job: JobRequest, delivery: Delivery, cancelled: bool) -> None:
-        """A started job to the scheduler, or its end (cancelled, too late, invalid) to the publisher."""
+        """A started job to the engine-core actor, or its end (cancelled, too late, invalid) to the publisher."""
         ended = self._reject_reason(job, delivery.attempt, cancelled)
         if ended is not None:
             await self.publisher.send(
@@ -223,7 +223,7 @@ class IngestActor(Actor):
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
             return
-        await self.scheduler.send(NewJob(delivery, job, request))
+        await self.engine_core.send(NewJob(delivery, job, request))
 
     def _decode(self, entry: ReadEntry) -> JobRequest:
         if not entry.truncated:

@@ -11,7 +11,7 @@ entries are re-claimed by their owner (XCLAIM ... JUSTID resets their idle time)
 third of the lease, however long the job takes.
 
 Its mailbox is unbounded so that no sender ever waits on it (it sends to ingest and the
-scheduler, whose work flows back here). What queues stays bounded: bookkeeping notices by
+engine-core actor, whose work flows back here). What queues stays bounded: bookkeeping notices by
 the entries in flight, the cancel watcher's requests by its waiting for each answer."""
 
 import asyncio
@@ -51,7 +51,7 @@ class JobLedger(Actor):
         self.config = config
         self.capacity = capacity
         self.ingest: Actor | None = None  # reclaimed entries go through its mailbox
-        self.scheduler: Actor | None = None  # aborts of cancelled jobs go there
+        self.engine_core: Actor | None = None  # aborts of cancelled jobs go there
         self.held: dict[str, Delivery] = {}  # job id -> delivery
         self.bytes_held = 0  # sum of the held deliveries' entry sizes
         # (stream, entry id) read, not yet taken in (or refused, not yet dead-lettered) -> its bytes
@@ -60,7 +60,7 @@ class JobLedger(Actor):
         self.parked: dict[str, list[ReadEntry]] = {}  # job id held -> its other entries, until released
         self.reserved = (0, 0)  # (credits, bytes) granted to the read ingest is making
         self.credit_request: asyncio.Future | None = None  # ingest's, until it can be granted
-        self.cancelled: set[str] = set()  # held jobs whose abort went to the scheduler
+        self.cancelled: set[str] = set()  # held jobs whose abort went to the engine-core actor
         self.drains: list[asyncio.Future] = []  # answered once nothing is held
         self.reclaiming = True
         self.partitions = None  # the PartitionKeeper: owned partitions are reclaimed every round
@@ -76,9 +76,9 @@ class JobLedger(Actor):
             HandBack: self._hand_back,
         }
 
-    def connect(self, ingest: Actor, scheduler: Actor) -> None:
+    def connect(self, ingest: Actor, engine_core: Actor) -> None:
         """The actors it sends to (they are built after it: both send to the ledger)."""
-        self.ingest, self.scheduler = ingest, scheduler
+        self.ingest, self.engine_core = ingest, engine_core
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -195,7 +195,7 @@ class JobLedger(Actor):
         job_id = message.job_id
         if job_id in self.held and job_id not in self.cancelled:
             self.cancelled.add(job_id)
-            await self.scheduler.send(AbortJob(job_id, "cancelled"))
+            await self.engine_core.send(AbortJob(job_id, "cancelled"))
         _answer(message.reply, job_id in self.held)
 
     async def _held_jobs(self, message: HeldJobs) -> None:

@@ -47,7 +47,7 @@ class ReadEntry:
         return sum(len(key) + len(value) for key, value in self.fields.items())
 
 
-# ---- to the scheduler ---------------------------------------------------------------
+# ---- to the engine-core actor ------------------------------------------------------
 @dataclass
 class NewJob:
     delivery: Delivery
@@ -64,7 +64,7 @@ class AbortJob:
 # ---- to the publisher -----------------------------------------------------------------
 @dataclass
 class StepOutputs:
-    """A step's outputs: each with its delivery and, for a job the scheduler aborted, why."""
+    """A step's outputs: each with its delivery and, for a job the engine-core actor aborted, why."""
 
     items: list[tuple[Delivery, RequestOutput, str | None]]
 
@@ -133,7 +133,7 @@ class Release:
 
 @dataclass
 class CancelRequest:
-    """The cancel watcher: answered True when the job is held and its abort went to the scheduler."""
+    """The cancel watcher: answered True when the job is held and its abort went to the engine-core actor."""
 
     job_id: str
     reply: asyncio.Future = field(default_factory=_future)

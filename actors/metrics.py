@@ -1,5 +1,5 @@
 """Prometheus metrics of one replica, with the field's usual names (vLLM's, prefixed
-``conveyor_``). The scheduler actor records them after every step; an HTTP endpoint
+``conveyor_``). The engine-core actor records them after every step; an HTTP endpoint
 serves them when ``--metrics-port`` is set."""
 
 import time

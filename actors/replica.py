@@ -47,9 +47,9 @@ class Replica:
         self.metrics = ReplicaMetrics()
         self.ledger = JobLedger(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.ledger)
-        self.scheduler = EngineCoreActor(engine, self.publisher, self.metrics, faults.job_hooks())
-        self.ingest = IngestActor(self.streams, engine, self.ledger, self.scheduler, self.publisher, config)
-        self.ledger.connect(self.ingest, self.scheduler)
+        self.engine_core = EngineCoreActor(engine, self.publisher, self.metrics, faults.job_hooks())
+        self.ingest = IngestActor(self.streams, engine, self.ledger, self.engine_core, self.publisher, config)
+        self.ledger.connect(self.ingest, self.engine_core)
         self.partitions = None
         if config.partition_ownership:
             self.partitions = PartitionKeeper(
@@ -122,14 +122,14 @@ class Replica:
         await asyncio.wait({drained}, timeout=self.config.grace_s)
         drained.cancel()
         # always: entries read but never recorded may be pending even when nothing is held
-        await self.scheduler.stop()
+        await self.engine_core.stop()
         await self.publisher.mailbox.join()  # outputs of finished steps still get published
         await self.ledger.ask(HandBack())  # after the releases those outputs sent it
 
     def _actors(self):
         """Downstream first, so each actor's consumers exist before it sends to them."""
         keeper = (self.partitions,) if self.partitions is not None else ()
-        return (self.publisher, self.scheduler, self.ledger, self.cancels, self.announcer, *keeper, self.ingest)
+        return (self.publisher, self.engine_core, self.ledger, self.cancels, self.announcer, *keeper, self.ingest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

@@ -72,7 +72,7 @@ class StubCore(Actor):
     """The scheduler role with a timed engine: every step, one token for each of up to
     MAX_NUM_SEQS running jobs; records when each job arrived (the pickup)."""
 
-    name = "scheduler"
+    name = "engine_core"
     mailbox_size = 1024
 
     def __init__(self, publisher: Actor, consumer: str, step_s: float, starts: list):

@@ -10,7 +10,7 @@ door's end is actors/engine_client.py):
 - on a thread of the front door's process (tests, ``conveyor demo``, ``--engine-process
   false``): ``serve(sock, engine)``.
 
-Wire: frames of a 4-byte length and a pickle, both ways, over a socketpair that only the
+Wire: frames (engine/core_frames.py) both ways, over a socketpair that only the
 front door holds the other end of (never a network socket: pickle trusts its peer). The
 first frame from the front door is the EngineConfig (or, on a thread with an engine already
 built, nothing); the core answers CoreReady (or CoreFailed), then StepDone after each step.
@@ -21,17 +21,16 @@ import os
 import pickle
 import select
 import socket
-import struct
 import sys
 from dataclasses import dataclass, field
 
 from conveyor.engine.child_env import die_with_parent, ignore_stop_signals
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.core_frames import encode_frame, receive_frame
 from conveyor.engine.core_request import EngineCoreRequest
 from conveyor.engine.outputs import RequestOutput
 
 log = logging.getLogger("conveyor.core")
-FRAME_HEADER = struct.Struct("!I")
 IDLE_WATCH_S = 0.5  # an idle core still looks at its tensor-parallel ranks this often
 
 
@@ -78,29 +77,6 @@ class Shutdown:
 class StepDone:
     outputs: list[RequestOutput]
     stats: dict = field(default_factory=dict)
-
-
-# ---- framing --------------------------------------------------------------------------
-def encode_frame(message) -> bytes:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return FRAME_HEADER.pack(len(data)) + data
-
-
-def receive_frame(sock: socket.socket):
-    """The next message; EOFError when the peer closed its end."""
-    (length,) = FRAME_HEADER.unpack(_receive_exactly(sock, FRAME_HEADER.size))
-    return pickle.loads(_receive_exactly(sock, length))
-
-
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("the front door closed the engine core's socket")
-        got += n
-    return bytes(buffer)
 
 
 # ---- the core's loop ------------------------------------------------------------------

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from conveyor import cli as conveyor_cli
 from conveyor.clients import (
     AsyncClient,
     CancelledEvent,
@@ -350,12 +351,12 @@ def test_queue_status_reports_group_consumers_and_dead_letters(client):
 
 def test_cli_submit_status_and_file(redis_url, namespace, client, capsys, tmp_path):
     base = ["--redis-url", redis_url, "--namespace", namespace]
-    assert cli.main(["submit", "Hello", "--max-tokens", "3", "--stop", "x", "--no-wait", *base]) == 0
+    assert conveyor_cli.main(["submit", "Hello", "--max-tokens", "3", "--stop", "x", "--no-wait", *base]) == 0
     job_id = capsys.readouterr().out.strip()
     request = decode_job(client.redis.xrange(client.keys.interactive)[0][1])
     assert (request.job_id, request.max_tokens, request.stop) == (job_id, 3, ["x"])
 
-    assert cli.main(["submit", "Hi", "--top-p", "7", *base]) == 2
+    assert conveyor_cli.main(["submit", "Hi", "--top-p", "7", *base]) == 2
     assert "top_p" in capsys.readouterr().err
 
     jobs_file = tmp_path / "jobs.jsonl"
@@ -364,11 +365,11 @@ def test_cli_submit_status_and_file(redis_url, namespace, client, capsys, tmp_pa
     publish(client, "f2", ErrorEvent(attempt=1, code="boom", message="bad"))
     # f1/f2 are finished before submission, so submit is a no-op for them (idempotent).
     client.redis.hset(client.keys.job("f2"), "status", "running")
-    assert cli.main(["submit", "--file", str(jobs_file), "--quiet", "--timeout", "2", *base]) == 1
+    assert conveyor_cli.main(["submit", "--file", str(jobs_file), "--quiet", "--timeout", "2", *base]) == 1
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[0]["text"] == "ONE" and lines[1]["error"]["code"] == "boom"
 
-    assert cli.main(["status", "--json", *base]) == 0
+    assert conveyor_cli.main(["status", "--json", *base]) == 0
     assert json.loads(capsys.readouterr().out)["requests"]["interactive"]["length"] == 1
 
 
@@ -384,7 +385,9 @@ def test_cli_streams_tokens(redis_url, namespace, client, capsys):
 
     thread = threading.Thread(target=engine)
     thread.start()
-    code = cli.main(["submit", "Hi", "--stream", "--timeout", "5", "--redis-url", redis_url, "--namespace", namespace])
+    code = conveyor_cli.main(
+        ["submit", "Hi", "--stream", "--timeout", "5", "--redis-url", redis_url, "--namespace", namespace]
+    )
     thread.join()
     assert code == 0 and capsys.readouterr().out == "Hello\n"
 

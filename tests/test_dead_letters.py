@@ -56,7 +56,7 @@ def test_job_parked_after_max_deliveries_can_be_requeued(tmp_path, redis_url, na
 
 
 def test_dead_cli_lists_and_requeues(redis_url, namespace, capsys):
-    from conveyor.actors.cli import main
+    from conveyor.cli import main
 
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)
@@ -83,7 +83,7 @@ def test_hostile_dead_letters_fail_alone_and_touch_nothing_else(redis_url, names
     """The dead stream is input: a letter naming a key outside this namespace's request
     streams, a stream key that is not a stream, or more fields than a script can take
     fails with its reason; the good letter among them is requeued, nothing else is written."""
-    from conveyor.actors.cli import main
+    from conveyor.cli import main
 
     raw = redis.Redis.from_url(redis_url)
     keys = Keys(namespace)

@@ -87,7 +87,7 @@ def replica_state(replica: ReplicaThread) -> dict:
         return {
             **replica.engine.stats(),
             "held": len(await held_jobs(replica)),
-            "scheduled_jobs": replica.replica.scheduler.num_jobs,
+            "scheduled_jobs": replica.replica.engine_core.num_jobs,
         }
 
     return replica.call(snapshot())

@@ -159,7 +159,12 @@ def test_serve_keeps_its_data_in_the_user_folder_and_prints_what_to_run_next(wal
     assert (walk.data_dir / "password").stat().st_mode & 0o077 == 0
     assert list(walk.serve_dir.iterdir()) == [], "serve wrote into the folder it was started in"
     text = walk.serve_text()
-    for line in ('submit "Tell me a joke" --stream', " status", "gateway --port 8000", "from conveyor.clients import Client"):
+    for line in (
+        'submit "Tell me a joke" --stream',
+        " status",
+        "gateway --port 8000",
+        "from conveyor.clients import Client",
+    ):
         assert line in text, f"serve's start message lacks {line!r}:\n{text[:3000]}"
 
 

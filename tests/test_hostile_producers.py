@@ -328,7 +328,7 @@ def test_entries_under_the_size_limit_are_bounded_in_bytes_in_flight(target):
 
 
 def test_dead_letters_are_listed_and_requeued_in_pages(target, capsys):
-    from conveyor.actors.cli import main
+    from conveyor.cli import main
     from conveyor.clients.dead_letters import iter_dead, requeue
 
     count = target.raw.xlen(target.keys.dead)

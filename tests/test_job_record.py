@@ -37,7 +37,12 @@ def test_one_writer_per_transition():
 def test_no_other_module_writes_a_job_status():
     # the gateway's own batch hashes, and the Responses API's response objects (their own `status`)
     batch_records = {"batch_store.py", "batch_runner.py", "batch_routes.py", "responses.py"}
-    for path in [*REPO.glob("actors/*.py"), *REPO.glob("clients/**/*.py"), *REPO.glob("apps/**/*.py"), *REPO.glob("gateway/*.py")]:
+    for path in [
+        *REPO.glob("actors/*.py"),
+        *REPO.glob("clients/**/*.py"),
+        *REPO.glob("apps/**/*.py"),
+        *REPO.glob("gateway/*.py"),
+    ]:
         if path.name == "job_record.py" or path.name in batch_records:
             continue
         assert not STATUS_WRITE.search(path.read_text()), f"{path} writes a job status itself"

@@ -81,7 +81,9 @@ def test_every_import_of_the_project_goes_through_the_conveyor_root():
     """`import engine` would find the checkout's folder (not the installed package) and load
     a second copy of the code: no file of the product, its tests or benchmarks does it."""
     roots = set(FOLDERS) - {"conveyor"}
-    files = [p for folder in (*FOLDERS, "tests", "benchmarks", "scripts") for p in sorted((ROOT / folder).rglob("*.py"))]
+    files = [
+        p for folder in (*FOLDERS, "tests", "benchmarks", "scripts") for p in sorted((ROOT / folder).rglob("*.py"))
+    ]
     wrong = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -1,6 +1,6 @@
 """The job ledger actor on its own, against a real Valkey: credits and bytes, a release
 waking ingest's wait for credits, reclaimed entries sent to ingest's mailbox, cancels
-forwarded only for held jobs, drain and hand-back. Ingest and the scheduler are bare
+forwarded only for held jobs, drain and hand-back. Ingest and the engine-core actor are bare
 actors whose mailboxes the tests read (the ledger under test is the real one)."""
 
 import asyncio
@@ -45,11 +45,11 @@ def run(redis_url: str, namespace: str, scenario, **config) -> None:
         ledger = JobLedger(
             streams, ReplicaConfig(redis_url=redis_url, namespace=namespace, **options), options.pop("capacity", 2)
         )
-        ingest, scheduler = Inbox(), Inbox()
-        ledger.connect(ingest, scheduler)
+        ingest, engine_core = Inbox(), Inbox()
+        ledger.connect(ingest, engine_core)
         ledger.start()
         try:
-            await asyncio.wait_for(scenario(ledger, ingest, scheduler, streams), 60)
+            await asyncio.wait_for(scenario(ledger, ingest, engine_core, streams), 60)
         finally:
             await ledger.stop()
             await streams.close()
@@ -75,7 +75,7 @@ def read(entry_id: str, size: int = 0, stream: str = "s") -> ReadEntry:
 
 
 def test_credits_and_bytes_bound_the_grant_and_a_release_wakes_the_waiting_ingest(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         first = WantCredits()
         await ledger.send(first)
         assert await granted(first) == (2, 1000)  # everything free, reserved for this read
@@ -104,7 +104,7 @@ def test_a_started_entry_counts_its_bytes_once(redis_url, namespace):
     """Tracking a delivery moves its entry's bytes from intake to held in the same step:
     no moment where they count twice, and no message ingest must send or wait for."""
 
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         first = WantCredits()
         await ledger.send(first)
         assert await granted(first) == (2, 1000)
@@ -118,7 +118,7 @@ def test_a_started_entry_counts_its_bytes_once(redis_url, namespace):
 
 
 def test_bytes_alone_hold_the_grant_back(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         ledger.track(delivery("big", size=1000))
         request = WantCredits()
         await ledger.send(request)
@@ -134,7 +134,7 @@ def test_entries_being_taken_in_or_refused_hold_their_bytes_until_done(redis_url
     (it then sends EntryDone): until then its bytes count, or a flood of large invalid
     entries would pile up in the publisher's mailbox unbounded by --max-bytes-in-flight."""
 
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         first = WantCredits()
         await ledger.send(first)
         assert await granted(first) == (2, 1000)
@@ -154,7 +154,7 @@ def test_entries_being_taken_in_or_refused_hold_their_bytes_until_done(redis_url
 
 
 def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credit(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         stream = streams.request_streams[0]
         entry_id = (await streams.redis.xadd(stream, {"data": b"payload"})).decode()
         await streams.redis.xreadgroup(GROUP, "dead-replica", {stream: ">"}, count=1)
@@ -178,7 +178,7 @@ def test_a_dead_consumers_entry_is_reclaimed_into_ingests_mailbox_with_its_credi
 
 
 def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         ledger.track(delivery("a", size=10))
         assert ledger.may_start("b", ReadEntry("s", "1-b", 5, False, {})) is True
         requeued = ReadEntry("s", "2-a", 5, False, {b"data": b"x"})  # e.g. requeued as its old attempt ends
@@ -195,23 +195,23 @@ def test_an_entry_of_a_held_job_waits_for_its_release_holding_a_credit(redis_url
     run(redis_url, namespace, scenario)
 
 
-def test_cancels_go_to_the_scheduler_only_for_held_jobs_and_once(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+def test_cancels_go_to_the_engine_core_actor_only_for_held_jobs_and_once(redis_url, namespace):
+    async def scenario(ledger, ingest, engine_core, streams):
         assert await ledger.ask(CancelRequest("not-here")) is False
         ledger.track(delivery("held"))
         assert await ledger.ask(CancelRequest("held")) is True
         assert await ledger.ask(CancelRequest("held")) is True
-        assert scheduler.mailbox.get_nowait() == AbortJob("held", "cancelled")
-        assert scheduler.mailbox.empty()  # the flood's second request went no further
+        assert engine_core.mailbox.get_nowait() == AbortJob("held", "cancelled")
+        assert engine_core.mailbox.empty()  # the flood's second request went no further
         await ledger.send(Release(delivery("held")))
         assert await ledger.ask(CancelRequest("held")) is False
-        assert scheduler.mailbox.empty()
+        assert engine_core.mailbox.empty()
 
     run(redis_url, namespace, scenario)
 
 
 def test_drain_is_answered_by_the_last_release(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         ledger.track(delivery("a"))
         ledger.track(delivery("b"))
         drained = asyncio.ensure_future(ledger.ask(Drain()))
@@ -225,7 +225,7 @@ def test_drain_is_answered_by_the_last_release(redis_url, namespace):
 
 
 def test_hand_back_queues_only_our_attempt_and_frees_every_pending_entry(redis_url, namespace):
-    async def scenario(ledger, ingest, scheduler, streams):
+    async def scenario(ledger, ingest, engine_core, streams):
         stream, keys = streams.request_streams[0], streams.keys
         held = []
         for job_id in ("ours", "reclaimed-by-another"):

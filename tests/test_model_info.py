@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import pytest
 import redis
 
-from conveyor.clients import AsyncClient, Client, ProtocolError, cli
+from conveyor import cli as conveyor_cli
+from conveyor.clients import AsyncClient, Client, ProtocolError
 from conveyor.clients.keys import Keys
 from conveyor.clients.model_info import (
     ModelInfo,
@@ -160,7 +161,7 @@ def test_status_shows_models_and_jobs_nobody_serves(redis_url, redis_client, nam
     assert smol["requests"]["interactive"]["consumers"][0]["name"] == "replica-1"
     assert (ghost["published"], ghost["queued"], ghost["unserved"]) == (False, 1, True)
     assert status["requests"]["batch"]["length"] == 0
-    assert cli.main(["status", "--redis-url", redis_url, "--namespace", namespace]) == 0
+    assert conveyor_cli.main(["status", "--redis-url", redis_url, "--namespace", namespace]) == 0
     out = capsys.readouterr().out
     assert "model smollm2 (published, max_model_len 8192)" in out
     assert "! 1 queued jobs for model 'ghost' and no replica serves it (no replica published it)" in out

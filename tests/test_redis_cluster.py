@@ -31,8 +31,8 @@ from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 from replica_harness import ReplicaThread, run_producers
 
+from conveyor.cli import main as cli_main
 from conveyor.clients import AsyncClient, Client
-from conveyor.clients.cli import main as cli_main
 from conveyor.clients.connection import RedisSettings
 from conveyor.clients.dead_letters import requeue
 from conveyor.clients.keys import Keys

@@ -153,7 +153,7 @@ def test_two_replicas_split_the_work_and_each_job_ends_once(tiny_model, redis_ur
         )
         for job in jobs:
             job.result(timeout=120)
-        assert first.replica.scheduler.steps > 0 and second.replica.scheduler.steps > 0
+        assert first.replica.engine_core.steps > 0 and second.replica.engine_core.steps > 0
     raw = redis.Redis.from_url(redis_url)
     for job in jobs:
         types = [fields[b"type"] for _, fields in raw.xrange(Keys(namespace).out(job.job_id))]
@@ -172,7 +172,7 @@ def test_event_loop_stays_responsive_during_a_long_prefill(redis_url, namespace)
         async def probe():
             loop = asyncio.get_running_loop()
             lags = []
-            while not running.replica.scheduler.steps:  # until the prefill step has finished
+            while not running.replica.engine_core.steps:  # until the prefill step has finished
                 before = loop.time()
                 await asyncio.sleep(0.01)
                 lags.append(loop.time() - before - 0.01)

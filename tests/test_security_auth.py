@@ -32,6 +32,7 @@ import pytest
 import redis
 from fault_harness import CONVEYOR, REPO_ROOT, ServeProcess, stop_all, wait_until
 
+from conveyor import cli as conveyor_cli
 from conveyor.actors.embedded_valkey import EmbeddedValkey
 from conveyor.clients import Client, cli
 from conveyor.clients.connection import RedisSettings, redact, resolve_settings
@@ -576,9 +577,9 @@ def test_embedded_serve_and_local_clients_that_find_its_password(replicas, capsy
     assert settings.password == password
     assert_private(serve.data_dir)
     base = ["--redis-url", settings.url, "--namespace", NS["embedded"], "--max-tokens", "3", "--timeout", "60"]
-    assert cli.main(["submit", "Hello", *base, "--data-dir", str(serve.data_dir)]) == cli.EXIT_OK
+    assert conveyor_cli.main(["submit", "Hello", *base, "--data-dir", str(serve.data_dir)]) == cli.EXIT_OK
     elsewhere = serve.data_dir.parent / "not-a-data-dir"
-    assert cli.main(["submit", "Hello", *base, "--data-dir", str(elsewhere)]) == cli.EXIT_JOB_FAILED
+    assert conveyor_cli.main(["submit", "Hello", *base, "--data-dir", str(elsewhere)]) == cli.EXIT_JOB_FAILED
     assert "authenticat" in capsys.readouterr().err.lower()
 
 

@@ -21,6 +21,7 @@ import redis
 from replica_harness import ReplicaThread
 from scratch import scratch_namespace
 
+from conveyor import cli as conveyor_cli
 from conveyor.apps.documents.chunking import MIN_FILL
 from conveyor.apps.documents.documents import Document, load_documents
 from conveyor.apps.documents.summarize import summarize_documents, summarize_documents_async
@@ -152,15 +153,15 @@ def test_documents_from_files_and_folders(tmp_path):
 
 def test_cli_reports_a_missing_model_and_bad_options(redis_url, namespace, tmp_path, capsys):
     base = ["summarize", str(LICENCE), "--out", str(tmp_path), "--redis-url", redis_url, "--namespace", namespace]
-    assert cli.main([*base, "--quiet", "--wait-s", "0"]) == cli.EXIT_JOB_FAILED
+    assert conveyor_cli.main([*base, "--quiet", "--wait-s", "0"]) == cli.EXIT_JOB_FAILED
     assert "no model info published" in capsys.readouterr().err
-    assert cli.main([*base, "--quiet", "--wait-s", "0.6"]) == cli.EXIT_JOB_FAILED
+    assert conveyor_cli.main([*base, "--quiet", "--wait-s", "0.6"]) == cli.EXIT_JOB_FAILED
     err = capsys.readouterr().err
     assert "within the wait limit of 0.6 s (wait_s, --wait-s)" in err and "waiting for" not in err  # --quiet
-    assert cli.main([*base, "--max-in-flight", "0"]) == cli.EXIT_USAGE  # checked before any wait
+    assert conveyor_cli.main([*base, "--max-in-flight", "0"]) == cli.EXIT_USAGE  # checked before any wait
     assert "invalid option" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main([*base, "--wait-s", "-1"])
+        conveyor_cli.main([*base, "--wait-s", "-1"])
     assert "--wait-s: must be >= 0 seconds" in capsys.readouterr().err
 
 
@@ -177,7 +178,7 @@ def test_pipeline_waits_for_a_replica_to_publish_its_model(redis_url, namespace,
     publisher = threading.Thread(target=publish_later, daemon=True)
     publisher.start()
     started = time.monotonic()
-    code = cli.main(
+    code = conveyor_cli.main(
         [
             "summarize",
             str(LICENCE),
@@ -304,7 +305,7 @@ def test_rerun_reuses_every_job_even_without_a_replica(uninterrupted, redis_url,
         "--context-tokens",
         "256",
     ]
-    assert cli.main(args) == cli.EXIT_JOB_FAILED  # the three bad documents
+    assert conveyor_cli.main(args) == cli.EXIT_JOB_FAILED  # the three bad documents
     out, err = capsys.readouterr()
     assert "LGPL-3: " in out and "0 submitted" in out and err.count("error: ") == 3
 

@@ -22,6 +22,7 @@ from summarize_docs import (
     scanned_pdf,
 )
 
+from conveyor import cli as conveyor_cli
 from conveyor.apps.documents.doc_formats import detect_format
 from conveyor.apps.documents.doc_layout import citation_label, citation_of, coordinates
 from conveyor.apps.documents.documents import Document, document_from_bytes, load_documents
@@ -237,11 +238,11 @@ def test_cli_refuses_bad_schema_files_and_needs_paths_or_watch(tmp_path, capsys)
     from conveyor.clients import cli
 
     base = ["summarize", "--out", str(tmp_path / "out"), "--redis-url", "redis://127.0.0.1:1", "--quiet"]
-    assert cli.main(base) == cli.EXIT_USAGE
+    assert conveyor_cli.main(base) == cli.EXIT_USAGE
     assert "give PATH arguments or --watch INBOX" in capsys.readouterr().err
-    assert cli.main([*base, "a.txt", "--schema", str(tmp_path / "missing.json")]) == cli.EXIT_USAGE
+    assert conveyor_cli.main([*base, "a.txt", "--schema", str(tmp_path / "missing.json")]) == cli.EXIT_USAGE
     assert "--schema" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"type": 5}')
-    assert cli.main([*base, "a.txt", "--schema", str(tmp_path / "bad.json")]) == cli.EXIT_USAGE
+    assert conveyor_cli.main([*base, "a.txt", "--schema", str(tmp_path / "bad.json")]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "invalid option schema" in err and "not a valid JSON schema" in err

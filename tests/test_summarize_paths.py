@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor import cli as conveyor_cli
 from conveyor.apps.documents.documents import (
     Document,
     UnsafeOutputPath,
@@ -293,7 +294,7 @@ def test_the_cli_reports_skipped_links_and_unwritable_outputs_per_document(
         "--job-timeout",
         "5",
     ]
-    assert cli.main(args) == cli.EXIT_JOB_FAILED
+    assert conveyor_cli.main(args) == cli.EXIT_JOB_FAILED
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)
     blocked, fine, link = errors

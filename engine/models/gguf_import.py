@@ -4,6 +4,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from conveyor.engine.errors import ModelLoadError
@@ -53,7 +54,12 @@ def _convert(gguf_path: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     _save_plain(model, partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)  # atomic: a crash mid-way never leaves a half-written cache entry
+    try:
+        partial.rename(target)  # atomic: a crash mid-way never leaves a half-written cache entry
+    except OSError:  # another process converted it first (ENOTEMPTY): theirs is the same model
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _save_plain(model, target: Path) -> None:
