@@ -14,11 +14,10 @@ import importlib
 import logging
 import socket
 import subprocess
-import sys
 import threading
 from typing import TYPE_CHECKING
 
-from conveyor.engine.child_env import child_env
+from conveyor.engine.child_env import module_command
 from conveyor.engine.core_frames import encode_frame, frame_reader, receive_frame
 from conveyor.engine.engine_core import CoreFacts, CoreFailed, Shutdown
 
@@ -38,9 +37,8 @@ class ChildProcessStart:
 
     def __init__(self, core_end: socket.socket):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "conveyor.engine.engine_core", str(core_end.fileno())],
+            [*module_command("conveyor.engine.engine_core"), str(core_end.fileno())],
             pass_fds=(core_end.fileno(),),
-            env=child_env(),
         )
         core_end.close()
         self.pid = self.process.pid

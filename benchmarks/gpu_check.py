@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
+sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).resolve().parent)]  # test and benchmark helpers
 
 LLAMA_1B = dict(
     hidden_size=2048,

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.harness import describe_cpu, random_prompt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import describe_cpu, random_prompt  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -33,7 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import describe_cpu, embedded_valkey, spawned_gateway, spawned_replica, write_json  # noqa: E402
 

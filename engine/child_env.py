@@ -1,17 +1,17 @@
-"""The engine's own child processes (the engine core process, tensor-parallel ranks): their
-environment and how they meet signals."""
+"""The engine's own child processes (the engine core process, tensor-parallel ranks): how
+they are started and how they meet signals."""
 
-import os
 import signal
-from pathlib import Path
-
-CHECKOUT = str(Path(__file__).resolve().parent.parent)  # where ``engine`` is importable from
+import sys
 
 
-def child_env() -> dict:
-    """This process's environment with this checkout first on PYTHONPATH, whatever the
-    current directory (a git worktree that shares an editable install runs its own code)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [CHECKOUT, os.environ.get("PYTHONPATH")]))}
+def module_command(module: str) -> list[str]:
+    """``python -m module`` in this interpreter, importing Conveyor as this process does (from
+    where it is installed), without the current directory on sys.path (-P, Python 3.11+): a
+    folder named like a dependency (``kernels``, which transformers imports, or a checkout's
+    top-level folders) where serve was started must not shadow it in the child."""
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", module]
 
 
 def ignore_stop_signals() -> None:

@@ -8,15 +8,12 @@ cluster-node-timeout makes failover after `kill_master` quick.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import redis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 from conveyor.actors.embedded_valkey import EmbeddedValkey  # noqa: E402
 

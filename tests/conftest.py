@@ -19,6 +19,10 @@ if not Path("/dev/nvidia0").exists():
 # One intra-op thread per test worker (and for what it starts), set before torch is imported:
 # the workers are one per core, and two OpenMP threads per worker spin against the other
 # worker's on a 2-core box (the tests' tensors are tiny). OMP_NUM_THREADS, when set, wins.
+# The Pythons the tests start never put their current directory (often this checkout, whose
+# top-level kernels/ would shadow Hugging Face's `kernels`) on sys.path (scripts/test.sh sets it
+# for pytest itself).
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -31,8 +31,6 @@ import redis
 from redis.cluster import RedisCluster
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 from conveyor.clients.events import decode_event  # noqa: E402
 from conveyor.clients.keys import GROUP, Keys  # noqa: E402
@@ -108,8 +106,6 @@ class ServeProcess:
             "CONVEYOR_NUM_KV_BLOCKS": str(num_kv_blocks),
             "OMP_NUM_THREADS": "1",  # tiny tensors; several replicas share two cores
             "PYTHONUNBUFFERED": "1",
-            # this checkout's code, not the editable install's (a git worktree shares the venv)
-            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
             **(env or {}),
         }
         self.env.pop("REDIS_URL", None)

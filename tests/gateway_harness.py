@@ -26,8 +26,6 @@ from typing import Any, Iterable
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 CONVEYOR = REPO_ROOT / ".venv" / "bin" / "conveyor"
 # `conveyor gateway` (the installed command) and the same subcommand through the light client

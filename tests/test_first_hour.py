@@ -60,7 +60,6 @@ class Walk:
             OMP_NUM_THREADS="1",
             CONVEYOR_NUM_KV_BLOCKS="64",
             CONVEYOR_LOG_LEVEL="INFO",
-            PYTHONPATH=os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
         )
         self.serve: subprocess.Popen | None = None
         self.serve_log = root / "serve.log"

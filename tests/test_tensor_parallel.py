@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from fault_harness import REPO_ROOT, JobLedger, pending_owners, spawner_fixture, wait_until
+from fault_harness import JobLedger, pending_owners, spawner_fixture, wait_until
 from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
 
 from conveyor.clients import Client
@@ -175,7 +175,7 @@ def test_follower_ranks_exit_when_rank_0_is_killed(tmp_path):
         "import sys, time; from conveyor import LLM; llm = LLM(sys.argv[1], tensor_parallel_size=2); "
         "print(llm.engine.runner.workers.processes[0].pid, flush=True); time.sleep(600)"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     driver = subprocess.Popen([sys.executable, "-c", script, model], stdout=subprocess.PIPE, text=True, env=env)
     try:
         worker_pid = int(driver.stdout.readline())
@@ -221,8 +221,7 @@ def long_job(index: int) -> dict:
 def test_replica_with_a_killed_rank_exits_and_its_jobs_are_reclaimed(spawn, redis_url, namespace, raw, tmp_path):
     model = build_tiny_model("llama", tmp_path / "llama")
     one_seq = ["--max-num-seqs", "1"]  # each replica holds two jobs (credits: 2 x max_num_seqs)
-    here = {"PYTHONPATH": str(REPO_ROOT)}  # this checkout's code, whatever the editable install points at
-    tp = spawn(namespace, "tp", model, lease_s=2.0, args=["--tensor-parallel-size", "2", *one_seq], env=here)
+    tp = spawn(namespace, "tp", model, lease_s=2.0, args=["--tensor-parallel-size", "2", *one_seq])
     tp.start().wait_ready()
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     prompts = mixed_prompts(768, n=3, seed=9, min_len=5, max_len=40)
@@ -232,7 +231,7 @@ def test_replica_with_a_killed_rank_exits_and_its_jobs_are_reclaimed(spawn, redi
     for prompt, job in zip(prompts, short):  # through the actors (overlapped steps): still exact
         assert job.result(timeout=60).token_ids == hf_greedy(model, prompt, 16)
 
-    survivor = spawn(namespace, "survivor", model, lease_s=2.0, args=one_seq, env=here, engine_process=False)
+    survivor = spawn(namespace, "survivor", model, lease_s=2.0, args=one_seq, engine_process=False)
     survivor.start().wait_ready()
     jobs = client.submit_many([long_job(i) for i in range(4)], progress=False)
 

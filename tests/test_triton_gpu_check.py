@@ -14,7 +14,6 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     plot = tmp_path / "gpu_check.png"
     result = subprocess.run(

@@ -7,13 +7,12 @@ import contextlib
 import logging
 import pickle
 import subprocess
-import sys
 import time
 import weakref
 
 import torch
 
-from conveyor.engine.child_env import child_env
+from conveyor.engine.child_env import module_command
 from conveyor.engine.distributed.group import TPGroup, compute_timeout_s, host_store
 from conveyor.engine.distributed.watchdog import StepWatchdog
 
@@ -103,9 +102,7 @@ class Workers:
 
 def _start_rank(config, rank: int, port: int, max_model_len: int) -> subprocess.Popen:
     """One rank's process; its arguments travel pickled on its stdin (trusted: our own child)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "conveyor.engine.tp_worker"], stdin=subprocess.PIPE, env=child_env()
-    )
+    process = subprocess.Popen(module_command("conveyor.engine.tp_worker"), stdin=subprocess.PIPE)
     arguments = dict(
         config=config, rank=rank, port=port, max_model_len=max_model_len, num_threads=torch.get_num_threads()
     )  # as many as rank 0 uses: the ranks share the machine
