@@ -14,7 +14,7 @@ For each replica count R and partition count N it measures, per master node:
 `--old` runs the layout before partition ownership (every replica reads every partition at
 every poll, 20 ms idle cap) for the idle figure alone.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/scale_sim.py --replicas 100 300 --partitions 4 16 64
+    .venv/bin/python benchmarks/scale_sim.py --replicas 100 300 --partitions 4 16 64
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO / "tests"))  # the test harnesses (cluster_harness)
 
 from conveyor.actors.base import Actor  # noqa: E402
 from conveyor.actors.config import ReplicaConfig  # noqa: E402
@@ -232,7 +232,7 @@ def start_workers(args, url: str, replicas: int, partitions: int, old: bool, scr
         command = [sys.executable, __file__, "--worker", "--url", url, "--partitions", str(partitions),
                    "--first", str(first), "--count", str(count), "--out", str(out), "--stop-file", str(stop_file),
                    "--step-ms", str(args.step_ms)] + (["--old"] if old else [])  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(REPO), "CONVEYOR_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING"}
         workers.append(subprocess.Popen(command, env=env, stderr=open(scratch / f"worker{w}.log", "w")))
         outs.append(out)
     return workers, outs, stop_file

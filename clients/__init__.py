@@ -1,5 +1,6 @@
-"""Conveyor light client: wire protocol, sync and async clients. Needs only redis,
-msgpack, pydantic and tqdm (never torch, transformers, engine/ or actors/)."""
+"""Conveyor's light client (the base install: `pip install conveyor`): wire protocol, sync and
+async clients, the `submit`, `status` and `dead` commands. Needs only redis, msgpack, pydantic
+and tqdm (never torch, transformers, engine/, actors/ or the applications in apps/)."""
 
 from conveyor.clients.async_client import AsyncClient, AsyncJob
 from conveyor.clients.client import Client, Job

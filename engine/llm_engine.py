@@ -4,8 +4,9 @@ One step is schedule -> run -> postprocess (append tokens, detokenize, then end 
 sequences a stop condition ended, checked in engine/finishing.py's order). A step that
 verified draft tokens (engine/spec_decode/) may give a sequence several tokens: each is
 appended and checked as if it were a step's only token, and those after a stop are
-dropped. The actors drive the same pieces (Scheduler, ModelRunner, OutputProcessor) from
-separate tasks; this class wires them synchronously for the offline API.
+dropped. It is the one engine both ways Conveyor runs: the offline API (engine/llm.py)
+steps it in the caller's thread, and a replica's engine core (engine/engine_core.py) steps
+it in its own process or thread, fed by the front door's frames.
 """
 
 import time

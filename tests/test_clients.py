@@ -394,8 +394,9 @@ def test_cli_streams_tokens(redis_url, namespace, client, capsys):
 
 def test_clients_import_without_heavy_packages():
     code = (
-        "import sys, clients, clients.cli; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine', 'actors', 'kernels')]; "
+        "import sys, conveyor.clients, conveyor.clients.cli; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+        "or m.split('.')[:2] in (['conveyor', 'engine'], ['conveyor', 'actors'], ['conveyor', 'kernels'])]; "
         "sys.exit(1 if bad else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=str(_repo_root())).returncode == 0

@@ -548,8 +548,9 @@ def test_a_keys_file_without_keys_is_refused(tmp_path, redis_url):
 
 def test_the_gateway_imports_no_engine_code():
     code = (
-        "import sys, gateway.server, gateway.cli\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'engine', 'actors'))\n"
+        "import sys, conveyor.gateway.server, conveyor.gateway.cli\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+        "or m.split('.')[:2] in (['conveyor', 'engine'], ['conveyor', 'actors']))\n"
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

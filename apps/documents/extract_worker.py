@@ -43,6 +43,7 @@ def extract_isolated(data: bytes, kind: str, limits: ExtractLimits = ExtractLimi
     assert kind in ISOLATED_FORMATS, kind
     command = [
         sys.executable,
+        *(["-P"] if sys.version_info >= (3, 11) else []),  # no current directory on sys.path
         "-c",
         CHILD_MAIN,
         kind,
