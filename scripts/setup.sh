@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# No current directory on sys.path (Python 3.11+): run from this checkout, its top-level kernels/
+# would shadow Hugging Face's `kernels`, which transformers imports; Conveyor is imported as installed
+export PYTHONSAFEPATH=1
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}  # CPU build here; install your CUDA build first on a GPU host
 
 if [ ! -x .venv/bin/python ]; then
