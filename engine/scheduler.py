@@ -1,9 +1,12 @@
 """Iteration-level scheduler: which sequences compute how many tokens in the next step.
 
 Each step hands out at most ``max_num_batched_tokens`` tokens: running sequences first
-(highest rank first), then waiting ones, so prefill chunks and decodes share a step. When
-KV blocks run out, the lowest-ranked, latest-admitted running sequence is preempted and
-recomputed later.
+(decodes, then prompt chunks, each in rank order), then waiting ones, so prefill chunks and
+decodes share a step. While sequences wait, one prompt's chunk takes at most
+``long_prefill_token_threshold`` tokens (half the budget by default): a long prefill never
+holds back a waiting job's first token, nor a decode, for more than a step. When KV blocks
+run out, the lowest-ranked, latest-admitted running sequence is preempted and recomputed
+later.
 
 Steps may overlap (``EngineConfig.async_scheduling``): the next step is planned while one
 is still in flight, counting the token each of its sequences will sample (its
@@ -87,12 +90,15 @@ class Scheduler:
         plan = StepPlan(next(self._step_ids))
         self.in_flight[plan.step_id] = []
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda s: self._running_rank(s, now))
-        out_of_room, index = False, 0
-        while index < len(self.running) and budget > 0:  # _make_room may shorten the list
-            seq = self.running[index]
-            index += 1
-            num_new = min(seq.num_unscheduled_tokens, budget)
+        self.running.sort(key=lambda s: self._running_rank(s, now))  # preemption takes the last
+        chunk_cap = self._prompt_chunk_cap(bool(self.waiting))
+        out_of_room = False
+        for seq in sorted(self.running, key=lambda s: s.num_unscheduled_tokens > 1):  # decodes first
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted by _make_room for a sequence ranked above it
+            num_new = min(seq.num_unscheduled_tokens, budget, chunk_cap)
             if num_new == 0 or self.stop_rules.ends_after_pending(seq):
                 continue  # a step in flight computes its last token
             if not self._make_room(seq, seq.num_scheduled_tokens + num_new, plan):
@@ -192,10 +198,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(seq)
 
+    def _prompt_chunk_cap(self, others_wait: bool) -> int:
+        """The most tokens one prompt chunk may take this step: capped only while other
+        sequences wait for room in the batch (an uncontended prefill keeps the whole budget)."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is None:
+            threshold = max(1, self.config.max_num_batched_tokens // 2)
+        contended = others_wait and len(self.running) < self.config.max_num_seqs
+        return threshold if threshold and contended else self.config.max_num_batched_tokens
+
     def _admit_waiting(self, budget: int, plan: StepPlan, now: float) -> int:
         """Admit waiting sequences in rank order while budget and blocks last; the budget left."""
         ranked = sorted(self.waiting, key=lambda s: self._waiting_rank(s, now))
-        for seq in self.policy.admissible(ranked, now):
+        admissible = list(self.policy.admissible(ranked, now))
+        for index, seq in enumerate(admissible):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return budget
             if waits_for_leader(seq):
@@ -204,7 +220,8 @@ class Scheduler:
                 continue  # its adapter would be one more than max_loras among the running
             if not seq.block_table:
                 seq.num_computed_tokens = self.block_manager.reuse_cached_prefix(seq)
-            num_new = min(seq.num_unscheduled_tokens, budget)
+            chunk_cap = self._prompt_chunk_cap(others_wait=index + 1 < len(admissible))
+            num_new = min(seq.num_unscheduled_tokens, budget, chunk_cap)
             reserve = self.watermark_blocks if self.running else 0
             if not self.block_manager.can_grow(seq, seq.num_computed_tokens + num_new, reserve):
                 self.block_manager.free(seq)  # hand the cached prefix back; retried next step

@@ -330,3 +330,35 @@ def test_overlapped_plan_never_preempts_a_sequence_in_flight():
     scheduler.update(second, StepResult(["a"], [7]))
     third = scheduler.schedule()
     assert third.preempted_ids == ["b"] and [s.seq_id for s in third.scheduled] == ["a"]
+
+
+def test_a_long_prefill_leaves_room_for_a_waiting_job_and_for_decodes():
+    """Issue 39 item 13: a running chunked prefill took the whole budget, so a 1-token job
+    waited for all of it (152 s behind 6,420 prompt tokens), and so did a decode ranked
+    below it. While others wait, a prompt chunk takes at most half the budget; decodes go
+    first; with nobody waiting the prefill keeps the whole budget."""
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64)
+    scheduler.add(make_seq("decoding", 2, max_tokens=50))
+    run_step(scheduler)  # its prompt; from now on it decodes
+    scheduler.add(make_seq("long", 1000, max_tokens=1, priority=-1))  # ranks above the decode
+    alone = run_step(scheduler)
+    assert [(s.seq_id, s.num_new) for s in alone.scheduled] == [("decoding", 1), ("long", 63)]
+    scheduler.add(make_seq("short", 3, max_tokens=1, priority_class="batch"))
+    shared = run_step(scheduler)
+    assert [(s.seq_id, s.num_new) for s in shared.scheduled] == [("decoding", 1), ("long", 32), ("short", 3)]
+    assert "short" not in scheduler.seqs, "its one token came from that step"
+    after = run_step(scheduler)
+    assert [(s.seq_id, s.num_new) for s in after.scheduled] == [("decoding", 1), ("long", 63)]
+
+
+def test_the_prefill_cap_follows_its_option():
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=0)
+    scheduler.add(make_seq("long", 1000, max_tokens=1))
+    run_step(scheduler)
+    scheduler.add(make_seq("short", 3, max_tokens=1))
+    assert [(s.seq_id, s.num_new) for s in run_step(scheduler).scheduled] == [("long", 64)]  # 0: no cap
+    scheduler = make_scheduler(num_blocks=512, max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    scheduler.add(make_seq("long", 1000, max_tokens=1))
+    run_step(scheduler)
+    scheduler.add(make_seq("short", 3, max_tokens=1))
+    assert [(s.seq_id, s.num_new) for s in run_step(scheduler).scheduled] == [("long", 16), ("short", 3)]
