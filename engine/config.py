@@ -41,8 +41,8 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes or "1GiB"; auto: 1 GiB CPU, 50% free CUDA
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    # vLLM's name: while other sequences wait, one prompt's chunk takes at most this many of a
-    # step's tokens, so a long prefill leaves room for them (None: half the budget; 0: no cap)
+    # vLLM's name: while other sequences wait, running prompts' chunks take at most this many of
+    # a step's tokens together, so long prefills leave room for them (None: half the budget; 0: no cap)
     long_prefill_token_threshold: int | None = None
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     batching: str = "continuous"

@@ -2,9 +2,10 @@
 
 Each step hands out at most ``max_num_batched_tokens`` tokens: running sequences first
 (decodes, then prompt chunks, each in rank order), then waiting ones, so prefill chunks and
-decodes share a step. While sequences wait, one prompt's chunk takes at most
-``long_prefill_token_threshold`` tokens (half the budget by default): a long prefill never
-holds back a waiting job's first token, nor a decode, for more than a step. When KV blocks
+decodes share a step. While sequences wait, the running prompts' chunks take at most
+``long_prefill_token_threshold`` tokens together (half the budget by default), and so does
+each admitted prompt while others wait behind it: long prefills never hold back a waiting
+job's first token, nor a decode, for more than a step. When KV blocks
 run out, the lowest-ranked, latest-admitted running sequence is preempted and recomputed
 later.
 
@@ -91,14 +92,15 @@ class Scheduler:
         self.in_flight[plan.step_id] = []
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self._running_rank(s, now))  # preemption takes the last
-        chunk_cap = self._prompt_chunk_cap(bool(self.waiting))
+        prompt_budget = self._prompt_chunk_cap(bool(self.waiting))  # running prompts' chunks, together
         out_of_room = False
         for seq in sorted(self.running, key=lambda s: s.num_unscheduled_tokens > 1):  # decodes first
             if budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted by _make_room for a sequence ranked above it
-            num_new = min(seq.num_unscheduled_tokens, budget, chunk_cap)
+            is_prompt = seq.num_unscheduled_tokens > 1
+            num_new = min(seq.num_unscheduled_tokens, budget, prompt_budget if is_prompt else budget)
             if num_new == 0 or self.stop_rules.ends_after_pending(seq):
                 continue  # a step in flight computes its last token
             if not self._make_room(seq, seq.num_scheduled_tokens + num_new, plan):
@@ -106,6 +108,7 @@ class Scheduler:
                 break  # seq itself was the last one and got preempted, or a victim is in flight
             self._schedule(seq, num_new, plan, now)
             budget -= num_new
+            prompt_budget -= num_new if is_prompt else 0
         if not (out_of_room or plan.preempted_ids):
             budget = self._admit_waiting(budget, plan, now)
         if self.drafter is not None:
@@ -199,8 +202,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _prompt_chunk_cap(self, others_wait: bool) -> int:
-        """The most tokens one prompt chunk may take this step: capped only while other
-        sequences wait for room in the batch (an uncontended prefill keeps the whole budget)."""
+        """The most tokens prompt chunks may take this step: capped only while other sequences
+        wait for room in the batch (an uncontended prefill keeps the whole budget)."""
         threshold = self.config.long_prefill_token_threshold
         if threshold is None:
             threshold = max(1, self.config.max_num_batched_tokens // 2)

@@ -362,3 +362,16 @@ def test_the_prefill_cap_follows_its_option():
     run_step(scheduler)
     scheduler.add(make_seq("short", 3, max_tokens=1))
     assert [(s.seq_id, s.num_new) for s in run_step(scheduler).scheduled] == [("long", 16), ("short", 3)]
+
+
+def test_several_long_prefills_together_leave_room_for_a_waiting_job():
+    scheduler = make_scheduler(num_blocks=1024, max_num_batched_tokens=64)
+    scheduler.add(make_seq("doc-a", 1000, max_tokens=1, priority_class="batch"))
+    scheduler.add(make_seq("doc-b", 1000, max_tokens=1, priority_class="batch"))
+    run_step(scheduler)
+    assert [(s.seq_id, s.num_new) for s in run_step(scheduler).scheduled] == [("doc-a", 64)]
+    scheduler.add(make_seq("chat", 5, max_tokens=1))
+    shared = run_step(scheduler)
+    # (the chat's first 4 tokens are doc-a's, a prefix-cache hit: 1 token left to compute)
+    assert [(s.seq_id, s.num_new) for s in shared.scheduled] == [("doc-a", 32), ("chat", 1)]
+    assert "chat" not in scheduler.seqs, "its one token came from that step"
