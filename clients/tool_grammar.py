@@ -4,7 +4,9 @@ arguments validate.
 
   named      the output is the function's arguments object (its `parameters` schema)
   required   the output is a JSON list of `{"name": ..., "parameters": {...}}`, one item
-             per call (exactly one when parallel_tool_calls is false)
+             per call: exactly one when parallel_tool_calls is false, else at most
+             MAX_PARALLEL_CALLS (a small model that repeats one call stops there, and the
+             reader drops the repeats: clients/tool_parsers.py)
 
 Both without whitespace outside strings: a model unsure of itself cannot spend its
 max_tokens on blank lines the grammar would otherwise allow.
@@ -17,6 +19,7 @@ from typing import Any
 from conveyor.clients.tool_schema import NamedToolChoice, ToolChoice, ToolSpec, choice_mode
 
 ANY_OBJECT = {"type": "object"}
+MAX_PARALLEL_CALLS = 8  # calls one required-choice output may hold
 
 
 def forced_call_schema(tools: list[ToolSpec], choice: ToolChoice | None, parallel: bool) -> dict | None:
@@ -27,7 +30,7 @@ def forced_call_schema(tools: list[ToolSpec], choice: ToolChoice | None, paralle
         return {"json": _parameters(_tool(tools, choice.function.name)), "disable_any_whitespace": True}
     if mode == "required":
         items = {"anyOf": [_call_schema(tool) for tool in tools]}
-        schema = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        schema = {"type": "array", "items": items, "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
         return {"json": schema, "disable_any_whitespace": True}
     return None
 

@@ -9,7 +9,9 @@ Parsers (chosen per model by its chat template, overridable with `--tool-call-pa
                `<|python_tag|>`), several separated by `;` (Llama 3.1-3.3)
 
 With `tool_choice` required or named the output was generated under a grammar
-(clients/tool_grammar.py) and is read by that grammar's shape, whatever the parser.
+(clients/tool_grammar.py) and is read by that grammar's shape, whatever the parser. A
+required-choice list cut by max_tokens gives its complete calls, and a call repeated word for
+word ends the list there (a small model repeats one call until it runs out of tokens).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class ToolReading:
             _json(text)  # a grammar made it: only a truncated output (max_tokens) fails here
             return "", [(self.names[0], text)]
         if self.mode == "required":
-            return "", [_named(item) for item in _json_list(text)]
+            return "", _until_repeated([_named(item) for item in _complete_items(text)])
         return parse(text, self.parser)
 
 
@@ -108,8 +110,8 @@ def _llama3(text: str) -> tuple[str, list[tuple[str, str]]] | None:
     return "", calls
 
 
-def _skip_separator(body: str, at: int) -> int:
-    while at < len(body) and body[at] in " \t\r\n;":
+def _skip_separator(body: str, at: int, separators: str = " \t\r\n;") -> int:
+    while at < len(body) and body[at] in separators:
         at += 1
     return at
 
@@ -121,11 +123,32 @@ def _json(text: str) -> Any:
         raise Unreadable(f"the tool call is not JSON: {exc}") from None
 
 
-def _json_list(text: str) -> list:
-    value = _json(text)
-    if not isinstance(value, list) or not value:
+def _complete_items(text: str) -> list:
+    """The complete items of a JSON list, also when the text stops inside it (max_tokens)."""
+    body, decoder, items = text.strip(), json.JSONDecoder(), []
+    at = 1 if body.startswith("[") else len(body) + 1
+    while at < len(body) and body[at] != "]":
+        try:
+            value, at = decoder.raw_decode(body, _skip_separator(body, at, ", \t\r\n"))
+        except ValueError:
+            break  # cut inside an item
+        items.append(value)
+        at = _skip_separator(body, at, " \t\r\n")
+        if at < len(body) and body[at] not in ",]":
+            raise Unreadable(f"the tool calls are not a JSON list (unexpected {body[at]!r})")
+    if not items:
         raise Unreadable("the tool calls are not a non-empty JSON list")
-    return value
+    return items
+
+
+def _until_repeated(calls: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The calls before the first one that repeats an earlier call word for word."""
+    seen = set()
+    for index, call in enumerate(calls):
+        if call in seen:
+            return calls[:index]
+        seen.add(call)
+    return calls
 
 
 def _named(call: Any) -> tuple[str, str]:

@@ -12,7 +12,7 @@ from model_factory import build_tokenizer
 
 from conveyor.clients.errors import InvalidJob
 from conveyor.clients.submission import build_job
-from conveyor.clients.tool_grammar import forced_call_schema
+from conveyor.clients.tool_grammar import MAX_PARALLEL_CALLS, forced_call_schema
 from conveyor.clients.tool_parsers import ToolReading, parse
 from conveyor.engine.chat_tools import chat_text, default_tool_parser, fallback_messages, knows_tools
 
@@ -148,7 +148,7 @@ def test_forced_call_schemas_compile_and_read_back(compiler, choice, parallel):
         jsonschema.validate(json.loads(output), schema)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Rome"}}], schema)
-        assert schema.get("maxItems") == (None if parallel else 1)
+        assert schema["maxItems"] == (MAX_PARALLEL_CALLS if parallel else 1)
         mode = "required"
     else:
         output = '{"city": "Paris"}'
@@ -157,6 +157,23 @@ def test_forced_call_schemas_compile_and_read_back(compiler, choice, parallel):
     names = ("get_weather",) if mode == "named" else ("get_weather", "get_time")
     read = ToolReading(mode, "hermes", names, "j").read(output)
     assert read.tool_calls[0].name == "get_weather" and read.tool_call_error is None
+
+
+def test_a_required_list_cut_by_max_tokens_or_repeating_itself_gives_its_calls():
+    """Issue 39 item 12: SmolLM2 under tool_choice="required" repeated one call until max_tokens
+    and the reply was the raw cut list as content (finish_reason length, no tool_calls)."""
+    reading = ToolReading("required", "hermes", ("get_weather", "get_time"), "j")
+    call = '{"name":"get_weather","parameters":{"city":"Oslo"}}'
+    other = '{"name":"get_time","parameters":{"zone":"UTC"}}'
+    cut = reading.read(f'[{call},{other},{call},{call},{{"name":"get_wea')
+    assert [(c.name, json.loads(c.arguments)) for c in cut.tool_calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {"zone": "UTC"}),
+    ], "complete calls before the cut, and the list ends at the first word-for-word repeat"
+    assert cut.tool_call_error is None and cut.content is None
+    assert len(reading.read(f"[{call},{other}]").tool_calls) == 2
+    for unreadable in ("[", '[{"name":"get_w', "", "not a list", '{"name": "get_weather"}'):
+        assert reading.read(unreadable).tool_call_error, unreadable
 
 
 # ---------------------------------------------------------------- the fallback prompt
