@@ -49,6 +49,7 @@ from conveyor.clients.event_reader import outcome
 from conveyor.clients.events import Event, TokenEvent
 from conveyor.gateway import dashboard_routes
 from conveyor.gateway.adapters import adapter_objects, resolve_model
+from conveyor.gateway.allowed_hosts import AllowedHosts, HostPolicy
 from conveyor.gateway.body_limit import BodyLimit, read_json
 from conveyor.gateway.queue_gauges import QueueCollector
 from conveyor.gateway.queue_watch import QueueWatches
@@ -80,6 +81,7 @@ def create_app(
         tenant_of_key=_namespace_of_key(app.state.keyring, settings),
         limit=settings.max_requests_per_tenant,
     )
+    app.add_middleware(AllowedHosts, policy=HostPolicy(settings.allowed_hosts, settings.host))
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     _add_error_handlers(app)
     app.include_router(ops_router)

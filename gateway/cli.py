@@ -69,6 +69,15 @@ OPTIONS = [
         "(env CONVEYOR_GATEWAY_MAX_CONNECTIONS, default 1000)",
     ),
     (
+        "--max-connections-per-peer",
+        "max_connections_per_peer",
+        int,
+        "open connections of one client address (IPv6: its /64) at most; past it, or past --max-connections, "
+        "a newcomer replaces the oldest idle connection that never sent a request with a valid API key (any "
+        "request, without keys), else gets 503 (env CONVEYOR_GATEWAY_MAX_CONNECTIONS_PER_PEER, default 0 = 3/4 "
+        "of --max-connections)",
+    ),
+    (
         "--header-timeout-s",
         "header_timeout_s",
         float,
@@ -105,6 +114,21 @@ OPTIONS = [
         "max_total_tokens",
         int,
         "largest n x max_tokens of one request (env CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS, default 32768)",
+    ),
+    (
+        "--max-stored-bytes",
+        "max_stored_bytes",
+        int,
+        "bytes of stored responses (/v1/responses store and background) one namespace may hold at once; "
+        "past it 429 (env CONVEYOR_GATEWAY_MAX_STORED_BYTES, default 64 MiB)",
+    ),
+    (
+        "--allowed-hosts",
+        "allowed_hosts",
+        str,
+        "Host header names answered besides localhost, IP addresses and --host, comma-separated "
+        "('*.example.com': its subdomains; '*': any); others get 400, against DNS rebinding "
+        "(env CONVEYOR_GATEWAY_ALLOWED_HOSTS, default none)",
     ),
 ]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -7,7 +7,10 @@
 
 Mounted with `create_app(settings, extra_routers=(responses.router,))` (`conveyor gateway`
 does). `store` (default true) keeps the response and its conversation in Redis for the
-gateway's --result-ttl (response_store.py), so `previous_response_id` continues it.
+gateway's --result-ttl (response_store.py), so `previous_response_id` continues it; each
+tenant's stored responses hold at most --max-stored-bytes (429 past it), and a background
+response whose job failed or was cancelled keeps no input. The work caps of chat completions
+(--max-samples, --max-total-tokens and the default share) apply.
 `background: true` submits a batch-priority job (no deadline: it runs when the queue has
 room) and answers at once with status `queued`; GET polls it. What a body may hold, and
 how it becomes the job: response_items.py.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -29,6 +33,7 @@ from starlette.background import BackgroundTask
 from conveyor.apps.openai_api.errors import OpenAIError, from_conveyor, invalid
 from conveyor.apps.openai_api.tool_requests import counted_messages, reads_tools
 from conveyor.apps.openai_api.translate import job_from_chat
+from conveyor.apps.openai_api.work_caps import DEFAULT_MAX_TOKENS, WorkCaps
 from conveyor.clients.async_client import AsyncJob
 from conveyor.clients.errors import ConveyorError, JobCancelled, JobFailed
 from conveyor.clients.event_reader import JobResult, outcome
@@ -45,13 +50,15 @@ from conveyor.gateway.response_items import (
     output_items,
     usage,
 )
-from conveyor.gateway.response_store import ResponseStore
+from conveyor.gateway.response_store import ResponseStore, StoreFull
 from conveyor.gateway.streaming import Relay, StreamDiverged
 from conveyor.gateway.tenants import Tenant, tenant_of
 
 router = APIRouter()
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for the job to end before answering
 RESULT_READ_S = 5.0
+SETTLE_BATCH, SETTLE_EVERY_S = 32, 1.0  # pending background responses one full tenant settles
+_settled_at: dict[str, float] = {}  # namespace -> when it last settled (monotonic)
 
 
 @router.post("/v1/responses")
@@ -60,8 +67,15 @@ async def create_response(request: Request, tenant: Tenant = Depends(tenant_of))
     body = await read_json(request, settings.max_body_bytes)
     draft = await _draft(request, tenant, body)
     deadline = None if draft.background else time.time() + draft.options.timeout_s
-    job = await _submit(tenant, draft.fields, settings, deadline)
-    draft.response_id = "resp_" + job.job_id
+    job_id = uuid.uuid4().hex
+    draft.response_id = "resp_" + job_id
+    if draft.stored:  # admitted before the job runs: 429 when the tenant's stored bytes are full
+        await _admit(draft, tenant, job_id)
+    try:
+        job = await _submit(tenant, {**draft.fields, "job_id": job_id}, settings, deadline)
+    except BaseException:
+        await draft.forget()
+        raise
     if draft.background:
         await draft.store.save(draft.object("queued"), draft.conversation, job.job_id)
         return draft.object("queued")
@@ -80,10 +94,40 @@ async def create_response(request: Request, tenant: Tenant = Depends(tenant_of))
         return await draft.finish(outcome(job.job_id, terminal))
     except ConveyorError as exc:
         await run.abandon()
+        await draft.forget()
         raise from_conveyor(exc) from None
     except BaseException:
         await run.abandon()
         raise
+
+
+async def _admit(draft: Draft, tenant: Tenant, job_id: str) -> None:
+    """Reserve the new record's bytes; when the tenant is full, settle its pending background
+    responses first (a failed one's input is dropped, an expired one forgotten), once a second."""
+    try:
+        await draft.store.reserve(draft.object("queued"), draft.conversation, job_id)
+    except StoreFull as full:
+        if full.status == 413 or not await _settle(draft.store, tenant):
+            raise
+        await draft.store.reserve(draft.object("queued"), draft.conversation, job_id)
+
+
+async def _settle(store: ResponseStore, tenant: Tenant) -> bool:
+    """Up to SETTLE_BATCH pending background responses brought up to their job's state; whether
+    any changed. At most once per SETTLE_EVERY_S per namespace: refusals cost little."""
+    now = time.monotonic()
+    if now - _settled_at.get(store.namespace, float("-inf")) < SETTLE_EVERY_S:
+        return False
+    _settled_at[store.namespace] = now
+    changed = False
+    for response_id in await store.pending(SETTLE_BATCH):
+        record = await store.load(response_id)
+        if record is None:  # deleted or expired meanwhile
+            await store.release(response_id)
+            changed = True
+        elif (await _refreshed(store, tenant, record))["response"]["status"] not in ("queued", "in_progress"):
+            changed = True
+    return changed
 
 
 @router.get("/v1/responses/{response_id}")
@@ -131,6 +175,16 @@ class Draft:
     @property
     def background(self) -> bool:
         return self.body.get("background") is True
+
+    @property
+    def stored(self) -> bool:
+        """Whether a record of it is kept (background responses always are)."""
+        return self.background or bool(self.body.get("store", True))
+
+    async def forget(self) -> None:
+        """Its job failed before any record was written: the reservation is freed."""
+        if self.stored:
+            await self.store.release(self.response_id)
 
     @property
     def reads_tools(self) -> bool:
@@ -192,9 +246,11 @@ async def _draft(request: Request, tenant: Tenant, body: dict) -> Draft:
     wanted = "batch" if body.get("background") else options.priority_class or fields.get("priority_class")
     fields["priority_class"] = tenant.priority_for(wanted)
     model = await resolve_model(tenant, fields)
+    caps = WorkCaps(settings.max_samples, settings.max_total_tokens)  # as chat completions'
+    caps.check(fields, "max_output_tokens")
     if "max_tokens" not in fields:
         left = await tenant.models.context_left(model.name, counted_messages(fields))
-        fields.update({"max_tokens": left} if left else {})
+        fields["max_tokens"] = min(left or DEFAULT_MAX_TOKENS, caps.share(fields))
     return Draft(body, fields, conversation, options, store, int(time.time()))
 
 
@@ -234,13 +290,14 @@ async def _refreshed(store: ResponseStore, tenant: Tenant, record: dict) -> dict
         final = {**response, "status": "cancelled"}
     except JobFailed as exc:
         final = {**response, "status": "failed", "error": {"code": exc.code, "message": exc.reason}}
-    if final["status"] in ("cancelled", "failed"):
-        await store.save(final, record["messages"], record["job_id"])
+    if final["status"] in ("cancelled", "failed"):  # never continued: its input is not kept
+        await store.save(final, [], record["job_id"])
     return await store.load(response["id"]) or {**record, "response": final}
 
 
 def _store(request: Request, tenant: Tenant) -> ResponseStore:
-    return ResponseStore(tenant.client.redis, tenant.namespace, request.app.state.settings.result_ttl)
+    settings = request.app.state.settings
+    return ResponseStore(tenant.client.redis, tenant.namespace, settings.result_ttl, settings.max_stored_bytes)
 
 
 def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:
@@ -310,6 +367,8 @@ async def _stream(draft: Draft, run: JobRun, events: AsyncIterator) -> AsyncIter
                 logprobs=[],
             )
     except (ConveyorError, StreamDiverged, RedisError) as exc:
+        if not isinstance(exc, RedisError):
+            await draft.forget()
         error = from_conveyor(exc) if isinstance(exc, ConveyorError) else OpenAIError(500, str(exc))
         yield send(
             "response.failed",

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from conveyor.clients.connection import RedisSettings, resolve_settings
 from conveyor.clients.keys import NAMESPACE_PATTERN, NAMESPACE_RULE, default_namespace
 from conveyor.clients.limits import MAX_N
+from conveyor.gateway.allowed_hosts import HostPolicy
+
+DEFAULT_MAX_STORED_BYTES = 64 << 20
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -46,6 +49,10 @@ class GatewaySettings:
     log_level: str = field(default_factory=lambda: _env("CONVEYOR_LOG_LEVEL", "info").lower())
     # connection limits (docs/security.md "Hostile HTTP clients")
     max_connections: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_CONNECTIONS", 1000))
+    # open connections of one client address (an IPv6 /64) at most; 0: 3/4 of max_connections
+    max_connections_per_peer: int = field(
+        default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_CONNECTIONS_PER_PEER", 0)
+    )
     header_timeout_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_HEADER_TIMEOUT_S", 10.0))
     body_timeout_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_BODY_TIMEOUT_S", 60.0))
     keep_alive_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_KEEP_ALIVE_S", 5.0))
@@ -56,6 +63,12 @@ class GatewaySettings:
     # work one request may ask for: n (samples), and n x max_tokens
     max_samples: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_SAMPLES", MAX_N))
     max_total_tokens: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_TOTAL_TOKENS", 32768))
+    # bytes of stored responses (/v1/responses store, background) one namespace may hold at once
+    max_stored_bytes: int = field(
+        default_factory=lambda: _env_int("CONVEYOR_GATEWAY_MAX_STORED_BYTES", DEFAULT_MAX_STORED_BYTES)
+    )
+    # Host header names answered besides localhost and IP addresses ("a.example,*.b.example"; "*": any)
+    allowed_hosts: str = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_ALLOWED_HOSTS", ""))
 
     def __post_init__(self) -> None:
         if not NAMESPACE_PATTERN.fullmatch(self.namespace):
@@ -75,10 +88,16 @@ class GatewaySettings:
             "keep_alive_s",
             "max_total_tokens",
             "max_requests_per_tenant",
+            "max_stored_bytes",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 1 <= self.max_samples <= MAX_N:
             raise ValueError(f"max_samples must be 1..{MAX_N}, got {self.max_samples}")
+        HostPolicy(self.allowed_hosts, self.host)  # raises ValueError for a malformed entry
+        if self.max_connections_per_peer < 0:
+            raise ValueError(f"max_connections_per_peer must be >= 0, got {self.max_connections_per_peer}")
+        if not self.max_connections_per_peer:
+            self.max_connections_per_peer = max(1, self.max_connections * 3 // 4)
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
