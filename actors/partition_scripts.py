@@ -1,11 +1,31 @@
 """The partition-lease scripts (run by actors/streams.py for the partition keeper,
 actors/partitions.py): one hash of leases and one sorted set of takers, both in the
 namespace's slot, on the server's clock. Everything they read is producer-writable input:
-a value that does not parse, or an expiry further than one lease away, is free."""
+a value that does not parse, or an expiry further than one lease away, is free, and a key of
+the wrong type (a producer's SET on it) is replaced, never fatal (SCRIBBLED_MARK below)."""
+
+# A wrong-typed owners hash or takers zset (found by a probe under pcall: no TYPE command, which
+# the documented replica ACL does not grant) is deleted by the claim script, which then answers
+# with an error reply starting with this mark and naming the key: the partition keeper logs
+# it (rate-limited) and claims again at once, on fresh keys (the deletes are kept: a script's
+# writes are not undone by its error reply).
+SCRIBBLED_MARK = "SCRIBBLED"  # the claim script's error reply starts with it
 
 # KEYS: partition owners hash, live replicas zset. ARGV: consumer, lease ms, partitions.
-# Returns the partitions this consumer owns now.
+# Returns the partitions this consumer owns now, or the SCRIBBLED_MARK error (keys replaced).
 CLAIM_PARTITIONS_LUA = """
+local scribbled = {}
+for i, probe in ipairs({{'HGET', KEYS[1], '0', 'hash'}, {'ZCARD', KEYS[2], 'zset'}}) do
+  local reply = redis.pcall(unpack(probe, 1, #probe - 1))
+  if type(reply) == 'table' and reply.err then
+    if not string.find(reply.err, 'WRONGTYPE', 1, true) then return redis.error_reply(reply.err) end
+    redis.call('DEL', KEYS[i])
+    scribbled[#scribbled + 1] = KEYS[i] .. ' (not a ' .. probe[#probe] .. ')'
+  end
+end
+if #scribbled > 0 then
+  return redis.error_reply('SCRIBBLED replaced ' .. table.concat(scribbled, ', '))
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local me, lease, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -39,11 +59,13 @@ return mine
 """
 
 # Leave: give back this consumer's partitions at once. KEYS, ARGV: as above (no lease).
+# A wrong-typed key is left alone here (the next claim, anyone's, replaces it).
 RELEASE_PARTITIONS_LUA = """
 local me, n = ARGV[1], tonumber(ARGV[3])
-redis.call('ZREM', KEYS[2], me)
+redis.pcall('ZREM', KEYS[2], me)
 for p = 0, n - 1 do
-  local value = redis.call('HGET', KEYS[1], tostring(p))
+  local value = redis.pcall('HGET', KEYS[1], tostring(p))
+  if type(value) == 'table' and value.err then return 0 end
   if type(value) == 'string' and string.match(value, '^%d+ (.*)$') == me then redis.call('HDEL', KEYS[1], tostring(p)) end
 end
 return 1

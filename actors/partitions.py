@@ -16,15 +16,21 @@ a replica joined) and takes free or expired partitions up to it (a replica left 
 Owners also reclaim their partitions' orphaned entries (actors/ledger.py). The hash is
 producer-writable input: a value that does not parse, or whose expiry is further than one
 lease away (replicas of a namespace share a lease), is a free partition, and a producer
-that scribbles on it can only move wake-ups around, never lose a job (probes find it).
+that scribbles on it can only move wake-ups around, never lose a job (probes find it). A
+`SET` (or any other type) on the hash or the takers' set is no stop either: the claim script
+replaces the wrong-typed key and says so, the keeper logs it (rate-limited) and claims again
+on the fresh keys (probes still read every partition meanwhile).
 """
 
 import asyncio
 import logging
 from typing import Callable
 
+from redis.exceptions import ResponseError
+
 from conveyor.actors.base import Actor
-from conveyor.actors.log_limits import RateLimitedLog
+from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.actors.partition_scripts import SCRIBBLED_MARK
 from conveyor.actors.resilience import keep_subscribed
 from conveyor.actors.streams import Streams
 
@@ -53,17 +59,37 @@ class PartitionKeeper(Actor):
     async def release(self) -> None:
         """A clean stop: others take the partitions at their next check, not after a lease."""
         self.owned = frozenset()
-        await self.streams.release_partitions()
+        try:
+            await self.streams.release_partitions()
+        except ResponseError as exc:  # the leases lapse by themselves: a stop is no place to fail
+            self.warnings.warning("release", "could not give back the partitions: %s", shown(str(exc), 300))
 
     async def _keep_leases(self) -> None:
         while not self.stopped:
-            owned = frozenset(await self.streams.claim_partitions(self.lease_ms))
+            owned = await self._claim()
             if owned != self.owned:
                 log.info("partitions owned: %s (was %s)", sorted(owned), sorted(self.owned))
                 for partition in owned - self.owned:
                     self.wake(partition)  # its backlog is read now, not at the next probe
                 self.owned = owned
             await asyncio.sleep(self.check_s)
+
+    async def _claim(self) -> frozenset[int]:
+        """The partitions owned after one claim. A scribbled key (replaced by the script) costs
+        a warning and one more claim; scribbled again at once: owning none until the next
+        check. Any other refusal (e.g. NOPERM: a misconfigured ACL) still stops the replica."""
+        for _ in range(2):
+            try:
+                return frozenset(await self.streams.claim_partitions(self.lease_ms))
+            except ResponseError as exc:
+                if not str(exc).startswith(SCRIBBLED_MARK):
+                    raise
+                self.warnings.warning(
+                    "scribbled",
+                    "partition lease keys were overwritten (a producer's write?): %s; claiming again",
+                    shown(str(exc), 300),
+                )
+        return frozenset()
 
     async def _listen(self) -> None:
         stopped = lambda: self.stopped  # noqa: E731

@@ -17,7 +17,11 @@ def register_dead(subparsers: argparse._SubParsersAction, connection: argparse.A
     listing.add_argument("--count", type=int, default=100, help="show at most this many (0: all); default 100")
     listing.add_argument("--after", default="-", help="start after this dead-letter id (to page on)")
     listing.set_defaults(func=run_dead_list)
-    again = actions.add_parser("requeue", parents=[connection], help="put entries back on their streams")
+    again = actions.add_parser(
+        "requeue",
+        parents=[connection],
+        help="put entries back on their streams (never a finished job's: the letter fails, naming it)",
+    )
     again.add_argument("ids", nargs="*", help="dead-letter ids (default: all)")
     again.set_defaults(func=run_dead_requeue)
 

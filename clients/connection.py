@@ -31,7 +31,9 @@ Password precedence, highest first: an explicit value (a flag, or a keyword of
 `user:password@`. Only when none of them gives a password: the embedded Valkey's password
 file in the data folder (`<data_dir>/password`), used when `<data_dir>/url` names the same
 host and port as the URL -- so the URL that `conveyor serve` prints works as it is (the
-files are 0600: only that user can read them).
+files are 0600: only that user can read them). The folder and both files are used only when
+they are the user's own and not group- or world-writable; otherwise UnsafeDataDir names the
+path and what is wrong (clients/local_server.py).
 
 `redact(url)` is what every log line and print of a URL goes through: secrets never reach
 a log or stdout. This module never imports torch, engine/ or actors/.
@@ -62,6 +64,7 @@ from conveyor.clients.local_server import (
     PASSWORD_FILE,
     URL_FILE,
     NoServerFound,
+    UnsafeDataDir,  # noqa: F401 - raised by the discovery below, importable from here
     default_data_dir,
     find_local_server,
     following_options,
@@ -76,9 +79,13 @@ GIVEN = "as given"
 MASK = "***"
 SCHEMES = ("redis", "rediss", "unix")
 # An asyncio process (replica, gateway, batch runner) may have hundreds of commands in the
-# air at once. redis-py 8's pools hold 100 connections and raise past that; a single
-# server's async clients wait for a free connection instead (up to POOL_WAIT_S).
+# air at once, and a sync Client may be shared by as many threads. redis-py 8's pools hold
+# 100 connections and raise "Too many connections" past that; the clients built here wait
+# for a free connection instead (up to POOL_WAIT_S): a BlockingConnectionPool for a single
+# server, sync or async, and for each node of a sync cluster client. (redis-py's async
+# cluster client has no waiting pool: it gets ASYNC_POOL_SIZE per node and raises past it.)
 ASYNC_POOL_SIZE = 256
+SYNC_POOL_SIZE = 128  # per client (per node in a cluster): threads past it wait their turn
 POOL_WAIT_S = 30.0
 
 
@@ -115,9 +122,19 @@ class RedisSettings:
         return self.url.startswith("rediss://")
 
     def client(self, **options: Any) -> redis.Redis | sync_cluster.RedisCluster:
-        """A synchronous redis-py client (bytes responses unless `options` say otherwise)."""
-        kind = sync_cluster.RedisCluster if self.cluster else redis.Redis
-        return kind.from_url(self.url, **{**self._connection_kwargs(), **self._following(False), **options})
+        """A synchronous redis-py client (bytes responses unless `options` say otherwise), safe
+        to share between threads: past SYNC_POOL_SIZE commands at once, a thread waits for a
+        free connection (up to POOL_WAIT_S) rather than failing."""
+        kwargs = {**self._connection_kwargs(), **self._following(False), **options}
+        waiting = {"max_connections": SYNC_POOL_SIZE, "timeout": POOL_WAIT_S}
+        if self.cluster:
+            pools = {"connection_pool_class": redis.BlockingConnectionPool, **waiting}
+            return sync_cluster.RedisCluster.from_url(self.url, **{**pools, **kwargs})
+        single = kwargs.pop("single_connection_client", False)
+        pool = redis.BlockingConnectionPool.from_url(self.url, **{**waiting, **kwargs})
+        client = redis.Redis(connection_pool=pool, single_connection_client=single)
+        client.auto_close_connection_pool = True  # as Redis.from_url: close() closes the pool
+        return client
 
     def async_client(self, **options: Any) -> aioredis.Redis | async_cluster.RedisCluster:
         """An asyncio redis-py client whose pool waits for a free connection rather than
@@ -316,7 +333,7 @@ def same_server(url_a: str, url_b: str) -> bool:
 
 def embedded_password(data_dir: str | Path, url: str) -> str | None:
     """The embedded Valkey's password when `data_dir` holds one for the server at `url`."""
-    server = find_local_server(data_dir)  # None: no embedded server there, or not ours to read
+    server = find_local_server(data_dir)  # None: no embedded server there; UnsafeDataDir: not the user's own
     return server.password if server and same_server(server.url, url) else None
 
 

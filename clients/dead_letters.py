@@ -7,6 +7,12 @@ its deliveries) keeps its original request fields as ``field:<name>``; any other
 ``size``, a digest (``sha256``, or ``sha1`` for oversized entries) and the first bytes of
 each field as ``prefix:<name>`` — requeueing those could only fail again.
 
+The dead stream is input (any writer of the namespace may add a letter), so a requeue never
+brings a finished job back: the requeue script runs behind FINISHED_GUARD_LUA, which in the
+same atomic step refuses a job whose hash says ``done`` or ``cancelled``, or ``error`` for
+any reason but ``max_deliveries`` (the one failure a dead letter with a payload records,
+and the one a requeue may mend). Such a letter fails alone, with why, and stays.
+
 Everything is read in pages, so a long dead-letter stream costs bounded memory."""
 
 from __future__ import annotations
@@ -17,12 +23,42 @@ from typing import Iterator
 
 from redis.exceptions import ResponseError
 
-from conveyor.clients.job_record import REQUEUE_LUA
+from conveyor.clients.job_record import FINAL_STATUSES, REQUEUE_LUA, Status
 from conveyor.clients.keys import Keys
 from conveyor.clients.safe_payload import readable_job_id
 
 FIELD_PREFIX = "field:"
 PAGE = 100
+FINISHED_MARK = "FINISHED"  # the guard's error reply: "FINISHED <status>"
+MAX_RESULT_READ = 64 * 1024  # a parked job's error event is a few hundred bytes: a larger one is not it
+
+# Prepended to REQUEUE_LUA (same KEYS and ARGV): a job hash (KEYS[3]) whose status is final
+# stops the requeue before anything is written, unless it is the error of a job parked after
+# max_deliveries (its stored terminal event, msgpack, says so; one over MAX_RESULT_READ
+# bytes is never unpacked). Reads only: the status itself is written by job_record.py's
+# scripts alone.
+FINISHED_GUARD_LUA = """
+if KEYS[3] and redis.call('TYPE', KEYS[3]).ok == 'hash' then
+  local state = redis.call('HMGET', KEYS[3], 'status', 'result')
+  local final = {%s}
+  if state[1] and final[state[1]] then
+    local code = nil
+    if state[1] == '%s' and state[2] and #state[2] <= %d then
+      local ok, event = pcall(cmsgpack.unpack, state[2])
+      if ok and type(event) == 'table' then code = event['code'] end
+    end
+    if code ~= 'max_deliveries' then
+      return redis.error_reply('%s ' .. state[1])
+    end
+  end
+end
+""" % (
+    ", ".join(f"['{status}'] = true" for status in sorted(FINAL_STATUSES)),
+    Status.ERROR,
+    MAX_RESULT_READ,
+    FINISHED_MARK,
+)
+GUARDED_REQUEUE_LUA = FINISHED_GUARD_LUA + REQUEUE_LUA
 
 
 @dataclass
@@ -60,7 +96,8 @@ def requeue(
     """Requeue the given dead letters (all when None), page by page. Returns the new request
     entry ids, the letters skipped because their payload was not kept, and the letters that
     could not be requeued with why (the dead stream is input: a letter naming a key that is
-    not one of this namespace's request streams, or one Redis refuses, fails alone)."""
+    not one of this namespace's request streams, a finished job, or one Redis refuses, fails
+    alone)."""
     new_ids, skipped, failed = [], [], []
     for letter in _selected(redis, keys, dead_ids):
         refused = refusal(keys, letter)
@@ -69,7 +106,7 @@ def requeue(
                 new_ids.append(_text(redis.eval(*_requeue_call(keys, letter))))
                 _forget_partitioned(redis, keys, letter)
             except ResponseError as exc:
-                failed.append((letter, str(exc)[:200]))
+                failed.append((letter, _why(letter, exc)))
         elif refused[0] == SKIPPED:
             skipped.append(letter)
         else:
@@ -90,7 +127,7 @@ async def requeue_async(
                 if keys.partitioned:
                     await redis.xdel(keys.dead, letter.dead_id)
             except ResponseError as exc:
-                failed.append((letter, str(exc)[:200]))
+                failed.append((letter, _why(letter, exc)))
         elif refused[0] == SKIPPED:
             skipped.append(letter)
         else:
@@ -142,13 +179,14 @@ async def _selected_async(redis, keys: Keys, dead_ids: list[str] | None):
 
 
 def _requeue_call(keys: Keys, letter: DeadLetter) -> tuple:
-    """EVAL's arguments for one letter (REQUEUE_LUA): a new entry, the letter gone, the job
-    hash queued. Partitioned layout: the letter is deleted in a second step (another slot)."""
+    """EVAL's arguments for one letter (REQUEUE_LUA behind FINISHED_GUARD_LUA): a new entry,
+    the letter gone, the job hash queued (a finished job's letter: a FINISHED error, nothing
+    written). Partitioned layout: the letter is deleted in a second step (another slot)."""
     job_hash = [keys.job(letter.job_id)] if letter.job_id is not None else []
     pairs = [item for name, value in letter.fields.items() for item in (name, value)]
     dead = letter.stream if keys.partitioned else keys.dead
     return (
-        REQUEUE_LUA,
+        GUARDED_REQUEUE_LUA,
         2 + len(job_hash),
         letter.stream,
         dead,
@@ -157,6 +195,14 @@ def _requeue_call(keys: Keys, letter: DeadLetter) -> tuple:
         repr(time.time()),
         *pairs,
     )
+
+
+def _why(letter: DeadLetter, exc: ResponseError) -> str:
+    """Why Redis refused a letter's requeue, for the operator (a finished job: which one)."""
+    mark, _, status = str(exc).partition(" ")
+    if mark == FINISHED_MARK:  # status: one of FINAL_STATUSES (the guard matched it)
+        return f"job {letter.job_id!r} is {status[:20]}: a finished job is never requeued"
+    return str(exc)[:200]
 
 
 def _forget_partitioned(redis, keys: Keys, letter: DeadLetter) -> None:

@@ -7,12 +7,20 @@ read, and nothing else of it: `url` (where the server listens, rewritten when it
 changes) and `password` (0600). Clients with no URL of their own use it; their connections
 re-read both files each time they connect (`LocalServerConnection`), so a client or a
 gateway that outlives a restart of `conveyor serve` follows it, even to another port.
+
+Those files decide where a client connects and which password it sends, so they are trusted
+only when they are the user's own: the folder and each file must belong to this user
+(st_uid == os.getuid()) and be neither group- nor world-writable, else UnsafeDataDir names
+the path and what is wrong (another user could point clients at a server of theirs and
+receive the password, or plant one). `conveyor serve` keeps the folder 0700 and the files
+0600 (actors/embedded_valkey.py). Each file is checked on the descriptor it is read from.
 This module never imports actors/.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -33,10 +41,17 @@ URL_FILE = "url"
 # A restart of `conveyor serve` leaves its server down for a few seconds: commands retry a
 # lost connection 18 times, 0.1 s apart doubling to 1 s: about 15 s in all, before they fail.
 RIDE_OUT_RETRIES = 18
+MAX_FILE_BYTES = 64 * 1024  # a URL or a password: a larger file is read only this far
 
 
 class NoServerFound(ConveyorError):
     """No --redis-url, no $REDIS_URL and no local server recorded in the data folder."""
+
+
+class UnsafeDataDir(ConveyorError):
+    """The data folder, or its `url` or `password` file, is not this user's alone to write."""
+
+    code = "unsafe_data_dir"
 
 
 def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -59,23 +74,67 @@ class LocalServer:
 
 
 def find_local_server(data_dir: str | Path) -> LocalServer | None:
-    """The server recorded in `data_dir`, or None when there is none (or it is not ours to read)."""
+    """The server recorded in `data_dir`, or None when there is none (or it is not ours to
+    read). UnsafeDataDir when the folder or a file it has is not the user's own."""
     directory = Path(data_dir)
-    try:
-        url = (directory / URL_FILE).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
+    text = read_private(directory / URL_FILE)
+    url = text.strip() if text is not None else ""
     if not url:
         return None
     return LocalServer(directory, url, read_password(directory / PASSWORD_FILE))
 
 
 def read_password(path: Path) -> str | None:
-    """The password in `path` without its trailing newline; None when missing or unreadable."""
-    try:
-        return path.read_text(encoding="utf-8").rstrip("\r\n") or None
+    """The password in `path` without its trailing newline; None when missing or unreadable.
+    UnsafeDataDir when it, or its folder, is not the user's own."""
+    text = read_private(path)
+    return (text.rstrip("\r\n") or None) if text is not None else None
+
+
+def read_private(path: Path) -> str | None:
+    """The text of a data-folder file: None when it (or the folder) is missing or unreadable,
+    UnsafeDataDir when the folder or the file is not the user's own or the file is not a
+    regular one. The file is checked on the descriptor it is read from (no swap in between)."""
+    try:  # non-blocking: a FIFO planted there must not hang the client
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
+    with open(descriptor, "rb") as file:
+        try:
+            folder = os.stat(path.parent)
+        except OSError:
+            return None
+        check_private(path.parent, folder, "data folder")
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode):
+            raise UnsafeDataDir(f"refusing the local server's file {path}: it is not a regular file")
+        check_private(path, status, "file")
+        try:
+            return file.read(MAX_FILE_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+
+
+def check_private(path: Path, status: os.stat_result, what: str) -> None:
+    """UnsafeDataDir unless `status` (of `path`) is this user's and not group- or world-writable."""
+    if not hasattr(os, "getuid"):  # no owners to compare (Windows): the folder's ACLs decide
+        return
+    problems = []
+    if status.st_uid != os.getuid():
+        problems.append(f"owned by uid {status.st_uid}, not by this user (uid {os.getuid()})")
+    if status.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problems.append(f"writable by {_writers(status.st_mode)} (mode {stat.S_IMODE(status.st_mode):04o})")
+    if problems:
+        raise UnsafeDataDir(
+            f"refusing the local server's {what} {path}: {' and '.join(problems)}. Another user could "
+            f"point this client at a server of theirs (which would receive the password) or plant a "
+            f"password. `conveyor serve` keeps the folder 0700 and its files 0600: fix the owner and mode "
+            f"(chmod go-w), or use another --data-dir (or $CONVEYOR_DATA_DIR), or give --redis-url"
+        )
+
+
+def _writers(mode: int) -> str:
+    return " and ".join(who for who, bit in (("its group", stat.S_IWGRP), ("everyone", stat.S_IWOTH)) if mode & bit)
 
 
 def no_server_message(data_dir: Path) -> str:

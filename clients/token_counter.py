@@ -24,6 +24,11 @@ RENDER_TIMEOUT_S = 2.0
 MAX_TEMPLATE_OUTPUT_CHARS = 256 * 1024  # what a template may add to the messages' own text
 MAX_BINOP_ITEMS = 1 << 20  # characters or items one `*` in a template may build
 MAX_EXPONENT = 64
+# checked_count_chat trusts a rendering only with at least this many tokens per message on
+# top of the messages' own text: every served template marks each message (ChatML, Llama 3
+# and Gemma about five tokens of role markers; Mistral's assistant turns, the least, an EOS)
+# and the tokens that merge at a message's edges are fewer than its markup.
+MIN_MARKUP_TOKENS = 1
 
 
 class RenderRefused(ValueError):
@@ -86,14 +91,40 @@ class TokenCounter:
         return len(self.encode_chat(messages, add_generation_prompt))
 
     def checked_count_chat(self, messages: list[Mapping[str, Any]]) -> int:
-        """count_chat, refused (RenderRefused) when the rendering holds fewer tokens than the
-        messages' own text: a template that drops the conversation would make the context a
-        prompt leaves look larger than the replica, rendering its own template, finds it."""
+        """count_chat for sizing a job (the gateway's default max_tokens: the context the
+        prompt leaves), refused (RenderRefused) unless the rendering holds more than the
+        messages' own text: at least MIN_MARKUP_TOKENS per message on top of it.
+
+        The template is input (model info in Redis), and a count below the replica's makes
+        the context left look larger than the replica, rendering its own template, finds it:
+        the job is refused (prompt + max_tokens over max_model_len). A template that drops
+        the conversation, or renders only its text (no role markup, no generation prompt:
+        no served template does), is such a count; refused, the caller leaves the job's own
+        default. Real templates add several tokens per message (role markers, separators)
+        and the generation prompt, far more than the tokens merging at a message's edges."""
         used = self.count_chat(messages)
-        own = sum(self.count(str(m.get("content") or ""), add_special_tokens=False) for m in messages)
-        if used < own - 2 * len(messages):  # a little slack: tokens merge across a message's edges
-            raise RenderRefused(f"the chat template renders {used} tokens of messages holding {own}")
+        own = sum(self.count(message_text(m.get("content")), add_special_tokens=False) for m in messages)
+        least = own + MIN_MARKUP_TOKENS * len(messages)
+        if used < least:
+            raise RenderRefused(
+                f"the chat template renders {used} tokens of {len(messages)} message(s) whose text holds {own}: "
+                f"under the {least} any served template renders (its own markup): not trusted for counting"
+            )
         return used
+
+
+def message_text(content: Any) -> str:
+    """The text a message contributes to a prompt: its content, or the text of its parts
+    (``[{"type": "text", "text": ...}, ...]``; other parts carry no text)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+        )
+    return str(content)
 
 
 class _GenerationTag(jinja2.ext.Extension):
