@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from conveyor.apps.documents.documents import printable
 from conveyor.apps.documents.summarize import summarize_documents_async
 from conveyor.apps.documents.summarize_watch import watch_folder_async
 from conveyor.apps.documents.summary_prompts import SummarizeOptions
@@ -63,7 +64,9 @@ SUMMARIZE_DESCRIPTION = (
     "are dropped, control characters and leading dots become '_' (so '..' becomes '__' and "
     "'.notes' becomes '_notes'). Outputs are written to a temporary file and renamed, so a "
     "symbolic link already at an output path is replaced, never written through; a symbolic "
-    "link to a folder inside --out makes that document an error."
+    "link to a folder inside --out makes that document an error. Names in the lines printed are "
+    "escaped (a control character shows as \\x1b, \\n...). A document is an error, and the exit "
+    "status non-zero, when any of its jobs failed or answered nothing; the line names the job id."
 )
 SUMMARIZE_PATHS_HELP = (
     "PDF, DOCX, HTML, Markdown, reST or text files (told apart by content), or folders of "
@@ -142,7 +145,7 @@ def _summarize(args: argparse.Namespace) -> int:
         error = exc.errors(include_url=False)[0]
         return fail(f"invalid option {'.'.join(map(str, error['loc']))}: {error['msg']}", EXIT_USAGE)
     for result in results:
-        print(_summary_line(result.record), file=sys.stdout if result.ok else sys.stderr)
+        print(printable(_summary_line(result.record)), file=sys.stdout if result.ok else sys.stderr)
     return EXIT_OK if all(r.ok for r in results) else EXIT_JOB_FAILED
 
 
@@ -168,6 +171,7 @@ async def _watch_on_client(args: argparse.Namespace, options: dict[str, Any]) ->
 
 
 def _summary_line(record: dict[str, Any]) -> str:
+    """One document's result line (printed escaped: names and paths may hold control characters)."""
     if record["status"] == "error":
         return f"error: {record['error']}"
     jobs = record["jobs"]

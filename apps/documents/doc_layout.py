@@ -64,16 +64,49 @@ def section_starts(text: str, spans: tuple[Span, ...]) -> list[int]:
 
 def coordinates(text: str, spans: tuple[Span, ...], start: int, end: int) -> dict:
     """Pages, heading path and lines of the characters [start, end) of `text`."""
-    inside = _overlapping(spans, start, end)
-    pages = sorted({s.page for s in inside if s.page is not None})
-    first = inside[0] if inside else None
-    return {
-        "start": start,
-        "end": end,
-        "pages": [pages[0], pages[-1]] if pages else None,
-        "headings": list(first.headings) if first else [],
-        "lines": [text.count("\n", 0, start) + 1, text.count("\n", 0, max(start, end - 1)) + 1],
-    }
+    return Locator(text, spans).coordinates(start, end)
+
+
+class Locator:
+    """Coordinates of the successive chunks of one text, in time linear in the text overall
+    (a hostile document may hold millions of paragraphs and thousands of chunks): span ends
+    are listed once, and lines are counted forward from the previous chunk's start and end."""
+
+    def __init__(self, text: str, spans: tuple[Span, ...]) -> None:
+        self.text, self.spans = text, spans
+        self.ends = [s.end for s in spans]
+        self.lines_at = {"start": (0, 1), "end": (0, 1)}  # (position, its line) last counted
+
+    def coordinates(self, start: int, end: int) -> dict:
+        inside = self._overlapping(start, end)
+        pages = sorted({s.page for s in inside if s.page is not None})
+        first = inside[0] if inside else None
+        return {
+            "start": start,
+            "end": end,
+            "pages": [pages[0], pages[-1]] if pages else None,
+            "headings": list(first.headings) if first else [],
+            "lines": [self._line("start", start), self._line("end", max(start, end - 1))],
+        }
+
+    def _line(self, cursor: str, position: int) -> int:
+        """The line of `position`, counted from where this cursor last was (from 0 if past it)."""
+        counted, line = self.lines_at[cursor]
+        if position < counted:
+            counted, line = 0, 1
+        line += self.text.count("\n", counted, position)
+        self.lines_at[cursor] = (position, line)
+        return line
+
+    def _overlapping(self, start: int, end: int) -> list[Span]:
+        found = []
+        for index in range(bisect_right(self.ends, start), len(self.spans)):  # no slice: no copy
+            span = self.spans[index]
+            if span.start >= end:
+                break
+            if span.end > start:
+                found.append(span)
+        return found
 
 
 def citation_label(coords: dict) -> str:
@@ -88,17 +121,6 @@ def citation_label(coords: dict) -> str:
         return f"§ {heading}"
     first, last = coords["lines"]
     return f"line {first}" if first == last else f"lines {first}-{last}"
-
-
-def _overlapping(spans: tuple[Span, ...], start: int, end: int) -> list[Span]:
-    index = bisect_right([s.end for s in spans], start)
-    found = []
-    for span in spans[index:]:
-        if span.start >= end:
-            break
-        if span.end > start:
-            found.append(span)
-    return found
 
 
 def citation_of(chunks: list[dict]) -> str:

@@ -5,7 +5,11 @@ symbolic links that someone else planted:
 
 - Reading: inside an input folder, every folder and file is opened relative to its
   parent's descriptor with O_NOFOLLOW, so no symlink below the folder is followed, not
-  even one swapped in while the folder is walked. A path the caller names is followed.
+  even one swapped in while the folder is walked, and what was opened is checked (fstat:
+  a regular file), not the path. `list_files` and `read_inside` do the same for a file
+  listed once and read later (`--watch`), one path component at a time. A path the
+  caller names is followed.
+- Printing: `printable` escapes control characters in names before they reach a terminal.
 - Naming: every document name becomes a safe relative path (`safe_name`).
 - Writing: each output is written to a temporary file in its folder and renamed over the
   target, so a symlink already there is replaced, never written through; folders inside
@@ -72,6 +76,11 @@ class Document:
         return None
 
 
+class SkippedFile(OSError):
+    """A path inside an input folder that is not read: not a regular file, or a symbolic
+    link (to it or to a folder on its way) that is not followed."""
+
+
 class UnsafeOutputPath(ValueError):
     """A document's outputs would land outside the output folder or go through a symlink."""
 
@@ -115,7 +124,7 @@ def read_document(path: Path, name: str, *, dir_fd: int | None = None) -> Docume
     """
     try:
         data = _read_regular_file(path if dir_fd is None else path.name, dir_fd)
-    except _NotRegularFile as exc:
+    except SkippedFile as exc:
         return Document(name, source=str(path), error=f"skipped {path}: {exc}")
     except OSError as exc:
         if dir_fd is not None and exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink swapped in
@@ -146,17 +155,13 @@ def document_from_bytes(data: bytes, name: str, source: str | None = None) -> Do
     return Document(name, text, source=source, format=kind, spans=spans, encoding=encoding)
 
 
-class _NotRegularFile(Exception):
-    pass
-
-
 def _read_regular_file(path: str | Path, dir_fd: int | None) -> bytes:
     # O_NONBLOCK: opening a FIFO must not hang; fstat then refuses it (and devices).
     flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if dir_fd is not None else 0)
     fd = os.open(path, flags, dir_fd=dir_fd)
     with open(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _NotRegularFile("not a regular file")
+            raise SkippedFile("not a regular file")
         return file.read(MAX_DOCUMENT_BYTES + 1)  # one byte over tells the limit was passed
 
 
@@ -213,9 +218,85 @@ def _walk_subfolder(parent_fd: int, entry: str, root: Path, folder: PurePosixPat
         os.close(fd)
 
 
+SYMLINK_SKIPPED = "it is a symbolic link (links inside input folders are not followed)"
+
+
 def _symlink_skipped(path: Path, name: str) -> Document:
-    reason = "it is a symbolic link (links inside input folders are not followed)"
-    return Document(name, source=str(path), error=f"skipped {path}: {reason}")
+    return Document(name, source=str(path), error=f"skipped {path}: {SYMLINK_SKIPPED}")
+
+
+def list_files(root: Path) -> list[tuple[str, tuple[int, int]]]:
+    """(name relative to `root`, (size, mtime_ns)) of each regular file under `root`, sorted
+    by folder then name; hidden names, symlinks and anything else skipped silently. Folders
+    are entered like `load_documents` enters them (by descriptor, O_NOFOLLOW), so a folder
+    swapped for a symlink while the walk runs is not listed through. `root` is followed."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    try:
+        return list(_list(fd, PurePosixPath(), 1))
+    finally:
+        os.close(fd)
+
+
+def _list(dir_fd: int, folder: PurePosixPath, depth: int) -> Iterator[tuple[str, tuple[int, int]]]:
+    try:
+        with os.scandir(dir_fd) as scan:
+            entries = sorted((e for e in scan if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            yield (folder / entry.name).as_posix(), (info.st_size, info.st_mtime_ns)
+        elif stat.S_ISDIR(info.st_mode) and depth < MAX_FOLDER_DEPTH:
+            try:
+                fd = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                yield from _list(fd, folder / entry.name, depth + 1)
+            finally:
+                os.close(fd)
+
+
+def read_inside(root: Path, name: str) -> bytes:
+    """The bytes of the regular file `name` ('/'-separated, relative) inside the folder
+    `root`, read without following any symbolic link below `root`, whatever was swapped in
+    since `name` was listed: each folder on the way is opened relative to its parent's
+    descriptor with O_DIRECTORY | O_NOFOLLOW, the file with O_NOFOLLOW, and fstat must say
+    a regular file. `root` itself is followed (the caller named it).
+
+    Raises SkippedFile for a symlink on the way or a file that is not regular, OSError when
+    reading fails, ValueError for a name that is not a plain relative path."""
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"not a relative path inside a folder: {name!r}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                if _is_symlink(part, fd):
+                    raise SkippedFile(
+                        f"the folder '{part}' on its way is a symbolic link (links inside input folders are not followed)"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = child
+        try:
+            return _read_regular_file(parts[-1], fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SkippedFile(SYMLINK_SKIPPED) from None
+            raise
+    finally:
+        os.close(fd)
 
 
 def _is_symlink(entry: str, dir_fd: int) -> bool:
@@ -239,6 +320,23 @@ def safe_name(name: str) -> str:
     """
     parts = [_safe_part(part) for part in name.split("/") if part not in ("", ".")]
     return "/".join(parts) or UNNAMED
+
+
+def printable(text: str) -> str:
+    """`text` safe to print on a terminal: each character Python would not print as itself
+    (controls such as ESC and newline, format characters such as the right-to-left override,
+    surrogates standing for undecodable bytes of a file name) is shown escaped as repr
+    writes it (`\\x1b`, `\\n`, `\\u202e`, `\\udcff`), and a backslash as two, so no
+    name can move the cursor, recolour the terminal, retitle it or forge a line."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(_escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    if char == "\\":
+        return "\\\\"
+    return char if char.isprintable() else repr(char)[1:-1]
 
 
 def _safe_part(part: str) -> str:

@@ -8,6 +8,12 @@ summaries are combined, level after level, until one summary remains. Every job 
 hash of what the job computes (document content, step, prompt, parameters, model) and
 submitting a known id is a no-op, so a rerun after a crash or Ctrl-C waits on the jobs
 already queued or finished and submits only the missing ones.
+
+A document has a summary only when every job of its tree finished with text: a job that
+failed, timed out or answered nothing usable (empty once cut to finished sentences) makes
+the document an error naming that job and its id, once the other jobs of its level have
+finished (for a rerun to reuse). A reduce over empty chunk summaries would otherwise
+invent a summary of nothing, and the command would exit 0.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, Iterable
 from tqdm import tqdm
 
 from conveyor.apps.documents.chunking import Chunk
-from conveyor.apps.documents.doc_layout import citation_label, citation_of, coordinates
+from conveyor.apps.documents.doc_layout import Locator, citation_label, citation_of
 from conveyor.apps.documents.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
 from conveyor.apps.documents.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
 from conveyor.apps.documents.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
@@ -173,24 +179,29 @@ class PipelineRun:
         except ValueError as exc:
             raise SummarizeError(str(exc)) from None
         record.add_chunks(doc, chunks, self.prompts)
-        leaves = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
+        leaves, ids = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
         record.add_chunk_summaries(leaves)
         summaries, covered, level = leaves, [[i] for i in range(len(leaves))], 0
         while len(summaries) > 1:
             level += 1
             groups = self.prompts.group_indices(summaries)
             prompts = [self.prompts.reduce_messages([summaries[i] for i in g]) for g in groups]
-            summaries = await self._level(doc, record, "reduce", level, prompts)
+            summaries, ids = await self._level(doc, record, "reduce", level, prompts)
             covered = [[leaf for i in group for leaf in covered[i]] for group in groups]
             record.add_reduce_level(level, groups, covered, summaries)
-        if not summaries[0]:
-            raise SummarizeError("the model returned an empty summary")
         if self.options.schema_ is not None:
             return record.add_final_json(summaries[0], self.options.schema_)
-        return record.add_points(summaries[0], leaves)
+        summary = record.add_points(summaries[0], leaves)
+        if not summary.strip():
+            final = f"{'reduce' if level else 'map'} job 0 of level {level} ({ids[0]})"
+            raise SummarizeError(f"{final}, the final summary, holds no point to list: the summary is empty")
+        return summary
 
-    async def _level(self, doc: Document, record: _Record, kind: str, level: int, prompts: list[Messages]) -> list[str]:
-        """Run one level's jobs; all of them finish (for a rerun to reuse) before a failure is raised."""
+    async def _level(
+        self, doc: Document, record: _Record, kind: str, level: int, prompts: list[Messages]
+    ) -> tuple[list[str], list[str]]:
+        """Run one level's jobs: (their texts, their job ids). All of them finish (for a rerun to
+        reuse) before a failure is raised: the first one's, in index order."""
         self.jobs_bar.total += len(prompts)
         self.jobs_total += len(prompts)
         self.jobs_bar.refresh()
@@ -201,11 +212,16 @@ class PipelineRun:
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
-        return outcomes
+        return [text for text, _ in outcomes], [key for _, key in outcomes]
 
-    async def _job(self, doc: Document, record: _Record, kind: str, level: int, index: int, messages: Messages) -> str:
+    async def _job(
+        self, doc: Document, record: _Record, kind: str, level: int, index: int, messages: Messages
+    ) -> tuple[str, str]:
+        """(text, job id) of one job. Raises SummarizeError naming the job and its id when it
+        failed, timed out or answered nothing usable."""
         step = {"kind": kind, "level": level, "index": index}
         job_key = job_id(kind, doc, level, index, messages, self.options, self.info.name)
+        name = f"{kind} job {index} of level {level} ({job_key})"
         async with self.in_flight:
             if self.options.retry_failed:
                 await self._forget_failure(job_key)
@@ -218,21 +234,42 @@ class PipelineRun:
             )
             try:
                 result = await job.result(timeout=self.options.job_timeout)
-            except (JobFailed, Timeout) as exc:
+            except JobFailed as exc:
                 record.add_job(step, job, error=exc.message)
-                raise SummarizeError(f"{kind} job {index} of level {level} failed: {exc.message}") from None
+                raise SummarizeError(f"{name} failed [{exc.code}]: {exc.reason}") from None
+            except Timeout as exc:
+                record.add_job(step, job, error=exc.message)
+                raise SummarizeError(f"{name} gave no result within {self.options.job_timeout:g} s") from None
         record.add_job(step, job, result)
         self.jobs_bar.update()
         self.jobs_done += 1
         self.tokens += result.usage.completion_tokens
         if self.options.schema_ is not None:
-            return _complete_json(result, f"{kind} job {index} of level {level}", self.options.max_tokens)
-        return deduplicated(finished(result.text))  # no cut-off last sentence, no looping repeats
+            return _complete_json(result, name, self.options.max_tokens), job_key
+        text = cleaned(result.text)
+        if not text:
+            raise SummarizeError(
+                f"{name} returned an empty summary ({_said(result)}); the document's summary would miss it"
+            )
+        return text, job_key
 
     async def _forget_failure(self, job_key: str) -> None:
         """Let a job that failed in an earlier run be submitted again."""
         if (await self.client.job(job_key).status()).status in RETRIED_STATUSES:
             await self.client.redis.delete(self.client.keys.job(job_key), self.client.keys.out(job_key))
+
+
+def cleaned(text: str) -> str:
+    """A job's text without a cut-off last sentence and without looping repeats; when the cut
+    leaves nothing (`1. The licence grants` cut at max_tokens: `1.` is a list number, not a
+    sentence), the text uncut, less its repeats. Empty when the model said nothing usable."""
+    return deduplicated(finished(text)) or deduplicated(text)
+
+
+def _said(result: JobResult) -> str:
+    raw = result.text.strip()
+    shown = f"{raw[:40]!r}{'...' if len(raw) > 40 else ''}" if raw else "no text"
+    return f"{shown}, {result.usage.completion_tokens} tokens, finish_reason {result.finish_reason}"
 
 
 def _complete_json(result: JobResult, step: str, max_tokens: int) -> str:
@@ -272,8 +309,9 @@ class _Record:
     def add_chunks(self, doc: Document, chunks: list[Chunk], prompts: Prompts) -> None:
         self.data["chunking_s"] = round(time.monotonic() - self.started, 4)
         self.data["chunks"] = []
+        locator = Locator(doc.text, doc.spans)
         for c in chunks:
-            coords = coordinates(doc.text, doc.spans, c.start, c.end)
+            coords = locator.coordinates(c.start, c.end)
             self.data["chunks"].append(
                 {
                     "index": c.index,

@@ -4,6 +4,12 @@ change in a folder, each content once, across restarts.
 - Polling: every `poll_s` seconds the inbox is listed (recursively; hidden names and
   symlinks skipped); a file is taken once its size and mtime held still for one poll (so a
   file being copied in is not read half-written).
+- Links: the inbox is listed and each file read by descriptor, one path component at a
+  time with O_NOFOLLOW, and fstat must say a regular file (documents.list_files,
+  read_inside), so a folder or file swapped for a symlink between the listing and the
+  read is reported, never read through.
+- Printing: names are escaped (documents.printable) in every line, so a file name cannot
+  send terminal escapes or forge a line.
 - Once per content: OUT/.conveyor-watch.json maps each document to the sha256 of the bytes
   last summarized (or failed); the same bytes are never summarized again, changed bytes are.
 - Restarts: job ids are hashes of what they compute (summary_prompts.job_id), so a
@@ -17,16 +23,22 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import signal
-import stat
 import sys
 import time
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, TextIO
 
-from conveyor.apps.documents.documents import MAX_DOCUMENT_BYTES, document_from_bytes, safe_name, write_top_file
+from conveyor.apps.documents.documents import (
+    SkippedFile,
+    document_from_bytes,
+    list_files,
+    printable,
+    read_inside,
+    safe_name,
+    write_top_file,
+)
 from conveyor.apps.documents.summarize import DocumentSummary, PipelineRun
 from conveyor.apps.documents.summary_prompts import SummarizeOptions
 from conveyor.apps.documents.summary_report import write_report
@@ -110,7 +122,7 @@ class _Watcher:
 
     def _ready_files(self) -> list[tuple[str, Path]]:
         """Files whose size and mtime held still since the last poll and that are not in flight."""
-        listing = dict(_listing(self.inbox))
+        listing = dict(list_files(self.inbox))
         ready = [
             (name, self.inbox / name)
             for name, key in listing.items()
@@ -122,7 +134,7 @@ class _Watcher:
 
     async def _document(self, name: str, path: Path) -> None:
         try:
-            data = await asyncio.to_thread(_read_bytes, path)
+            data = await asyncio.to_thread(read_inside, self.inbox, name)
             digest = hashlib.sha256(data).hexdigest()
             if self.state.get(name) == digest:
                 return
@@ -130,6 +142,8 @@ class _Watcher:
                 doc = await asyncio.to_thread(document_from_bytes, data, safe_name(name), str(path))
                 result = await self.pipeline.summarize(doc)
             self._finished(name, digest, result)
+        except SkippedFile as exc:
+            self._line(f"error: skipped {path}: {exc}", force=True)
         except OSError as exc:
             self._line(f"error: cannot read {path}: {exc.strerror or exc}", force=True)
         except Exception as exc:  # e.g. Redis unreachable: taken again at the next poll
@@ -163,30 +177,8 @@ class _Watcher:
     def _line(self, text: str, force: bool = False) -> None:
         now = time.monotonic()
         if self.progress is not None and (force or now - self.last_line >= PROGRESS_EVERY_S):
-            print(text, file=self.progress, flush=True)
+            print(printable(text), file=self.progress, flush=True)
             self.last_line = now
-
-
-def _listing(inbox: Path) -> list[tuple[str, tuple[int, int]]]:
-    """(name relative to inbox, (size, mtime_ns)) of each regular file; no symlink followed."""
-    found = []
-    for folder, dirs, files in os.walk(inbox, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name.startswith("."):
-                continue
-            path = Path(folder, name)
-            with suppress(OSError):
-                info = path.lstat()
-                if stat.S_ISREG(info.st_mode):
-                    found.append((path.relative_to(inbox).as_posix(), (info.st_size, info.st_mtime_ns)))
-    return found
-
-
-def _read_bytes(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with open(fd, "rb") as file:
-        return file.read(MAX_DOCUMENT_BYTES + 1)
 
 
 def _read_state(out_dir: Path) -> dict[str, str]:
