@@ -306,14 +306,17 @@ class IngestActor(Actor):
         forced = tools and forced_call_schema(job.tools, job.tool_choice, job.parallel_tool_calls)
         if forced:  # the grammar that makes the call valid (the job cannot also give one)
             params["structured_outputs"] = forced
+        prompt, messages = job.prompt or job.prompt_token_ids, job.chat_messages()
+        if job.chat_template == "auto" and self.inputs.has_chat_template():
+            prompt, messages = None, [{"role": "user", "content": job.prompt}]
         request = self.inputs.request_for(
             job.job_id,
-            job.prompt or job.prompt_token_ids,
+            prompt,
             SamplingParams(**params),
             job.priority_class,
             job.priority,
             _enqueue_time(entry_id),
-            job.chat_messages(),
+            messages,
             tools and tools["tools"],
         )
         request = dataclasses.replace(request, lora_request=self._adapter(job.lora))

@@ -21,7 +21,6 @@ from conveyor.clients.client import Client, Job
 from conveyor.clients.connection import add_connection_arguments, command_settings, refused_message, settings_from_args
 from conveyor.clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
 from conveyor.clients.keys import PRIORITY_CLASSES
-from conveyor.clients.model_info import ModelNotPublished, only_model
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -146,7 +145,7 @@ def _submit_prompt(client: Client, args: argparse.Namespace) -> int:
         print("error: give a prompt or --file", file=sys.stderr)
         return EXIT_USAGE
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    job = client.submit(**_prompt_fields(client, prompt, args), **_job_options(args))
+    job = client.submit(**_prompt_fields(prompt, args), **_job_options(args))
     if args.no_wait:
         print(job.job_id)
         return EXIT_OK
@@ -155,29 +154,18 @@ def _submit_prompt(client: Client, args: argparse.Namespace) -> int:
     return _print_result(job, args.timeout, args.json)
 
 
-def _prompt_fields(client: Client, prompt: str, args: argparse.Namespace) -> dict[str, Any]:
-    """A chat message where the model has a chat template (or --chat), else the prompt as is."""
+def _prompt_fields(prompt: str, args: argparse.Namespace) -> dict[str, Any]:
+    """--chat (or --system): chat messages; --raw: the prompt as it is; neither: the prompt with
+    chat_template "auto", so the replica applies the model's template where it has one (the
+    same command line makes the same job, whenever it runs)."""
     if args.raw and args.system:
         raise InvalidJob("--system needs the chat template: leave out --raw", field="system")
-    if args.raw or not (args.chat or args.system or _has_chat_template(client, args.model)):
+    if args.raw:
         return {"prompt": prompt}
+    if not (args.chat or args.system):
+        return {"prompt": prompt, "chat_template": "auto"}
     system = [{"role": "system", "content": args.system}] if args.system else []
     return {"messages": [*system, {"role": "user", "content": prompt}]}
-
-
-def _has_chat_template(client: Client, model: str | None) -> bool:
-    """What the model's replica published (one field, not the whole model info); False, with
-    a note, when no replica published it yet."""
-    try:
-        if model is None:
-            members = sorted(client.redis.smembers(client.keys.models))
-            exists = [client.redis.exists(client.keys.model_info(m.decode())) for m in members]
-            model = only_model(client.keys, members, exists)
-        template = client.redis.hget(client.keys.model_info(model), "chat_template")
-    except ModelNotPublished as exc:
-        print(f"note: sending the prompt as it is ({exc}); --chat sends it as a chat message", file=sys.stderr)
-        return False
-    return bool(template)
 
 
 def _job_options(args: argparse.Namespace) -> dict[str, Any]:

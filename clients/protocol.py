@@ -190,6 +190,9 @@ class JobRequest(BaseModel):
     prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     prompt_token_ids: list[TokenId] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    # "auto": the replica sends `prompt` through the model's chat template, as one user
+    # message, when the model has one (else as it is): decided where the model is known
+    chat_template: Literal["auto"] | None = None
 
     max_tokens: int = Field(default=16, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
@@ -280,6 +283,8 @@ class JobRequest(BaseModel):
                 given[1] if len(given) > 1 else "prompt",
                 f"exactly one of prompt, messages, prompt_token_ids is required (got {got})",
             )
+        if self.chat_template is not None and self.prompt is None:
+            raise FieldValueError("chat_template", "chat_template applies to a `prompt` (messages always use it)")
         self._check_tools()
         if self.min_tokens > self.max_tokens:
             raise FieldValueError(
@@ -445,7 +450,7 @@ def _check_version(payload: dict) -> None:
 
 DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
 # hashed only when given (tools: all three): older digests stay valid
-OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora")
+OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora", "chat_template")
 
 
 def payload_digest(job: JobRequest) -> str:
@@ -466,6 +471,8 @@ def digest_input(job: JobRequest) -> str:
             if getattr(job, name) != default
         }
     )
+    if job.chat_template is not None:  # hashed only when given: older digests stay valid
+        content["chat_template"] = job.chat_template
     if job.structured_outputs is not None:
         content["structured_outputs"] = job.structured_outputs_given()
     if job.tools is not None:  # hashed only when given, as structured_outputs

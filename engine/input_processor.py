@@ -52,6 +52,9 @@ class InputProcessor:
             return list(prompt)
         raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
 
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of a chat; `tools` (OpenAI's function tools) as engine/chat_tools.py renders them."""
         if not messages:
