@@ -59,13 +59,19 @@ def main() -> int:
     tokenizer = engines["capped"].tokenizer
     text = " ".join(f"Section {i}: the queue holds jobs that replicas take in turn." for i in range(2000))
     ids = tokenizer.encode(text)[: args.doc_tokens]
-    docs = [[(token + index) % len(tokenizer) for token in ids] for index in range(args.docs)]  # no shared prefix
+
+    def fresh_docs(round_index: int) -> list[list[int]]:  # nothing the prefix cache holds from another round
+        shift = 1 + round_index * args.docs
+        return [[(token + shift + index) % len(tokenizer) for token in ids] for index in range(args.docs)]
+
     for engine in engines.values():  # compiled kernels, caches and allocations warm before timing
         one_round(engine, [ids[:256]], 0)
+    runs = 0
     results: dict[str, list[dict]] = {name: [] for name in engines}
     for round_index in range(args.rounds):
         for name in sorted(engines, reverse=round_index % 2 == 1):  # alternate which goes first
-            result = one_round(engines[name], docs, args.steps_before)
+            runs += 1
+            result = one_round(engines[name], fresh_docs(runs), args.steps_before)
             results[name].append(result)
             print(f"round {round_index + 1} {name}: TTFT {result['ttft_s']:.2f} s, all done {result['total_s']:.1f} s")
     summary = {
