@@ -6,8 +6,8 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable, TypeVar
 
+from redis.exceptions import AskError, ClusterError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from conveyor.actors.log_limits import RateLimitedLog, shown
@@ -15,8 +15,11 @@ from conveyor.clients.redis_cluster import FAILOVER_ERRORS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# a lost connection, or a cluster slot between masters (failover): wait and retry
-CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *FAILOVER_ERRORS)
+# a slot on the move past what the cluster client follows itself: MOVED/ASK, or TRYAGAIN
+# until its redirection budget ran out (ClusterError "TTL exhausted")
+SLOT_MOVING_ERRORS = (ClusterError, AskError)
+# a lost connection, or a cluster slot between masters (failover) or nodes: wait and retry
+CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, *FAILOVER_ERRORS, *SLOT_MOVING_ERRORS)
 FIRST_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 2.0
 
@@ -28,6 +31,12 @@ def closed_transport(exc: BaseException) -> bool:
     if isinstance(exc, RuntimeError):
         return "handler is closed" in str(exc)
     return isinstance(exc, AttributeError) and str(exc).startswith("'NoneType' object has no attribute 'write")
+
+
+def transient(exc: BaseException) -> bool:
+    """An error that says the server (or the slot's node) could not serve the command now, not
+    that the command is wrong: sent again, it may go through."""
+    return isinstance(exc, CONNECTION_ERRORS) or closed_transport(exc)
 
 
 async def retrying(

@@ -15,11 +15,11 @@ from redis.exceptions import ResponseError
 
 from conveyor.actors.messages import Delivery, ReadEntry
 from conveyor.actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
-from conveyor.actors.resilience import retrying
+from conveyor.actors.resilience import retrying, transient
 from conveyor.clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from conveyor.clients.model_info import ModelInfo, publish_model_info_async
-from conveyor.clients.redis_cluster import FAILOVER_ERRORS, queue_script
+from conveyor.clients.redis_cluster import queue_script
 from conveyor.clients.replica_records import queue_beat
 
 DUPLICATE, CONFLICT = -1, -2
@@ -109,23 +109,17 @@ class Streams:
         return await retrying(operation, what, self.ensure_groups)
 
     async def write(self, queue_commands: Callable[[object], Awaitable[None]], what: str) -> list:
-        """One pipelined round trip, rebuilt and resent until it goes through. Returns each
-        command's reply; a command that failed (e.g. WRONGTYPE on a key a producer
-        clobbered) leaves its ResponseError in the list instead of failing the others."""
-
-        async def attempt():
-            async with self.redis.pipeline(transaction=False) as pipe:
-                await queue_commands(pipe)
-                replies = await pipe.execute(raise_on_error=False)
-            lost_group = next((r for r in replies if _is_nogroup(r)), None)
-            if lost_group is not None:
-                raise lost_group  # retrying recreates the groups and sends it all again
-            failover = next((r for r in replies if isinstance(r, FAILOVER_ERRORS)), None)
-            if failover is not None and all(isinstance(r, Exception) for r in replies):
-                raise failover  # nothing went through (e.g. CLUSTERDOWN while a master fails over): all again
-            return replies
-
-        return await self.resilient(attempt, what)
+        """One pipelined round trip; what did not go through is sent again until it does.
+        Returns each command's reply; a command that failed for its own sake (e.g. WRONGTYPE on
+        a key a producer clobbered) leaves its ResponseError in the list instead of failing the
+        others. A command its node could not serve then (CLUSTERDOWN or TRYAGAIN while a slot
+        changes masters, a connection lost, NOGROUP: the groups are recreated first) is sent
+        again, with the others that failed so and in the order they were queued, backing off
+        like ``resilient``; a command that went through is never sent twice. (A node down
+        fails all its commands of the step, so each key keeps its order; a slot being
+        resharded may not: redis-py follows each redirected command on its own.)"""
+        batch = _Batch(queue_commands)
+        return await self.resilient(lambda: batch.send(self.redis), what)
 
     async def ensure_groups(self) -> None:
         for stream in self.request_streams:
@@ -403,6 +397,101 @@ class Streams:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+class _Batch:
+    """The commands of one ``Streams.write`` and what came of each: queued once (their args
+    recorded as they are queued), then only those still to go through are sent again, on a
+    plain pipeline or a cluster one alike."""
+
+    def __init__(self, queue_commands: Callable[[object], Awaitable[None]]):
+        self.queue_commands = queue_commands
+        self.commands: list[tuple[tuple, dict]] | None = None  # (args, options) of each, in order
+        self.scripts: set = set()  # the scripts a plain pipeline loads before it sends EVALSHA
+        self.replies: list = []
+        self.pending: list[int] = []  # the commands still to go through, in order
+
+    async def send(self, client) -> list:
+        """Send what is pending; raises what ``retrying`` waits out while some is."""
+        async with client.pipeline(transaction=False) as pipe:
+            if self.commands is None:
+                await self._queue_first(pipe)
+            else:
+                for index in self.pending:
+                    args, options = self.commands[index]
+                    pipe.execute_command(*args, **options)
+                if self.scripts:
+                    pipe.scripts.update(self.scripts)
+            queued = _queued_commands(pipe)
+            try:
+                replies = await pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                if transient(exc) and queued is not None:  # keep what the nodes it reached answered
+                    self._record([_answer_of(command, exc) for command in queued])
+                raise
+        self._record(replies)
+        if self.pending:
+            failed = [self.replies[i] for i in self.pending]
+            # NOGROUP first: retrying recreates the groups before it sends the rest again
+            raise next((r for r in failed if _is_nogroup(r)), failed[0]).with_traceback(None)
+        return self.replies
+
+    async def _queue_first(self, pipe) -> None:
+        commands: list[tuple[tuple, dict]] = []
+        queue = pipe.execute_command
+
+        def recording(*args, **options):
+            commands.append((args, dict(options)))
+            return queue(*args, **options)
+
+        pipe.execute_command = recording  # every queued command goes through it (pipe.xadd, scripts...)
+        try:
+            await self.queue_commands(pipe)
+        finally:
+            del pipe.execute_command
+        if len(commands) != len(pipe):
+            raise RuntimeError(f"{len(pipe) - len(commands)} command(s) queued without execute_command")
+        self.commands = commands
+        self.scripts = set(getattr(pipe, "scripts", ()))
+        self.replies = [None] * len(commands)
+        self.pending = list(range(len(commands)))
+
+    def _record(self, replies: list) -> None:
+        """Keep the replies to the pending commands; those to send again stay pending."""
+        if len(replies) != len(self.pending):
+            raise RuntimeError(f"a pipeline of {len(self.pending)} commands gave {len(replies)} replies")
+        for index, reply in zip(self.pending, replies):
+            self.replies[index] = reply
+        self.pending = [i for i in self.pending if _again(self.replies[i])]
+
+
+def _again(reply) -> bool:
+    """Whether a reply is a failure the command may get past when sent again."""
+    return isinstance(reply, BaseException) and (transient(reply) or _is_nogroup(reply))
+
+
+try:  # what a cluster pipeline's command holds until a node answers it (redis-py that keeps
+    # the answers across its own retries; redis.cluster._UNANSWERED)
+    from redis.cluster import _UNANSWERED
+except ImportError:  # others: an unanswered command cannot be told from a None reply
+    _UNANSWERED = None
+
+
+def _queued_commands(pipe) -> list | None:
+    """A cluster pipeline's queued commands: when it raises (a node it could not reach), each
+    one a node answered holds its reply, so only the others are sent again. None where that
+    cannot be told (a plain pipeline: one connection, all or nothing)."""
+    strategy = getattr(pipe, "_execution_strategy", None)
+    queued = getattr(strategy, "_command_queue", None)
+    if _UNANSWERED is None or not isinstance(queued, list):
+        return None
+    return list(queued)
+
+
+def _answer_of(command, error: BaseException):
+    """A cluster pipeline command's reply, or ``error`` where no node answered it."""
+    result = getattr(command, "result", _UNANSWERED)
+    return error if result is _UNANSWERED else result
 
 
 def _read_groups(keys: Keys, model_name: str) -> tuple[tuple[str, ...], ...]:
