@@ -182,7 +182,21 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
         if getattr(args, f.name, None) is not None
     }
     config = EngineConfig(**options)
-    return EngineCoreClient.in_child_process(config) if own_process else EngineCoreClient.on_thread(config)
+    engine = EngineCoreClient.in_child_process(config) if own_process else EngineCoreClient.on_thread(config)
+    try:
+        engine.sampling_defaults = served_sampling_defaults(config)  # ingest fills unset job fields with them
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def served_sampling_defaults(config):
+    """The defaults of the sampling fields jobs leave unset (--generation-config); the engine
+    logged them as it loaded the model ("sampling defaults: ...")."""
+    from conveyor.engine.models.loader import sampling_defaults
+
+    return sampling_defaults(config.model, config.generation_config)
 
 
 def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSettings):

@@ -9,6 +9,7 @@ touching any job's record; only an entry whose attempt was started speaks for it
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import zlib
 
@@ -27,6 +28,7 @@ from conveyor.clients.tool_grammar import forced_call_schema
 from conveyor.clients.tool_parsers import ToolReading
 from conveyor.clients.tool_schema import choice_mode
 from conveyor.engine import InvalidRequest, LoRARequest, SamplingParams
+from conveyor.engine.sampling_params import SamplingDefaults
 
 log = logging.getLogger(__name__)
 FIRST_IDLE_POLL_S = 0.001  # empty streams: poll again after this, doubling up to the cap
@@ -67,6 +69,8 @@ class IngestActor(Actor):
             name: LoRARequest(name, number, path)
             for number, (name, path) in enumerate(config.lora_modules.items(), start=1)
         }
+        # what the sampling fields a job leaves unset take: the served model's generation config
+        self.sampling_defaults = sampling_defaults_of(engine)
 
     async def run(self) -> None:
         idle_s = FIRST_IDLE_POLL_S
@@ -284,7 +288,7 @@ class IngestActor(Actor):
         if job.deadline is not None and job.deadline <= time.time():
             return ("error", "deadline_exceeded", "the job's deadline passed before it started", None)
         cap = self.config.max_tokens_cap
-        if cap is not None and job.max_tokens > cap:
+        if cap is not None and "max_tokens" in job.model_fields_set and job.max_tokens > cap:  # a default: capped
             return (
                 "error",
                 "invalid_request",
@@ -301,7 +305,7 @@ class IngestActor(Actor):
         return ToolReading(mode, self.config.tool_call_parser or self.inputs.tool_parser(), names, job.job_id)
 
     def _make_request(self, job: JobRequest, entry_id: str):
-        params = job.sampling_params()
+        params = self._sampling_params(job)
         tools = job.tools_given()
         forced = tools and forced_call_schema(job.tools, job.tool_choice, job.parallel_tool_calls)
         if forced:  # the grammar that makes the call valid (the job cannot also give one)
@@ -327,6 +331,15 @@ class IngestActor(Actor):
             )
         return request
 
+    def _sampling_params(self, job: JobRequest) -> dict:
+        """The job's sampling parameters, the model's defaults in the fields it left unset
+        (protocol.MODEL_DEFAULT_FIELDS); the operator's max_tokens_cap bounds a default max_tokens."""
+        params = self.sampling_defaults.fill(job.sampling_params(), given=job.model_fields_set)
+        cap = self.config.max_tokens_cap
+        if "max_tokens" not in job.model_fields_set and cap is not None:
+            params["max_tokens"] = min(params["max_tokens"], cap)
+        return params
+
     def _adapter(self, name: str | None) -> LoRARequest | None:
         if name is None:
             return None
@@ -334,6 +347,18 @@ class IngestActor(Actor):
             served = ", ".join(self.adapters) or "none"
             raise InvalidRequest("lora", f"this replica serves no adapter {name!r} (served: {served})")
         return self.adapters[name]
+
+
+def sampling_defaults_of(engine: EngineCoreClient) -> SamplingDefaults:
+    """The served model's sampling defaults: those `conveyor serve` found for its engine
+    (``engine.sampling_defaults``, its --generation-config), else the model's own
+    generation_config.json (--generation-config auto, or $CONVEYOR_GENERATION_CONFIG)."""
+    known = getattr(engine, "sampling_defaults", None)
+    if known is not None:
+        return known
+    from conveyor.engine.models.loader import sampling_defaults
+
+    return sampling_defaults(engine.facts.model_name, os.environ.get("CONVEYOR_GENERATION_CONFIG", "auto"))
 
 
 def _salvaged_job_id(stub_fields: dict) -> str | None:

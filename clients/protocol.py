@@ -353,6 +353,11 @@ SAMPLING_PARAM_NAMES = (
     "min_tokens",
     "logprobs",
 )
+# Sampling fields a job may leave unset: the replica then uses the served model's default
+# (its generation_config.json, as vLLM's --generation-config auto), else JobRequest's. Which
+# ones a job set is pydantic's `model_fields_set`: the keys of the payload it was read from.
+# The digest hashes JobRequest's default for an unset one, as it always did.
+MODEL_DEFAULT_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Fields added after the digest was defined: part of it only when not at their default, so
 # every digest computed before them stays valid (docs/protocol.md, "Payload digest").
 DEFAULT_ONLY_DIGEST_FIELDS = {"n": 1}
@@ -410,8 +415,11 @@ def _short_repr(value: Any, limit: int = 60) -> str:
 
 
 def encode_job(job: JobRequest) -> dict[str, bytes]:
-    """Request-stream entry fields for `job`: {"data": msgpack bytes}."""
-    return {"data": msgpack.packb(job.model_dump(), use_bin_type=True)}
+    """Request-stream entry fields for `job`: {"data": msgpack bytes}. The sampling fields
+    of MODEL_DEFAULT_FIELDS that the producer left unset stay out, so the replica gives them
+    the served model's defaults (an older replica, JobRequest's: the same values as before)."""
+    unset = {name for name in MODEL_DEFAULT_FIELDS if name not in job.model_fields_set}
+    return {"data": msgpack.packb(job.model_dump(exclude=unset), use_bin_type=True)}
 
 
 def decode_job(fields: dict, entry_id: str | bytes | None = None) -> JobRequest:

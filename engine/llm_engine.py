@@ -9,6 +9,7 @@ steps it in the caller's thread, and a replica's engine core (engine/engine_core
 it in its own process or thread, fed by the front door's frames.
 """
 
+import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ from conveyor.engine.finishing import StopRules
 from conveyor.engine.input_processor import InputProcessor
 from conveyor.engine.lora.adapter import check_adapter
 from conveyor.engine.model_runner import ModelRunner
-from conveyor.engine.models.loader import load_spec
+from conveyor.engine.models.loader import load_spec, sampling_defaults
 from conveyor.engine.output_processor import OutputProcessor
 from conveyor.engine.outputs import RequestOutput
 from conveyor.engine.parallel_sampling import ParallelSampling
@@ -32,6 +33,8 @@ from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.sequence import Sequence
 from conveyor.engine.spec_decode.drafter import spec_stats
 
+log = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -40,6 +43,9 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, self.spec.max_context)
         self.tokenizer_dir = resolve_tokenizer_dir(config.tokenizer, self.spec.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        # what a request's unset sampling fields take (the model's generation config, by default)
+        self.sampling_defaults = sampling_defaults(config.model, config.generation_config, self.spec.model_dir)
+        log.info("%s", self.sampling_defaults.describe())
         self.runner = ModelRunner(config, self.spec, self.max_model_len)
         self.stop_rules = StopRules(self.spec.eos_token_ids, self.max_model_len)
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.stop_rules)

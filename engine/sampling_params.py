@@ -1,7 +1,7 @@
 """Per-request sampling parameters (vLLM names and defaults)."""
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from conveyor.engine import sampling_limits as limits
 from conveyor.engine.errors import InvalidRequest
@@ -10,6 +10,16 @@ from conveyor.engine.structured_outputs import StructuredOutputsParams
 MAX_LOGPROBS = limits.MAX_LOGPROBS
 MAX_N = limits.MAX_N
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM): no logits / ~0 overflow
+# generation_config.json's fields that give a model's sampling defaults (vLLM's list), and the
+# SamplingParams field each one sets; nothing else of the file counts (do_sample neither, as in vLLM)
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 @dataclass
@@ -105,6 +115,57 @@ class SamplingParams:
                 raise InvalidRequest(name, f"must be a bool, got {type(getattr(self, name)).__name__}")
         if self.logit_bias is not None:
             _logit_bias(self.logit_bias, vocab_size)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The values a request's unset sampling fields take: the model's generation config
+    (vLLM's ``generation_config="auto"``), or none (``"vllm"``: SamplingParams' own defaults).
+    ``source`` says where they came from, for the logs."""
+
+    values: dict = field(default_factory=dict)  # SamplingParams field -> value
+    source: str = "SamplingParams' own defaults"
+
+    @classmethod
+    def from_generation_config(cls, config: dict, source: str) -> "SamplingDefaults":
+        """The sampling fields ``config`` (a generation_config.json's object) states; a value
+        SamplingParams would refuse is left out (the logs say which), so it never fails a request."""
+        values, refused = {}, []
+        for key, name in GENERATION_CONFIG_FIELDS.items():
+            value = config.get(key)
+            if value is None:
+                continue
+            value = 0 if name == "top_k" and value == -1 else value
+            try:
+                SamplingParams(**{name: value}).validate(vocab_size=1)
+            except InvalidRequest:
+                refused.append(f"{key}={value!r}")
+                continue
+            values[name] = value
+        if not values:
+            source += ", which states no sampling field"
+        if refused:
+            source += f" (left out, out of range: {', '.join(refused)})"
+        return cls(values, source)
+
+    def params(self, **given) -> SamplingParams:
+        """SamplingParams with these defaults under the fields ``given``."""
+        return SamplingParams(**{**self.values, **given})
+
+    def fill(self, params: dict, given) -> dict:
+        """``params`` (SamplingParams keyword arguments) with the defaults in every field not in ``given``."""
+        return {**params, **{name: value for name, value in self.values.items() if name not in given}}
+
+    def describe(self) -> str:
+        """For the logs: "sampling defaults of ...: temperature=0.2, top_p=0.9 (from ...)"."""
+        stated = ", ".join(f"{name}={value}" for name, value in self.values.items())
+        own = f"SamplingParams' own: {_own_defaults()}"
+        return f"sampling defaults of unset request fields: {stated or own} (from {self.source})"
+
+
+def _own_defaults() -> str:
+    own = {f.name: f.default for f in fields(SamplingParams) if f.name in GENERATION_CONFIG_FIELDS.values()}
+    return ", ".join(f"{name}={value}" for name, value in own.items())
 
 
 def _logit_bias(bias, vocab_size: int) -> None:

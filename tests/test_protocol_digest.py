@@ -31,6 +31,7 @@ from conveyor.clients.protocol import (
     JobRequest,
     _js_number,
     digest_input,
+    encode_job,
     payload_digest,
 )
 from conveyor.clients.submission import submit_args
@@ -318,7 +319,7 @@ def test_submit_args_follow_the_documented_keys_and_argv():
     keys, job = Keys("ns"), JobRequest(job_id="j", prompt="hi", model="m", result_ttl=60)
     script_keys, argv = submit_args(keys, job, 5)
     assert script_keys == ["ns:job:j", "ns:requests:interactive:m", "ns:out:j", "ns:limits"]
-    assert argv[0] == msgpack.packb(job.model_dump(), use_bin_type=True)
+    assert argv[0] == encode_job(job)["data"]  # the fields the job set (unset sampling fields: the model's)
     assert argv[1:2] == [60] and float(argv[2]) == pytest.approx(time.time(), abs=5)
     assert argv[3:] == [5, payload_digest(job)]
 

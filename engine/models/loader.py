@@ -11,13 +11,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from conveyor.engine.config import DEFAULT_MODEL
+from conveyor.engine.config import DEFAULT_MODEL, GENERATION_CONFIG_MODES
 from conveyor.engine.errors import ModelLoadError
 from conveyor.engine.models.gguf_import import converted_dir, smollm2_gguf
 from conveyor.engine.models.gguf_weights import place, read_packed
 from conveyor.engine.models.gpt2 import GPT2LMHeadModel
 from conveyor.engine.models.llama import LlamaForCausalLM, max_context, rotary_for
 from conveyor.engine.models.weights import iter_checkpoint
+from conveyor.engine.sampling_params import GENERATION_CONFIG_FIELDS, SamplingDefaults
 from conveyor.kernels.cpu.dispatch import cpu_flags, gguf_auto_mode, has_bf16_hardware, int8_dot_isa
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,12 @@ ARCHITECTURES = {  # model_type -> (our class, the transformers architecture it 
     "gpt2": (GPT2LMHeadModel, "GPT2LMHeadModel"),
 }
 SUPPORTED = "Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, GPT-2"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# The default model's generation config states no sampling field (SmolLM2-135M-Instruct's own
+# says none, nor does its GGUF), so it would sample at temperature 1.0: its answers would be
+# noise. transformers decodes it greedily (no do_sample in its config) and so does `conveyor
+# demo`: that is its default here, where its file states nothing of the kind.
+DEFAULT_MODEL_GENERATION = {"temperature": 0.0}
 
 
 @dataclass
@@ -82,6 +89,45 @@ def load_spec(model: str) -> ModelSpec:
         raise ModelLoadError(f"model: architecture {model_type!r} is not supported; supported: {SUPPORTED}")
     context = max_context(hf_config) if model_type != "gpt2" else hf_config.n_positions
     return ModelSpec(model, model_dir, hf_config, model_type, _eos_ids(model_dir, hf_config), context, gguf_path)
+
+
+def sampling_defaults(model: str, generation_config: str = "auto", model_dir: Path | None = None) -> SamplingDefaults:
+    """The defaults of a request's unset sampling fields, as vLLM's ``generation_config``:
+    "auto" reads the model's generation_config.json (``model_dir``, else ``model``'s
+    directory), "vllm" ignores it (SamplingParams' own defaults), any other value is a folder
+    holding a generation_config.json (or that file). Only the fields of
+    ``GENERATION_CONFIG_FIELDS`` count; max_new_tokens gives max_tokens."""
+    if generation_config == "vllm":
+        return SamplingDefaults(source="--generation-config vllm: the model's generation config ignored")
+    if generation_config == "auto":
+        folder = model_dir if model_dir is not None else resolve_model_dir(model)
+        path = folder / GENERATION_CONFIG_FILE
+        if not path.exists():
+            return SamplingDefaults(source=f"the model has no {GENERATION_CONFIG_FILE}")
+    else:
+        path = Path(generation_config).expanduser()
+        path = path / GENERATION_CONFIG_FILE if path.is_dir() else path
+        if not path.is_file():
+            raise ModelLoadError(
+                f"generation_config: {generation_config!r} is none of {', '.join(GENERATION_CONFIG_MODES)} "
+                f"and no folder holding a {GENERATION_CONFIG_FILE} (or that file)"
+            )
+    config = _read_generation_config(path)
+    source = f"{path}"
+    if generation_config == "auto" and model == DEFAULT_MODEL and not set(config) & set(GENERATION_CONFIG_FIELDS):
+        config = DEFAULT_MODEL_GENERATION  # greedy: see DEFAULT_MODEL_GENERATION
+        source = f"{DEFAULT_MODEL}'s own: greedy, as transformers reads its {path}, which states no sampling field"
+    return SamplingDefaults.from_generation_config(config, source)
+
+
+def _read_generation_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"generation_config: cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"generation_config: {path} is not a JSON object")
+    return config
 
 
 def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, device: torch.device) -> bool:
