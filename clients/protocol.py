@@ -136,7 +136,9 @@ with warnings.catch_warnings():  # the field `json` (vLLM's name) shadows BaseMo
         )
         grammar: str | None = None  # EBNF (GBNF) as xgrammar reads it, start rule `root`
         json_object: Literal[True] | None = None  # any JSON object
-        disable_any_whitespace: bool = False
+        disable_any_whitespace: bool = False  # vLLM's name: compact JSON, now the default anyway
+        # json, json_object: compact (None: the default; hashed only when given) or any whitespace
+        whitespace: Literal["compact", "any"] | None = None
 
         _json_size = field_validator("json", mode="before")(lambda cls, value: _schema_size(value))
         _text_size = field_validator("regex", "grammar")(lambda cls, value: _structured_size(value))
@@ -177,6 +179,8 @@ def _exactly_one_constraint(so: StructuredOutputs) -> StructuredOutputs:
         raise ValueError(
             f"exactly one of {', '.join(STRUCTURED_CONSTRAINTS)} is required (got {', '.join(given) or 'none'})"
         )
+    if so.whitespace == "any" and so.disable_any_whitespace:
+        raise ValueError("whitespace: any contradicts disable_any_whitespace: true")
     return so
 
 

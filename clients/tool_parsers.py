@@ -12,6 +12,12 @@ With `tool_choice` required or named the output was generated under a grammar
 (clients/tool_grammar.py) and is read by that grammar's shape, whatever the parser. A
 required-choice list cut by max_tokens gives its complete calls, and a call repeated word for
 word ends the list there (a small model repeats one call until it runs out of tokens).
+
+With `tool_choice` auto the content comes back without tool-calling markup a model echoes
+from its prompt (`<tool_response>`, `<tools>` and their closing tags; Qwen's template and the
+fallback prompt show them), and without a dangling `<tool_call>`: an empty one, or an
+unclosed one followed by prose. The content is then given even when there is no call, for
+the reply to use instead of the raw text.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from typing import Any
 from conveyor.clients.events import ToolCall, ToolOutput
 
 PARSERS = ("hermes", "llama3_json")
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.DOTALL)
+ECHOED_MARKUP = re.compile(r"</?(?:tool_response|tools)>")  # never part of an answer
+CALL_TAGS = re.compile(r"</?tool_call>")
 PYTHON_TAG = "<|python_tag|>"
 
 
@@ -48,10 +56,13 @@ class ToolReading:
         try:
             calls = self._calls(text)
         except Unreadable as exc:
-            return ToolOutput(content=text, tool_call_error=str(exc))
+            return ToolOutput(content=without_markup(text), tool_call_error=str(exc))
         if calls is None:
-            return ToolOutput()
+            content = without_markup(text) if self.mode == "auto" else text
+            return ToolOutput() if content == text else ToolOutput(content=content)
         content, found = calls
+        if not found:  # only dangling <tool_call> tags: an answer in prose
+            return ToolOutput(content=content)
         unknown = [name for name, _ in found if name not in self.names]
         if unknown:
             return ToolOutput(
@@ -83,6 +94,17 @@ def parse(text: str, parser: str) -> tuple[str, list[tuple[str, str]]] | None:
     raise ValueError(f"unknown tool call parser {parser!r}; one of {PARSERS}")
 
 
+def without_markup(text: str, pattern: re.Pattern = ECHOED_MARKUP) -> str:
+    """`text` without the tags of `pattern` (as it is when it holds none), blank runs tidied."""
+    if not pattern.search(text):
+        return text
+    tags = rf"(?:[ \t]*(?:{pattern.pattern}))+[ \t]*"
+    text = re.sub(rf"(?m)^{tags}(?:\n|$)", "", text)  # tags on a line of their own: the line too
+    text = re.sub(rf"(?m)^{tags}|{tags}$", "", text)  # at the start or end of a line
+    text = re.sub(tags, " ", text)  # between words
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
 def call_id(job_id: str, index: int, n: int) -> str:
     """A call's id, the same on every attempt of the job (a rerun reproduces its output)."""
     return "call_" + hashlib.sha256(f"{job_id}/{index}/{n}".encode()).hexdigest()[:24]
@@ -92,7 +114,14 @@ def _hermes(text: str) -> tuple[str, list[tuple[str, str]]] | None:
     start = text.find("<tool_call>")
     if start < 0:
         return None
-    return text[:start].strip(), [_named(_json(body)) for body in HERMES_CALL.findall(text[start:])]
+    calls = [
+        _named(_json(body))
+        for body, closing in HERMES_CALL.findall(text, start)
+        if body and (closing or body.startswith("{"))  # else dangling: an empty or unclosed tag before prose
+    ]
+    if not calls:
+        return without_markup(without_markup(text), CALL_TAGS), []
+    return without_markup(text[:start]).strip(), calls
 
 
 def _llama3(text: str) -> tuple[str, list[tuple[str, str]]] | None:

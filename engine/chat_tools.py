@@ -10,8 +10,10 @@ Hermes format the `hermes` parser reads (the one Qwen2.5 uses):
     JSON inside `<tools></tools>` and the instruction to answer with
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
   - an assistant message's calls: its content followed by one `<tool_call>` block per call;
-  - `tool` messages: a `user` message holding `<tool_response>...</tool_response>` (one
-    per result; consecutive results share the message).
+  - `tool` messages: a `user` message saying in plain words what each tool returned and
+    asking for an answer from it (consecutive results share the message). No markup: a
+    small model echoes tags it was shown (`<tool_response>` came back in its answers), and
+    the reader strips any that still come back (clients/tool_parsers.py).
 """
 
 import json
@@ -22,6 +24,13 @@ FALLBACK_TOOLS_PROMPT = (
     "For each function call, return a json object with function name and arguments within "
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
     "<args-json-object>}}\n</tool_call>"
+)
+
+
+# after a fallback's tool results: one result, several
+ANSWER_FROM = (
+    "\n\nAnswer the user's question using this result, in plain words.",
+    "\n\nAnswer the user's question using these results, in plain words.",
 )
 
 
@@ -80,7 +89,8 @@ def _arguments(call: dict):
 
 def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """`messages` with the tools, calls and results written into plain role/content messages."""
-    out = [_rendered(message) for message in messages]
+    names = _call_names(messages)
+    out = [_rendered(message, names) for message in messages]
     out = _merge_tool_results(out)
     if tools:
         listing = FALLBACK_TOOLS_PROMPT.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
@@ -91,9 +101,22 @@ def fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[di
     return out
 
 
-def _rendered(message: dict) -> dict:
+def _call_names(messages: list[dict]) -> dict[str, str]:
+    """The function name of each call id in the history (what a `tool` message answers)."""
+    return {
+        call["id"]: call["function"]["name"]
+        for message in messages
+        for call in message.get("tool_calls") or []
+        if call.get("id")
+    }
+
+
+def _rendered(message: dict, names: dict[str, str]) -> dict:
     if message["role"] == "tool":
-        return {"role": "tool", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        name = names.get(message.get("tool_call_id") or "")
+        result = message["content"] or ""
+        said = f"The tool {name} returned:" if name else "A tool returned:"
+        return {"role": "tool", "content": f"{said}\n{result}" if "\n" in result else f"{said} {result}"}
     calls = message.get("tool_calls") or []
     blocks = [
         json.dumps({"name": call["function"]["name"], "arguments": _arguments(call)}, ensure_ascii=False)
@@ -104,12 +127,19 @@ def _rendered(message: dict) -> dict:
 
 
 def _merge_tool_results(messages: list[dict]) -> list[dict]:
+    """Consecutive results as one user message, ending with the request to answer from them."""
     out: list[dict] = []
     for message in messages:
         if message["role"] != "tool":
             out.append(message)
         elif out and out[-1].get("tool_results"):
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + message["content"]}
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + message["content"], "tool_results": 2}
         else:
-            out.append({"role": "user", "content": message["content"], "tool_results": True})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+            out.append({"role": "user", "content": message["content"], "tool_results": 1})
+    return [
+        {
+            "role": m["role"],
+            "content": m["content"] + ANSWER_FROM[m["tool_results"] > 1] if m.get("tool_results") else m["content"],
+        }
+        for m in out
+    ]

@@ -150,7 +150,7 @@ class GrammarCompiler:
 def constraint_key(params: StructuredOutputsParams) -> tuple:
     """(what xgrammar compiles: json | regex | grammar, its text, any whitespace); refuses
     what xgrammar would not enforce or would take too long to build."""
-    kind, any_whitespace = params.kind, not params.disable_any_whitespace
+    kind, any_whitespace = params.kind, params.any_whitespace
     if kind == "json":
         schema = params.schema()
         problem = _schema_problem(schema)

@@ -1,6 +1,13 @@
 """What a request's output must match (vLLM's ``StructuredOutputsParams``): a JSON schema,
 a regex, one of some strings, an EBNF grammar, or any JSON object.
 
+JSON (``json``, ``json_object``) is compact unless ``whitespace="any"``: no whitespace outside
+strings but one space after each ``,`` and ``:`` (xgrammar's compact form, as vLLM's
+``disable_any_whitespace``), so a model unsure of itself cannot spend its max_tokens on blank
+lines. ``whitespace="any"`` allows any whitespace between tokens (xgrammar's default, and
+this engine's before compact became the default). ``disable_any_whitespace`` (vLLM's name) is
+accepted: true asks for the default, and cannot be given with ``whitespace="any"``.
+
 Plain data, checked here for shape and size (``validate``, when the engine accepts the
 request); engine/grammar_compiler.py then compiles it, so a constraint that cannot be
 compiled fails that request alone.
@@ -13,6 +20,7 @@ from conveyor.engine import sampling_limits as limits
 from conveyor.engine.errors import InvalidRequest
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+WHITESPACE = ("compact", "any")  # json, json_object: compact (None, the default) or any whitespace
 
 
 @dataclass
@@ -22,12 +30,18 @@ class StructuredOutputsParams:
     choice: list[str] | None = None  # the output is exactly one of these strings
     grammar: str | None = None  # EBNF (GBNF) as xgrammar reads it, start rule `root`
     json_object: bool | None = None  # True: any JSON object
-    disable_any_whitespace: bool = False  # json, json_object: no whitespace outside strings
+    disable_any_whitespace: bool = False  # vLLM's name; compact is the default (true: the same)
+    whitespace: str | None = None  # json, json_object: "compact" (None: the default) or "any"
 
     @property
     def kind(self) -> str:
         """The one constraint given (valid params only)."""
         return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
+
+    @property
+    def any_whitespace(self) -> bool:
+        """JSON with any whitespace between tokens (else compact)."""
+        return self.whitespace == "any"
 
     def validate(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
@@ -38,6 +52,10 @@ class StructuredOutputsParams:
             )
         if not isinstance(self.disable_any_whitespace, bool):
             raise InvalidRequest("structured_outputs.disable_any_whitespace", "must be a boolean")
+        if self.whitespace is not None and self.whitespace not in WHITESPACE:
+            raise InvalidRequest("structured_outputs.whitespace", f"must be compact or any, got {self.whitespace!r}")
+        if self.disable_any_whitespace and self.any_whitespace:
+            raise InvalidRequest("structured_outputs.whitespace", "any contradicts disable_any_whitespace: true")
         if self.json_object is not None and self.json_object is not True:
             raise InvalidRequest("structured_outputs.json_object", f"must be true when given, got {self.json_object!r}")
         if self.json is not None:

@@ -202,7 +202,9 @@ def output_items(result: JobResult, response_id: str) -> list[dict]:
     """The `output` of a finished response: its message (when it has content), then its calls."""
     output = result.outputs[0]
     calls = openai_calls(output)
-    content = output.content if output.tool_calls or output.tool_call_error else output.text
+    content = (
+        output.content if output.content is not None or output.tool_calls or output.tool_call_error else output.text
+    )
     items = [message_item(response_id, content)] if content or not calls else []
     return items + [function_call_item(response_id, n, call) for n, call in enumerate(calls)]
 

@@ -52,7 +52,9 @@ def with_tool_calls(body: dict, outputs: list[OutputChoice]) -> dict:
     for choice in body["choices"]:
         output = by_index[choice["index"]]
         calls = openai_calls(output)
-        content = output.content if output.tool_calls or output.tool_call_error else output.text
+        content = (
+            output.content if output.content is not None or output.tool_calls or output.tool_call_error else output.text
+        )
         choice["message"] = {
             "role": "assistant",
             "content": content or (None if calls else ""),
@@ -98,7 +100,9 @@ class ToolChunkWriter(ChunkWriter):
 
 def _held_back(output: OutputChoice) -> list[dict]:
     """One output's deltas at its end: content, then each call's header and argument pieces."""
-    content = output.content if output.tool_calls or output.tool_call_error else output.text
+    content = (
+        output.content if output.content is not None or output.tool_calls or output.tool_call_error else output.text
+    )
     deltas = [{"content": content}] if content else []
     for number, call in enumerate(output.tool_calls or []):
         deltas.append(

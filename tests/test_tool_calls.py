@@ -188,9 +188,11 @@ def test_templates_without_tools_get_the_stated_fallback_and_templates_with_tool
     assert (
         messages[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
-    assert messages[3]["content"] == "<tool_response>\nsunny, 21C\n</tool_response>"
+    assert messages[3]["content"] == (
+        "The tool get_weather returned: sunny, 21C\n\nAnswer the user's question using this result, in plain words."
+    )
     text = chat_text(plain, HISTORY, [WEATHER])
-    assert text.endswith("<|im_start|>assistant\n") and "<tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n") and "<tool_response>" not in text
 
     from tool_model import HERMES_TEMPLATE
 
