@@ -10,7 +10,8 @@ the limit). The accounting lives in three keys with one hash tag, `<ns>:{<ns>}:s
 -> expiry (Redis TIME + ttl, as the record's own TTL), the sum, and the background responses
 not seen final yet (`pending`: when the namespace is full, responses.py settles them, which
 drops the input of those whose job failed). Each script first forgets up to SWEEP_BATCH
-expired entries, so what expires or is deleted leaves the sum.
+expired entries, so what expires or is deleted leaves the sum. The keys are producer-writable:
+a key of the wrong type resets the namespace's count (a scribbler only forgets its own bytes).
 Updates of an admitted record (a background response's final state, a completed response
 with its output) are counted but never refused: the output is bounded by the work caps."""
 
@@ -31,6 +32,15 @@ SWEEP_BATCH = 1000  # expired entries one script forgets at most
 # Reply: {1, total} counted, {0, total} refused (nothing changed but the sweep).
 ACCOUNT_LUA = (
     """
+-- the keys are producer-writable: one of the wrong type (WRONGTYPE) resets the count, never fails
+local probes = {{'HLEN', 1}, {'ZCARD', 2}, {'STRLEN', 3}, {'ZCARD', 4}}
+for _, probe in ipairs(probes) do
+  local reply = redis.pcall(probe[1], KEYS[probe[2]])
+  if type(reply) == 'table' and reply['err'] then
+    redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+    break
+  end
+end
 local now = tonumber(redis.call('TIME')[1])
 local ttl = tonumber(ARGV[3])
 local total = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
