@@ -65,7 +65,7 @@ def admin(node) -> redis.Redis:
     return admin_of(node.url)
 
 
-def wait_state(node, state: str, timeout: float = 10.0) -> None:
+def wait_state(node, state: str, timeout: float = 60.0) -> None:  # a deadline, not a speed claim
     ends = time.monotonic() + timeout
     while f"cluster_state:{state}".encode() not in admin(node).execute_command("CLUSTER", "INFO"):
         assert time.monotonic() < ends, f"node {node.port} never reached cluster_state:{state}"

@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import time
 import zipfile
 from pathlib import Path
 
@@ -204,11 +203,9 @@ def test_the_full_install_serves_what_the_base_client_submits_with_the_checkouts
     try:
         submit = [str(base_venv.parent / "conveyor"), "submit", PROMPT, "--redis-url", redis_url]
         submit += ["--chat", "--namespace", namespace, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--json"]
-        started = time.monotonic()
         done = subprocess.run(submit, cwd=outside, env=user_env(), capture_output=True, text=True, timeout=READY_S)
         assert done.returncode == 0, (done.stderr, serve.poll())
         served = json.loads(done.stdout.splitlines()[-1])
-        assert time.monotonic() - started < READY_S
     finally:
         serve.terminate()
         output = serve.communicate(timeout=120)[0]
