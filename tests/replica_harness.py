@@ -3,9 +3,13 @@
 import asyncio
 import threading
 
+import redis
+import redis.asyncio as aioredis
+
 from conveyor.actors.config import ReplicaConfig
 from conveyor.actors.engine_client import EngineCoreClient
 from conveyor.actors.replica import Replica
+from conveyor.actors.streams import Streams
 from conveyor.engine import EngineConfig, LLMEngine
 
 
@@ -85,3 +89,27 @@ def run_producers(produce, count: int, timeout: float) -> None:
         thread.join(timeout)
     assert not errors, errors
     assert not any(thread.is_alive() for thread in threads), f"a producer still runs after {timeout} s"
+
+
+def partition_steps(redis_url: str, keys, steps: list[tuple[str, str]], lease_ms: int = 60_000) -> list:
+    """Run (consumer, 'claim' | 'release') steps in order, each through its own Streams: what
+    each returned (a claim: its partitions, sorted), or the ResponseError it raised."""
+
+    async def main():
+        client = aioredis.Redis.from_url(redis_url)
+        results = []
+        try:
+            for consumer, step in steps:
+                streams = Streams(client, keys, consumer, "m", max_entry_bytes=1 << 20)
+                try:
+                    if step == "claim":
+                        results.append(sorted(await streams.claim_partitions(lease_ms)))
+                    else:
+                        results.append(await streams.release_partitions())
+                except redis.ResponseError as exc:
+                    results.append(exc)
+        finally:
+            await client.aclose()
+        return results
+
+    return asyncio.run(main())

@@ -6,16 +6,13 @@ processes: the partitions of one killed with SIGKILL move to the survivor within
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from fault_harness import spawner_fixture, start_all, wait_until
-from replica_harness import ReplicaThread
+from replica_harness import ReplicaThread, partition_steps
 
-from conveyor.actors.streams import Streams
 from conveyor.clients import Client
 from conveyor.clients.connection import RedisSettings
 from conveyor.clients.keys import Keys
@@ -43,24 +40,10 @@ def owners(raw: redis.Redis, keys: Keys) -> dict[int, str]:
 
 
 def claims(redis_url: str, keys: Keys, steps: list[tuple[str, str]], lease_ms: int = LEASE_MS) -> list[list[int]]:
-    """Run (consumer, 'claim' | 'release') steps in order, each through its own Streams;
-    the partitions each claim returned."""
-
-    async def main():
-        client = aioredis.Redis.from_url(redis_url)
-        results = []
-        try:
-            for consumer, step in steps:
-                streams = Streams(client, keys, consumer, "m", max_entry_bytes=1 << 20)
-                if step == "claim":
-                    results.append(sorted(await streams.claim_partitions(lease_ms)))
-                else:
-                    await streams.release_partitions()
-        finally:
-            await client.aclose()
-        return results
-
-    return asyncio.run(main())
+    """The partitions each claim step returned (replica_harness.partition_steps)."""
+    results = partition_steps(redis_url, keys, steps, lease_ms)
+    assert not any(isinstance(r, Exception) for r in results), results
+    return [result for (_, step), result in zip(steps, results) if step == "claim"]
 
 
 def test_fair_share_as_replicas_join_and_leave(redis_url, namespace, raw):

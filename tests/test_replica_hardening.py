@@ -5,18 +5,15 @@ real replica keeps owning its partitions and running jobs. Real Valkey, real rep
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 from fault_harness import wait_until
-from replica_harness import ReplicaThread
+from replica_harness import ReplicaThread, partition_steps
 
 from conveyor.actors.partition_scripts import SCRIBBLED_MARK
-from conveyor.actors.streams import Streams
 from conveyor.clients import Client
 from conveyor.clients.connection import RedisSettings
 from conveyor.clients.keys import Keys
@@ -26,27 +23,7 @@ LEASE_MS = 60_000
 
 
 def run_steps(redis_url: str, keys: Keys, steps: list[tuple[str, str]]) -> list:
-    """(consumer, 'claim' | 'release') steps in order, each through its own Streams: what each
-    returned, or the ResponseError it raised."""
-
-    async def main():
-        client = aioredis.Redis.from_url(redis_url)
-        results = []
-        try:
-            for consumer, step in steps:
-                streams = Streams(client, keys, consumer, "m", max_entry_bytes=1 << 20)
-                try:
-                    if step == "claim":
-                        results.append(sorted(await streams.claim_partitions(LEASE_MS)))
-                    else:
-                        results.append(await streams.release_partitions())
-                except redis.ResponseError as exc:
-                    results.append(exc)
-        finally:
-            await client.aclose()
-        return results
-
-    return asyncio.run(main())
+    return partition_steps(redis_url, keys, steps, LEASE_MS)
 
 
 @pytest.mark.parametrize("which", ["owners", "takers"])
