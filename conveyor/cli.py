@@ -108,7 +108,9 @@ def _parser(chosen: Program | None) -> argparse.ArgumentParser:
         if program is chosen:
             importlib.import_module(program.module).register(subparsers)
             continue
+        # which extras are missing is worth its lookups only in the listing of every command
+        missing = chosen is None and missing_modules(program.extra)
         for name, help_text in program.commands.items():
-            extra = f" [needs conveyor[{program.extra}]]" if missing_modules(program.extra) else ""
+            extra = f" [needs conveyor[{program.extra}]]" if missing else ""
             subparsers.add_parser(name, help=help_text + extra)
     return parser
