@@ -39,6 +39,9 @@ def test_chat_template_auto_is_part_of_the_digest_and_needs_a_prompt():
     assert payload_digest(raw) == payload_digest(JobRequest(prompt="Hi", chat_template=None)), "older digests hold"
     with pytest.raises(InvalidJob, match="chat_template"):
         validate_job({"messages": [{"role": "user", "content": "Hi"}], "chat_template": "auto"})
+    for hostile in ("always", "x" * 100_000, 1, ["auto"], {"auto": True}):  # only "auto" or null
+        with pytest.raises(InvalidJob, match="chat_template"):
+            validate_job({"prompt": "Hi", "chat_template": hostile})
 
 
 def test_the_replica_applies_the_models_template_to_an_auto_prompt(tiny_model, redis_url, namespace):
