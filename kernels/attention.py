@@ -88,7 +88,30 @@ def prefill_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens ``[n, H, D]`` over its cached prefix
-    (``prefix_len`` tokens, already in the cache) plus themselves (also already written)."""
+    (``prefix_len`` tokens, already in the cache) plus themselves (also already written).
+
+    The compiled CPU kernel reads every key and value from the cache, as stored, and computes
+    each token's row as a decode step at that position would: a token's attention does not
+    depend on whether its prefix was computed in this chunk or read from the prefix cache,
+    nor on the chunk it came in (issue 40). The torch path below (other devices, or no
+    compiler) makes no such promise."""
+    kernels = for_tensors(query) and for_tensors(k_cache, dtypes=KV_CACHE_DTYPES)
+    if kernels is not None:
+        return kernels.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_table, prefix_len, scale)
+    return prefill_attention_reference(query, key, value, k_cache, v_cache, block_table, prefix_len, scale)
+
+
+def prefill_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """``prefill_attention`` on torch's SDPA."""
     # 4-D ([1, H, n, D]) inputs: torch only takes its fused (flash) CPU kernel for those; on
     # 3-D ones it falls back to the math path, 1.5-4.5x slower on long prompts.
     n = query.shape[0]

@@ -46,9 +46,9 @@ def test_every_isa_combination(flags):
     bf16_hardware = "amx_bf16" in flags or {"avx512_bf16", "avx512bw", "avx512vl"} <= flags
     assert dispatch.has_bf16_hardware(flags) == bf16_hardware
     assert dtype == torch.float32 and why  # activations stay float32; what changes is the GGUF path
-    # quantization="auto" with dtype="auto": int8 dots where the GEMM runs (AVX2 and up) and AMX's
-    # bf16 tiles do not; else a bf16 copy on bf16 hardware; else (and with dtype=float32) float32
-    expected = "int8" if isa and "amx_bf16" not in flags else "bf16_copy" if bf16_hardware else "float32_copy"
+    # quantization="auto" with dtype="auto": int8 dots where the GEMM runs (AVX2 and up, AMX
+    # included: row-invariant); else a bf16 copy on bf16 hardware; else (and dtype=float32) float32
+    expected = "int8" if isa else "bf16_copy" if bf16_hardware else "float32_copy"
     assert dispatch.gguf_auto_mode(flags, "auto") == expected
     assert ("int8 activations" in why, "bfloat16 copy of its weights" in why) == (
         expected == "int8",
@@ -107,7 +107,7 @@ def test_gguf_kernel_mode_per_quantization_and_cpu():
     avx2 = frozenset({"avx2", "fma"})
     zen5 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}
     amx = zen5 | {"amx_bf16"}
-    assert [gguf_kernel_mode("auto", "auto", f) for f in (avx2, zen5, amx)] == ["int8", "int8", "bf16_copy"]
+    assert [gguf_kernel_mode("auto", "auto", f) for f in (avx2, zen5, amx)] == ["int8", "int8", "int8"]
     assert gguf_kernel_mode("auto", "auto", frozenset({"avx2"})) == "float32_copy"  # no FMA: no integer dots
     assert {gguf_kernel_mode("auto", "float32", f) for f in (avx2, zen5, amx)} == {"float32_copy"}
     assert [gguf_kernel_mode("gguf_int8", "float32", f) for f in (frozenset(), avx2)] == ["blocks", "int8"]

@@ -176,6 +176,41 @@ def test_prefill_attention_over_cached_prefix():
     torch.testing.assert_close(chunk, expected[15:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "block, dim, cache_dtype", [(16, 64, torch.bfloat16), (16, 64, torch.float32), (4, 24, torch.float32)]
+)
+def test_prefill_rows_are_the_same_numbers_in_any_chunk_and_as_decode(block, dim, cache_dtype):
+    """The compiled prefill reads the cache as stored and computes each token's row as a decode
+    step at that position does: bit for bit the same whole, in chunks after a cached prefix,
+    and one token at a time (issue 40); close to dense attention. (16, 64): the vector paths;
+    (4, 24): the plain loops."""
+    kernels = extension.load()
+    if kernels is None:
+        pytest.skip("no compiled CPU kernels")
+    gen = torch.Generator().manual_seed(block)
+    n, heads, kv_heads = 45, 6, 2
+    blocks = torch.randperm(64, generator=gen)[: -(-n // block)]
+    k_cache = torch.randn(kv_heads, 64, block, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, 64, block, dim, generator=gen).to(cache_dtype)
+    query = torch.randn(n, heads, dim, generator=gen)
+    scale = dim**-0.5
+    whole = kernels.paged_prefill_attention(query, k_cache, v_cache, blocks, 0, scale)
+    for split in (1, block, block + 3, n - 1):
+        chunk = kernels.paged_prefill_attention(query[split:].contiguous(), k_cache, v_cache, blocks, split, scale)
+        assert torch.equal(chunk, whole[split:]), f"chunk after {split} cached tokens"
+    decode = kernels.paged_decode_attention(
+        query, k_cache, v_cache, blocks[None].expand(n, -1).contiguous(), torch.arange(1, n + 1), scale
+    )
+    assert torch.equal(decode, whole)
+    k = k_cache[:, blocks].reshape(kv_heads, -1, dim)[:, :n].transpose(0, 1).float()
+    v = v_cache[:, blocks].reshape(kv_heads, -1, dim)[:, :n].transpose(0, 1).float()
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(
+        query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(whole, expected, atol=2e-5, rtol=1e-5)
+
+
 def test_top_k_top_p_min_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4))
     masked = apply_top_k_top_p_min_p(

@@ -137,8 +137,8 @@ def native_quantization(spec: ModelSpec, quantization: str, dtype: torch.dtype, 
     on int8 activations where the CPU has them (AVX2 and up: every step, from a copy repacked
     for the GEMM; ``gguf_kernel_mode``); "gguf_bf16" with a bfloat16 copy for steps of many
     rows; "auto" does on CPU in float32, the backend adding what ``dispatch.gguf_auto_mode``
-    picks for the CPU (int8 dots with dtype="auto" where the CPU has AVX2 and no AMX, a bf16
-    copy on AMX, else a float32 copy for steps of many rows, docs/performance.md); "none"
+    picks for the CPU (int8 dots with dtype="auto" where the CPU has AVX2, AMX included; else
+    a bf16 copy on bf16 hardware or a float32 copy for steps of many rows, docs/performance.md); "none"
     dequantizes everything to ``dtype``."""
     if quantization not in QUANTIZATION_MODES:
         raise ModelLoadError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATION_MODES)}")

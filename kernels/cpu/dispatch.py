@@ -96,18 +96,21 @@ def has_avx512(flags: frozenset[str]) -> bool:
 
 def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
     """quantization="auto": how a GGUF model's layers run (kernels/cpu/linear.py ``CpuLinear.pack``).
-    ``dtype="auto"`` on an x86 CPU with AVX2 and no AMX: "int8", the blocks repacked for integer
-    dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp), the blocks
-    and their repacked copy held, no float copy (perplexity +0.1%, tokens independent of the batch but for prefix-cache hits;
-    docs/performance.md). On 2-core EPYCs, same run: with AVX512-VNNI 1.1x the bf16 copy end to
-    end; with AVX2 only, 9-12x to 1.0x the float32 copy per layer from 1 to 512 rows. Where AMX
-    multiplies bf16 tiles (oneDNN's bf16 then outruns dots of 512-bit registers; reasoned, not
-    measured here), "bf16_copy": a bfloat16 oneDNN copy for steps of many rows (the quality gate:
-    tests/test_bf16_quality.py). Elsewhere, or ``dtype="float32"``, "float32_copy": a float32
-    copy, token-exact up to summation order."""
+    ``dtype="auto"`` on an x86 CPU with AVX2 (AMX included): "int8", the blocks repacked for
+    integer dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp), the
+    blocks and their repacked copy held, no float copy (perplexity within 1%; docs/performance.md).
+    Each row's integer dots and its scales are its own, so a request's tokens do not depend on
+    the rows beside it in a step nor on the step's row count: with the prefill attention that
+    reads the cache as stored (kernels/attention.py), a server's answers do not depend on what
+    it served before (issue 40). On 2-core EPYCs, same run: with AVX512-VNNI 1.1x the bf16 copy
+    end to end; with AVX2 only, 9-12x to 1.0x the float32 copy per layer from 1 to 512 rows. On
+    a 2-core Xeon with AMX the bf16 copy ("gguf_bf16") ran 1.37x the int8 dots' throughput, but
+    oneDNN's bf16 rows depend on the rows beside them, so it is asked for, not the default.
+    Elsewhere, or ``dtype="float32"``, "float32_copy": a float32 copy, token-exact up to
+    summation order."""
     if dtype != "auto":
         return "float32_copy"
-    if int8_gemm_isa(flags) is not None and "amx_bf16" not in flags:
+    if int8_gemm_isa(flags) is not None:
         return "int8"
     return "bf16_copy" if has_bf16_hardware(flags) else "float32_copy"
 

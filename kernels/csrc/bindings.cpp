@@ -6,6 +6,7 @@ static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "fused paged decode attention (CPU, fp32; fp32 or bf16 caches)", kNoGil);
+  m.def("paged_prefill_attention", &paged_prefill_attention, "a sequence's new tokens over its paged cache, row by row as decode (CPU, fp32; fp32 or bf16 caches)", kNoGil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU, fp32)", kNoGil);
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU, fp32)", kNoGil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32 or bf16)", kNoGil);

@@ -25,6 +25,10 @@ T* elements(const torch::Tensor& t) {
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
+// Causal attention of one sequence's new tokens [n, H, D] (already in the cache) over its
+// first prefix_len + i + 1 cached tokens each: row by row the same numbers as a decode step.
+torch::Tensor paged_prefill_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_table, int64_t prefix_len, double scale);
 
 // x @ weight^T + bias for a few rows of x; weight [N, K], or interleave_rows(weight) for
 // at most 2 rows of x.
