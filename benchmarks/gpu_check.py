@@ -320,8 +320,13 @@ def check_speed(device, sizes: dict, rounds: int, plot: str | None) -> dict:
 
 
 def timed_rounds(workloads: dict, runners: dict, rounds: int) -> dict:
-    """Seconds per (workload, runner), every runner once per round, in turn."""
+    """Seconds per (workload, runner), every runner once per round, in turn, after one
+    uncounted warm-up round (on an H100 the first round took transformers 5x its later
+    ones: kernel selection and allocator growth, not the steady state)."""
     times = {(w, r): [] for w in workloads for r in runners}
+    for workload, (prompts, lens) in workloads.items():
+        for run in runners.values():
+            run(prompts, lens)
     for index in range(rounds):
         for workload, (prompts, lens) in workloads.items():
             for name, run in runners.items():
