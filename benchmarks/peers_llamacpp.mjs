@@ -6,7 +6,8 @@
 // and runs it there. CONFIG_JSON: {"model": GGUF path, "threads": n, "context_size": tokens
 // per sequence, "max_sequences": n}. It loads the model, warms up, then answers one JSON
 // command per stdin line ({"op": "run", "prompts": [[ids]], "output_lens": [n]} or
-// {"op": "quit"}) with one stdout line "@@PEERS <json>". Everything else it prints is log.
+// {"op": "quit"}) with one stdout line "@@PEERS <json>"; with "keep_tokens": true the reply
+// also holds each request's token ids ("token_ids"). Everything else it prints is log.
 //
 // Token ids go in as they are (the GGUF's vocabulary is the converted model's); greedy
 // (temperature 0); a request stops after exactly its output length (EOS does not stop
@@ -31,17 +32,19 @@ const multi = config.max_sequences > 1
 
 async function generate(sequence, prompt, maxTokens) {
     const stamps = [];
+    const ids = [];
     let count = 0;
     if (maxTokens > 0) {
         for await (const token of sequence.evaluate(prompt, { temperature: 0, yieldEogToken: true })) {
             stamps.push(now());
+            ids.push(token);
             if (++count >= maxTokens) break;
         }
     }
-    return { tokens: count, first: stamps[0], last: stamps[stamps.length - 1] };
+    return { tokens: count, first: stamps[0], last: stamps[stamps.length - 1], ids };
 }
 
-async function run(prompts, outputLens) {
+async function run(prompts, outputLens, keepTokens = false) {
     const context = prompts.length === 1 ? single : multi;
     if (context === null) throw new Error(`${prompts.length} concurrent requests need max_sequences >= ${prompts.length}`);
     if (prompts.length > context.totalSequences) throw new Error(`only ${context.totalSequences} sequences`);
@@ -51,6 +54,7 @@ async function run(prompts, outputLens) {
         const results = await Promise.all(prompts.map((prompt, i) => generate(sequences[i], prompt, outputLens[i])));
         const end = now();
         const out = { seconds: end - start, output_tokens: results.reduce((sum, r) => sum + r.tokens, 0) };
+        if (keepTokens) out.token_ids = results.map((r) => r.ids);
         if (prompts.length === 1) {
             out.ttft_s = results[0].first - start;
             out.decode_s = results[0].last - results[0].first;
@@ -76,7 +80,7 @@ for await (const line of lines) {
     const command = JSON.parse(line);
     if (command.op === "quit") break;
     try {
-        reply(await run(command.prompts, command.output_lens));
+        reply(await run(command.prompts, command.output_lens, command.keep_tokens === true));
     } catch (error) {
         reply({ error: String(error && error.stack || error) });
     }

@@ -19,29 +19,12 @@ prefix and a cached one are the same numbers, and so is a token's attention in a
 
 import pytest
 import torch
+from chat_questions import QUESTIONS
 
 from conveyor.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "What is 2 + 2?",
-    "Name a primary colour.",
-    "What is the largest planet in the solar system?",
-    "Who wrote Romeo and Juliet?",
-    "What is the boiling point of water in Celsius?",
-    "Translate 'thank you' into Spanish.",
-    "What gas do plants absorb from the air?",
-    "How many days are in a week?",
-    "What is the opposite of hot?",
-    "Name a mammal that can fly.",
-    "What is the chemical symbol for gold?",
-    "Which ocean is the largest?",
-    "What language is spoken in Brazil?",
-    "How many legs does a spider have?",
-    "What is the square root of 81?",
-]
 OTHER_CHAT = [{"role": "user", "content": "Tell me a short fact about the moon."}]
 PARAMS = SamplingParams(temperature=0, max_tokens=24)
 PATHS = {
