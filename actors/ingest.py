@@ -323,7 +323,11 @@ class IngestActor(Actor):
             messages,
             tools and tools["tools"],
         )
-        request = dataclasses.replace(request, lora_request=self._adapter(job.lora))
+        request = dataclasses.replace(
+            request,
+            lora_request=self._adapter(job.lora),
+            cache_salt=namespace_salt(self.config.namespace, job.cache_salt),
+        )
         cap, num_prompt_tokens = self.config.max_prompt_tokens, len(request.prompt_token_ids)
         if cap is not None and num_prompt_tokens > cap:
             raise InvalidRequest(
@@ -376,3 +380,10 @@ def _enqueue_time(entry_id: str) -> float:
         return int(entry_id.split("-")[0]) / 1000
     except ValueError:
         return time.time()
+
+
+def namespace_salt(namespace: str, salt: str | None) -> str:
+    """A job's prefix-cache salt: its namespace's name, then its own salt (lengths first, so
+    no two (namespace, salt) pairs give the same text): namespaces never share a block."""
+    own = salt or ""
+    return f"{len(namespace)}:{namespace}{len(own)}:{own}"

@@ -204,6 +204,7 @@ class PublisherActor(Actor):
             prompt_tokens=len(output.prompt_token_ids),
             completion_tokens=output.num_output_tokens,
             total_tokens=len(output.prompt_token_ids) + output.num_output_tokens,
+            cached_tokens=output.num_cached_tokens or 0,
         )
         timings = (
             Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e)

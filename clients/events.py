@@ -48,6 +48,7 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, those read from the prefix cache (not computed)
 
 
 class Timings(BaseModel):

@@ -39,6 +39,7 @@ from conveyor.clients.limits import (  # noqa: F401  (re-exported)
     EARLIEST_DEADLINE,
     INT32_MAX,
     JOB_ID_PATTERN,
+    MAX_CACHE_SALT_CHARS,
     MAX_CHOICE_CHARS,
     MAX_CHOICES,
     MAX_DECODED_ELEMENTS,
@@ -227,6 +228,9 @@ class JobRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     model: str | None = Field(default=None, min_length=1, max_length=256)
     lora: str | None = Field(default=None, pattern=ADAPTER_NAME)  # a LoRA adapter the replica serves (--lora-modules)
+    # vLLM's cache_salt: prefix-cache entries are shared only between jobs of one salt (and,
+    # on a replica, of one namespace whatever the salt)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
@@ -462,7 +466,15 @@ def _check_version(payload: dict) -> None:
 
 DIGEST_FIELDS = ("prompt", "messages", "prompt_token_ids", "model", *SAMPLING_PARAM_NAMES)
 # hashed only when given (tools: all three): older digests stay valid
-OPTIONAL_DIGEST_FIELDS = ("structured_outputs", "tools", "tool_choice", "parallel_tool_calls", "lora", "chat_template")
+OPTIONAL_DIGEST_FIELDS = (
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "lora",
+    "chat_template",
+    "cache_salt",
+)
 
 
 def payload_digest(job: JobRequest) -> str:
@@ -491,6 +503,8 @@ def digest_input(job: JobRequest) -> str:
         content.update(job.tools_given())
     if job.lora is not None:
         content["lora"] = job.lora
+    if job.cache_salt is not None:
+        content["cache_salt"] = job.cache_salt
     return canonical_json(content)
 
 

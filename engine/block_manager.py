@@ -1,12 +1,20 @@
 """KV block accounting (no tensors): a preallocated pool, reference counts, and a prefix
 cache of full blocks.
 
-A full block is identified by a hash chained over its tokens (its parent block's hash and
-its own token ids), so equal prefixes map to equal block chains. Freed blocks keep their
-hash and wait in an LRU free list: a later request with the same prefix takes them back
-(a cache hit) until the pool needs them for new content (eviction from the LRU end).
+A full block is identified by a sha256 chained over its tokens (its parent block's digest
+and its own token ids), the first block's parent being a root digest of the adapter and the
+request's cache salt: equal prefixes under the same weights and salt map to equal chains,
+and a prefix of one salt (a replica salts each namespace's requests with its name) is never
+served to another. A hit is also checked against the block's recorded parent and tokens, so
+not even a digest collision serves a block to tokens it does not hold. (Python's built-in
+tuple hash, used before, is predictable: token tuples can be crafted to collide.) Freed
+blocks keep their digest and wait in an LRU free list: a later request with the same prefix
+takes them back (a cache hit) until the pool needs them for new content (eviction from the
+LRU end).
 """
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from conveyor.engine.sequence import Sequence
@@ -20,8 +28,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU first
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_content: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks  # (parent, tokens)
+        self.cached: dict[bytes, int] = {}  # block digest -> block id
         self.prefix_queries = 0  # prompt tokens looked up in the cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -80,7 +89,7 @@ class BlockManager:
         self.prefix_queries += seq.num_tokens
         for index in range(full_blocks):
             block_id = self.cached.get(self._hash_of(seq, index))
-            if block_id is None:
+            if block_id is None or self.block_content[block_id] != self._content_of(seq, index):
                 break
             if self.ref_counts[block_id] == 0:
                 del self.free_blocks[block_id]
@@ -102,21 +111,27 @@ class BlockManager:
             if block_hash not in self.cached and self.block_hash[block_id] is None:
                 self.cached[block_hash] = block_id
                 self.block_hash[block_id] = block_hash
+                self.block_content[block_id] = self._content_of(seq, index)
         seq.num_registered_blocks = max(seq.num_registered_blocks, full_blocks)
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
-    def _hash_of(self, seq: Sequence, index: int) -> int:
-        """Chained hash of block ``index`` of ``seq``, memoised on the sequence."""
+    def _hash_of(self, seq: Sequence, index: int) -> bytes:
+        """Chained sha256 of block ``index`` of ``seq``, memoised on the sequence."""
         while len(seq.block_hashes) <= index:
-            position = len(seq.block_hashes)
-            # the first block's parent: the adapter, so prefixes are shared only under the same weights
-            parent = seq.block_hashes[-1] if seq.block_hashes else _adapter_of(seq)
-            tokens = tuple(seq.token_ids[position * self.block_size : (position + 1) * self.block_size])
-            seq.block_hashes.append(hash((parent, tokens)))
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_digest(seq)
+            seq.block_hashes.append(hashlib.sha256(parent + self._token_bytes(seq, len(seq.block_hashes))).digest())
         return seq.block_hashes[index]
+
+    def _content_of(self, seq: Sequence, index: int) -> tuple[bytes, tuple[int, ...]]:
+        """What block ``index`` of ``seq`` holds: its parent's digest (the root's for the first) and its tokens."""
+        parent = seq.block_hashes[index - 1] if index else root_digest(seq)
+        return parent, tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def _token_bytes(self, seq: Sequence, index: int) -> bytes:
+        return array("q", seq.token_ids[index * self.block_size : (index + 1) * self.block_size]).tobytes()
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed
@@ -124,6 +139,7 @@ class BlockManager:
         if self.block_hash[block_id] is not None:  # evict its cached content
             del self.cached[self.block_hash[block_id]]
             self.block_hash[block_id] = None
+            self.block_content[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id
 
@@ -132,5 +148,9 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
 
-def _adapter_of(seq: Sequence):
-    return None if seq.lora_request is None else ("lora", seq.lora_request.lora_int_id)
+def root_digest(seq: Sequence) -> bytes:
+    """The first block's parent: the adapter and the cache salt, so prefixes are shared only
+    under the same weights and salt."""
+    adapter = "" if seq.lora_request is None else str(seq.lora_request.lora_int_id)
+    salt = seq.cache_salt or ""
+    return hashlib.sha256(f"conveyor-prefix-v2\0{adapter}\0{len(salt)}\0{salt}".encode()).digest()

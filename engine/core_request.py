@@ -19,6 +19,7 @@ class EngineCoreRequest:
     arrival_time: float
     grammar: object | None = None  # compiled grammar (serialized where it crosses a process: grammar_compiler.py)
     lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
+    cache_salt: str | None = None  # prefix-cache entries are shared only within one salt (a replica: its namespace's)
 
     def to_sequence(self) -> Sequence:
         return Sequence(
@@ -31,4 +32,5 @@ class EngineCoreRequest:
             self.arrival_time,
             grammar=self.grammar,
             lora_request=self.lora_request,
+            cache_salt=self.cache_salt,
         )

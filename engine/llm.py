@@ -14,7 +14,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import InvalidRequest
 from conveyor.engine.llm_engine import LLMEngine
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
-from conveyor.engine.prompt_inputs import engine_prompt, prompt_list
+from conveyor.engine.prompt_inputs import cache_salt_of, engine_prompt, prompt_list
 from conveyor.engine.sampling_params import MAX_N, SamplingParams
 
 
@@ -100,6 +100,7 @@ class LLM:
             return
         value, text = engine_prompt(prompt)
         seq = self.engine.make_sequence(request_id, value, params, priority=priority, lora_request=lora)
+        seq.cache_salt = cache_salt_of(prompt)
         self.engine.add_sequence(seq, text)
 
     def _drain(self, results: dict, total: int, use_tqdm: bool) -> None:

@@ -56,6 +56,7 @@ def make_children(seq: Sequence, share_prefix: bool) -> list[Sequence]:
         )  # compiled once; each child's runner row gets its own matcher
         child.sample_index = index
         child.lora_request = seq.lora_request
+        child.cache_salt = seq.cache_salt
         child.leader = children[0] if index and share_prefix else None
         children.append(child)
     return children

@@ -4,7 +4,8 @@ also carry the ``prompt`` text), or a list of any of these."""
 
 from conveyor.engine.errors import InvalidRequest
 
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+MAX_CACHE_SALT_CHARS = 256
 
 
 def prompt_list(prompts) -> list:
@@ -25,8 +26,18 @@ def engine_prompt(prompt) -> tuple[object, str | None]:
             f"prompt[{unsupported[0]!r}]", f"is not supported here (a prompt dict holds {' and/or '.join(PROMPT_KEYS)})"
         )
     text = prompt.get("prompt")
+    cache_salt_of(prompt)  # refused here, with the prompt, when it is not a salt
     if "prompt_token_ids" in prompt:
         return prompt["prompt_token_ids"], text if isinstance(text, str) else None
     if "prompt" in prompt:
         return text, text if isinstance(text, str) else None
     raise InvalidRequest("prompt", "a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+
+
+def cache_salt_of(prompt) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): prefix-cache blocks are shared only between
+    prompts of the same salt. InvalidRequest naming the field for anything but a short string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise InvalidRequest("cache_salt", f"a string of 1..{MAX_CACHE_SALT_CHARS} characters")
+    return salt

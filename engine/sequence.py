@@ -32,7 +32,7 @@ class Sequence:
     num_inflight_tokens: int = 0  # tokens a step still in flight computes (overlapped steps)
     num_pending_samples: int = 0  # tokens a step still in flight samples for it (0 or 1)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (memo)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained digests of full blocks (memo)
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
     num_blocks_sent: int = 0  # leading block-table entries the model runner already has
     admit_order: int = -1  # set each time the scheduler admits it
@@ -41,6 +41,7 @@ class Sequence:
     error: str | None = None  # why it ended with finish_reason 'error'
     grammar: object | None = None  # structured outputs: its compiled grammar (engine/grammar_compiler.py)
     lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests of one salt
     num_preemptions: int = 0
     known_to_runner: bool = False
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted

@@ -253,6 +253,6 @@ def usage(result: JobResult | None) -> dict | None:
         "input_tokens": used.prompt_tokens,
         "output_tokens": used.completion_tokens,
         "total_tokens": used.total_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": used.cached_tokens},
         "output_tokens_details": {"reasoning_tokens": 0},
     }

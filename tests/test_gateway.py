@@ -643,3 +643,22 @@ def test_stream_survives_kill9_of_the_replica_running_its_job(stack):
     assert result.token_ids[: len(first_attempt)] == first_attempt  # the same seed: the same tokens
     assert text == result.text  # nothing duplicated, nothing missing
     assert time.monotonic() - killed_at < 60
+
+
+def test_usage_reports_cached_prompt_tokens_within_one_cache_salt(stack):
+    """vLLM's ``cache_salt`` passes through to the job; ``prompt_tokens_details.cached_tokens``
+    says how much of the prompt the prefix cache served. Two replicas: of three requests of
+    one salt, two reach the same replica, and the later of them reads the prompt's full blocks."""
+    salt, fresh = f"s-{uuid.uuid4().hex}", f"f-{uuid.uuid4().hex}"
+    messages = [{"role": "user", "content": " ".join(f"word{i}" for i in range(120))}]
+
+    def cached(cache_salt: str) -> int:
+        with openai_client(stack.gateway, MAIN_KEY) as sdk:
+            reply = sdk.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body={"cache_salt": cache_salt}
+            )
+        assert reply.usage.prompt_tokens_details is not None
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert max(cached(salt) for _ in range(3)) > 0
+    assert cached(fresh) == 0, "another salt never reads them"

@@ -79,7 +79,7 @@ NEUTRAL = (
     "prompt_cache_retention",
     "prompt_cache_options",
 )
-# OpenAI's sampling fields and vLLM's extras: same names and meaning as the job's
+# OpenAI's sampling fields and vLLM's extras (cache_salt too): same names and meaning as the job's
 SAMPLING = (
     "temperature",
     "top_p",
@@ -94,6 +94,7 @@ SAMPLING = (
     "min_tokens",
     "stop_token_ids",
     "n",
+    "cache_salt",
 )
 # the output's shape: OpenAI's response_format (json_object, json_schema), or vLLM's structured_outputs
 STRUCTURED = ("response_format", "structured_outputs")
@@ -366,6 +367,7 @@ def usage_body(usage: Usage) -> dict:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
