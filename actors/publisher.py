@@ -56,7 +56,7 @@ class PublisherActor(Actor):
                     tokens.append((delivery, encode_event(self._token(delivery, completion))))
             if output.finished:
                 status, event = self._terminal(delivery, output, abort_reason)
-                finishes.append((delivery, status, encode_event(event)))
+                finishes.append((delivery, status, encode_event(event), getattr(event, "usage", None)))
 
         finish_at: list[int] = []  # pipeline index of each finish
 
@@ -64,14 +64,14 @@ class PublisherActor(Actor):
             finish_at.clear()
             for delivery, event in tokens:
                 self.streams.queue_token_event(pipe, delivery, event)
-            for delivery, status, event in finishes:
+            for delivery, status, event, usage in finishes:
                 finish_at.append(len(pipe))  # commands queued so far
-                await self.streams.queue_finish(pipe, delivery, status, event)
+                await self.streams.queue_finish(pipe, delivery, status, event, usage)
 
         replies = await self.streams.write(queue, "publish step")
         unstored = [
             (delivery, replies[index])
-            for (delivery, _, _), index in zip(finishes, finish_at)
+            for (delivery, *_), index in zip(finishes, finish_at)
             if isinstance(replies[index], ResponseError)
         ]
         if len(unstored) < sum(isinstance(reply, ResponseError) for reply in replies):
@@ -81,7 +81,7 @@ class PublisherActor(Actor):
                 shown(str(next(r for r in replies if isinstance(r, ResponseError))), 200),
             )
         await self._park_unstored(unstored)
-        await self._release([delivery for delivery, _, _ in finishes])
+        await self._release([delivery for delivery, *_ in finishes])
 
     async def _park_unstored(self, unstored: list[tuple[Delivery, ResponseError]]) -> None:
         """A result that could not be stored (its job's keys were clobbered by a producer):

@@ -16,11 +16,13 @@ from redis.exceptions import ResponseError
 from conveyor.actors.messages import Delivery, ReadEntry
 from conveyor.actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
 from conveyor.actors.resilience import retrying, transient
+from conveyor.clients.events import Usage
 from conveyor.clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
 from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from conveyor.clients.model_info import ModelInfo, publish_model_info_async
 from conveyor.clients.redis_cluster import queue_script
 from conveyor.clients.replica_records import queue_beat
+from conveyor.clients.usage import USAGE_TTL_S, usage_day, usage_increments
 
 DUPLICATE, CONFLICT = -1, -2
 DEAD_LETTER_MAXLEN = 10_000
@@ -91,6 +93,7 @@ class Streams:
         self.keys = keys
         self.consumer = consumer
         self.max_entry_bytes = max_entry_bytes
+        self.model_name = model_name  # what usage counters name
         # per read: groups of streams, each read by one script (so in one slot), in order
         self.read_groups = _read_groups(keys, model_name)
         self.request_streams = tuple(stream for group in self.read_groups for stream in group)
@@ -226,22 +229,19 @@ class Streams:
         )
         return int(attempt), cancel == b"1"
 
-    async def queue_finish(self, pipe, delivery: Delivery, status: str, event: dict[str, bytes]) -> None:
-        await queue_script(
-            self.finish_script,
-            [self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream],
-            [
-                delivery.attempt,
-                status,
-                event["type"],
-                event["data"],
-                delivery.result_ttl,
-                GROUP,
-                delivery.entry_id,
-                repr(time.time()),
-            ],
-            pipe,
-        )
+    async def queue_finish(
+        self, pipe, delivery: Delivery, status: str, event: dict[str, bytes], usage: Usage | None = None
+    ) -> None:
+        """``usage``: a done job's, added to the day's counters when it finishes the first time."""
+        now = time.time()
+        keys = [self.keys.job(delivery.job_id), self.keys.out(delivery.job_id), delivery.stream]
+        args = [delivery.attempt, status, event["type"], event["data"], delivery.result_ttl, GROUP]
+        args += [delivery.entry_id, repr(now)]
+        if usage is not None:
+            keys.append(self.keys.usage_of(delivery.job_id, usage_day(now)))
+            args.append(USAGE_TTL_S)
+            args += usage_increments(self.model_name, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        await queue_script(self.finish_script, keys, args, pipe)
 
     async def queue_reject(self, pipe, job_id: str, entry_id: str, event_data: bytes) -> None:
         await queue_script(

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from conveyor.clients.cli_dead import register_dead
+from conveyor.clients.cli_usage import register_usage
 from conveyor.clients.client import Client, Job
 from conveyor.clients.connection import add_connection_arguments, command_settings, refused_message, settings_from_args
 from conveyor.clients.errors import ConveyorError, InvalidJob, JobFailed, Timeout
@@ -45,11 +46,12 @@ JOB_OPTIONS = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `submit`, `status` and `dead` (each with --redis-url/--namespace)."""
+    """Add `submit`, `status`, `dead` and `usage` (each with --redis-url/--namespace)."""
     connection = connection_options()
     _add_submit(subparsers.add_parser("submit", parents=[connection], help="submit jobs and print results"))
     _add_status(subparsers.add_parser("status", parents=[connection], help="show queues and consumers"))
     register_dead(subparsers, connection)
+    register_usage(subparsers, connection)
 
 
 def connection_options() -> argparse.ArgumentParser:

@@ -136,13 +136,28 @@ return {attempt, state[3] or ''}
 # Terminal event + status + ack, only while this replica's attempt is the latest (fencing:
 # a stale owner whose job was reclaimed must not publish a final result over the new one).
 # Idempotent: a retry after a lost reply does not add a second terminal event.
-# KEYS: job hash, out stream, request stream. ARGV: attempt, status, type, data, ttl, group,
-# entry id, now. Returns 1 when written, 0 when fenced off.
+# Usage: with KEYS[4] (the day's usage hash in the job's slot), the pairs ARGV[10..] (field,
+# count) are added to it when the job finishes for the first time (a retry, or a reclaimed
+# attempt whose earlier one finished, counts nothing), ARGV[9] its TTL; a key of another
+# type is reset and a field that is not an integer restarts (producers can write the namespace).
+# KEYS: job hash, out stream, request stream[, usage hash]. ARGV: attempt, status, type, data,
+# ttl, group, entry id, now[, usage ttl, field, count, ...]. Returns 1 when written, 0 when
+# fenced off.
 FINISH_LUA = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'attempt')) or 0
 if current > tonumber(ARGV[1]) then return 0 end
-if redis.call('HGET', KEYS[1], 'finished_attempt') ~= ARGV[1] then
+local finished = redis.call('HGET', KEYS[1], 'finished_attempt')
+if finished ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'data', ARGV[4])
+end
+if KEYS[4] and not finished then
+  local kind = redis.call('TYPE', KEYS[4]).ok
+  if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[4]) end
+  for i = 10, #ARGV, 2 do
+    local counted = redis.pcall('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1])
+    if type(counted) == 'table' and counted.err then redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]) end
+  end
+  redis.call('EXPIRE', KEYS[4], ARGV[9])
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'result', ARGV[4], 'updated', ARGV[8],
            'finished_attempt', ARGV[1])

@@ -177,6 +177,15 @@ class Keys:
         """Per-job status hash."""
         return f"{self._prefix(self.partition_of(job_id))}:job:{job_id}"
 
+    def usage(self, day: str, partition: int = 0) -> str:
+        """Hash of one UTC day's usage (``YYYY-MM-DD``) by the jobs of one partition: field
+        ``<counter>:<model>`` -> count (clients/usage.py). In the job's slot, so the script
+        that finishes a job counts it."""
+        return f"{self._prefix(partition)}:usage:{day}"
+
+    def usage_of(self, job_id: str, day: str) -> str:
+        return self.usage(day, self.partition_of(job_id))
+
     @property
     def partition_owners(self) -> str:
         """Hash of partition leases: field `<k>` -> `<expiry ms> <consumer>` (actors/partitions.py)."""

@@ -34,6 +34,7 @@ PROGRAMS = (
             "submit": "submit jobs and print results",
             "status": "show queues and consumers",
             "dead": "list or requeue dead-lettered jobs",
+            "usage": "tokens and jobs per day and model, counted once per finished job",
         },
     ),
     Program(

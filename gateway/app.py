@@ -47,7 +47,7 @@ from conveyor.clients.async_client import AsyncJob
 from conveyor.clients.errors import ConveyorError
 from conveyor.clients.event_reader import outcome
 from conveyor.clients.events import Event, TokenEvent
-from conveyor.gateway import dashboard_routes
+from conveyor.gateway import dashboard_routes, usage_routes
 from conveyor.gateway.adapters import adapter_objects, resolve_model
 from conveyor.gateway.allowed_hosts import AllowedHosts, HostPolicy
 from conveyor.gateway.body_limit import BodyLimit, read_json
@@ -88,6 +88,7 @@ def create_app(
     app.include_router(dashboard_routes.router)
     if api:
         app.include_router(router)
+        app.include_router(usage_routes.router)
     for extra in extra_routers:
         app.include_router(extra)
     return app

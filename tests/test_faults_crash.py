@@ -6,6 +6,7 @@ checked from what is left in Redis (every job's out stream and hash)."""
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from fault_harness import (
 from model_factory import build_tiny_model
 
 from conveyor.clients import Client
+from conveyor.clients.usage import read_usage
 
 LEASE_S = 2.0
 
@@ -103,6 +105,9 @@ def test_kill9_mid_generation_reclaimed_after_lease_and_completed_once(spawn, ti
     assert result.token_ids[: len(attempt1_ids)] == attempt1_ids  # greedy: the rerun repeats the prefix
     assert survivor.reclaimed_entries() == [entry_id]
     assert survivor.alive()
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    [used], _ = read_usage(raw, client.keys, today - datetime.timedelta(days=1), today)
+    assert (used.jobs, used.completion_tokens, used.prompt_tokens) == (1, 900, result.usage.prompt_tokens), "once"
 
     # what a streaming client sees: attempt 1's deltas, then a reset, then attempt 2 from seq 0
     streamed = list(client.job(job.job_id).stream(timeout=10))

@@ -9,6 +9,7 @@ survives kill -9 of the replica running its job (the last test: it kills one rep
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import subprocess
 import sys
@@ -26,11 +27,13 @@ from model_factory import build_tiny_model
 from conveyor.clients import Client
 from conveyor.clients.events import TokenEvent
 from conveyor.clients.keys import GROUP, Keys
+from conveyor.clients.usage import read_usage
 from conveyor.gateway.streaming import BadLogprobs, Relay, StreamDiverged, checked_logprobs
 from conveyor.gateway.tenants import KeyRing, load_grants, parse_key_list, read_keys_file
 
 MODEL = "tiny"
 MAIN_KEY, BATCH_KEY, EMPTY_KEY = "sk-main-0123", "sk-batch-4567", "sk-empty-89ab"
+ADMIN_KEY = "sk-admin-cdef"
 LEASE_S = 2.0
 PROMPTS = ["def main():", "import os\n", "class Parser(object):\n    def"]
 
@@ -48,6 +51,7 @@ def stack(tmp_path_factory, redis_url):
                 MAIN_KEY: {"namespace": ns},
                 BATCH_KEY: f"{ns}:batch",
                 EMPTY_KEY: {"namespace": empty_ns, "priority_class": "interactive"},
+                ADMIN_KEY: {"namespace": empty_ns, "admin": True},
             }
         )
     )
@@ -662,3 +666,35 @@ def test_usage_reports_cached_prompt_tokens_within_one_cache_salt(stack):
 
     assert max(cached(salt) for _ in range(3)) > 0
     assert cached(fresh) == 0, "another salt never reads them"
+
+
+def test_usage_api_reports_the_replicas_counters_per_project_and_model(stack):
+    """OpenAI's usage API shape over the counters `conveyor usage` reads: a tenant key sees
+    its own project, an admin key every configured one."""
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    with openai_client(stack.gateway, MAIN_KEY) as sdk:
+        sdk.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    [want], _ = read_usage(stack.raw, stack.keys, today, today)
+    midnight = int(datetime.datetime(today.year, today.month, today.day, tzinfo=datetime.timezone.utc).timestamp())
+    url = f"{stack.gateway.url}/v1/organization/usage/completions"
+
+    def usage(key: str, **params) -> httpx.Response:
+        params = {"start_time": midnight, **params}
+        return httpx.get(url, params=params, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    page = usage(MAIN_KEY, group_by=["project_id", "model"]).json()
+    assert page["object"] == "page" and page["has_more"] is False
+    [bucket] = page["data"]
+    assert bucket["start_time"] == midnight and bucket["end_time"] == midnight + 86_400
+    [result] = bucket["results"]
+    assert (result["project_id"], result["model"]) == (stack.ns, MODEL)
+    counted = (result["num_model_requests"], result["input_tokens"], result["output_tokens"])
+    assert counted == (want.jobs, want.prompt_tokens, want.completion_tokens)
+    assert result["input_cached_tokens"] == want.cached_tokens
+    admin = usage(ADMIN_KEY, group_by="project_id").json()["data"][0]["results"]
+    assert {r["project_id"]: r["num_model_requests"] for r in admin} == {stack.ns: want.jobs}, "empty projects add none"
+    assert usage(EMPTY_KEY).json()["data"][0]["results"] == [], "a tenant sees only its own"
+    assert usage(EMPTY_KEY, project_ids=stack.ns).status_code == 403
+    refused = usage(MAIN_KEY, bucket_width="1h")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "bucket_width"
+    assert usage(MAIN_KEY, start_time="soon").json()["error"]["param"] == "start_time"
