@@ -3,6 +3,12 @@ same jobs sent straight through the queue; alternating rounds in one run.
 
     python benchmarks/summarize.py [--model smollm2] [--rounds 2] [--max-tokens 64]
                                    [--max-chunk-tokens 384] [--json out.json] [--png out.png]
+    python benchmarks/summarize.py --quality [--json out.json]   # grounding table only
+
+`--quality`: one run of ours over the folder (no gateway, no LangChain) and a table of what
+grounding (apps/documents/grounding.py) kept: the share of the final summaries' sentences
+kept as grounded points, the filler and ungrounded ones dropped, and how the chunk
+summaries were made (model, model retry, extractive).
 
 One embedded Valkey, one `conveyor serve` replica and one `conveyor gateway`. The folder
 holds mixed documents made here or shipped by Debian: a PDF (fpdf2) and a DOCX
@@ -196,6 +202,47 @@ async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> 
     return rows
 
 
+def quality(results) -> dict:
+    """What grounding kept and dropped over one run's records (see --quality)."""
+    records = [r.record for r in results if r.ok]
+    dropped = [d for r in records for d in r.get("dropped_points", [])]
+    kept = sum(len(r["points"]) for r in records)
+    chunks = [c for r in records for c in r["chunks"]]
+    step_dropped = [d for c in chunks for d in c.get("dropped", [])]
+    table = {
+        "documents": len(results),
+        "documents failed": len(results) - len(records),
+        "documents with warnings": sum(bool(r["warnings"]) for r in records),
+        "final sentences": kept + len(dropped),
+        "points kept (grounded)": kept,
+        "share grounded": kept / max(kept + len(dropped), 1),
+        "final sentences dropped as filler": sum(d["reason"] == "filler" for d in dropped),
+        "final sentences dropped as ungrounded": sum(d["reason"] == "ungrounded" for d in dropped),
+        "chunks": len(chunks),
+        "chunk summaries by the model": sum(c.get("origin") == "model" for c in chunks),
+        "chunk summaries by the retry": sum(c.get("origin") == "model retry" for c in chunks),
+        "chunk summaries extractive": sum(bool(c.get("extractive")) for c in chunks),
+        "chunk sentences dropped as filler": sum(d["reason"] == "filler" for d in step_dropped),
+        "chunk sentences dropped as ungrounded": sum(d["reason"] == "ungrounded" for d in step_dropped),
+    }
+    print("\n| measure | value |\n|---|---:|")
+    for name, value in table.items():
+        print(f"| {name} | {value:.0%} |" if isinstance(value, float) else f"| {name} | {value} |")
+    return table
+
+
+async def measure_quality(args, redis_url: str, paths: list[Path]) -> dict:
+    from conveyor.apps.documents.summarize import summarize_documents_async
+    from conveyor.clients import AsyncClient
+
+    options = dict(max_tokens=args.max_tokens, max_chunk_tokens=args.max_chunk_tokens, max_in_flight=8)
+    async with AsyncClient(redis_url) as client:
+        started = time.perf_counter()
+        results = await summarize_documents_async(paths, client=client, wait_s=600, **options)
+        print(f"{len(paths)} documents in {time.perf_counter() - started:.1f} s")
+    return {"quality": quality(results), "warnings": {r.name: r.warnings for r in results}}
+
+
 def report(rows: dict[str, list[dict]], args, docs: int) -> dict:
     print(
         f"\n{describe_cpu()}\n{docs} documents x {args.rounds} rounds, {args.model}, max_tokens {args.max_tokens}, "
@@ -252,11 +299,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-chunk-tokens", type=int, default=384)
     parser.add_argument("--paragraphs", type=int, default=24, help="bzip2 manual paragraphs in the PDF and the DOCX")
+    parser.add_argument("--quality", action="store_true", help="only the grounding table of one run of ours")
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="conveyor-summarize-bench-") as folder, embedded_valkey() as url:
         paths = make_folder(Path(folder), args.paragraphs)
+        if args.quality:
+            with spawned_replica(args.model, url, ["--max-num-seqs", "16"]):
+                result = asyncio.run(measure_quality(args, url, paths))
+            write_json(args.json, {"cpu": describe_cpu(), **result})
+            return
         with spawned_replica(args.model, url, ["--max-num-seqs", "16"]), spawned_gateway(url) as (gateway_url, _):
             rows = asyncio.run(measure(args, url, gateway_url, paths))
         summary = report(rows, args, len(paths))

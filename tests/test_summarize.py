@@ -271,7 +271,7 @@ def test_summarizes_real_texts_and_reports_bad_documents(uninterrupted, counter)
         assert len(chunks) >= 2 and max(c["prompt_tokens"] for c in chunks) + 24 <= 256
         budget = 256 - 24 - counter.count_chat(Prompts(SummarizeOptions(**OPTIONS), counter, 8192).map_messages(""))
         assert -(-total // budget) <= len(chunks) <= total // (budget * MIN_FILL) + 1
-        maps = [j for j in record["jobs"] if j["kind"] == "map"]
+        maps = [j for j in record["jobs"] if j["kind"] == "map" and not j.get("retry")]  # retries: grounding
         assert len(maps) == len(chunks) and all(j["finish_reason"] in ("stop", "length") for j in record["jobs"])
         assert all(j["enqueued"] for j in record["jobs"]) and record["submitted"] == len(record["jobs"])
         assert result.summary.strip() and Path(record["summary_file"]).read_text().strip() == result.summary

@@ -27,7 +27,8 @@ from conveyor.apps.documents.doc_formats import detect_format
 from conveyor.apps.documents.doc_layout import citation_label, citation_of, coordinates
 from conveyor.apps.documents.documents import Document, document_from_bytes, load_documents
 from conveyor.apps.documents.extract_worker import ExtractLimits, extract_isolated
-from conveyor.apps.documents.summary_points import deduplicated, finished, sources_of, without_repeats
+from conveyor.apps.documents.grounding import cited_chunks, content_words
+from conveyor.apps.documents.summary_points import deduplicated, finished, without_repeats
 from conveyor.apps.documents.summary_prompts import Prompts, SummarizeOptions
 from conveyor.apps.documents.summary_report import render
 from conveyor.clients.token_counter import TokenCounter
@@ -207,10 +208,12 @@ def test_summaries_end_on_a_finished_sentence_and_lose_repeats():
     assert without_repeats(["A queue holds jobs.", "The queue holds all jobs!"]) == ["A queue holds jobs."]
 
 
-def test_points_are_traced_to_the_chunk_summaries_they_came_from():
-    leaves = ["Producers put jobs on a Redis stream.", "Replicas batch decoding steps.", "The cache has fixed blocks."]
-    assert sources_of("Jobs wait on a Redis stream for producers.", leaves) == [0]
-    assert sources_of("Decoding steps are batched by replicas; the cache uses fixed blocks.", leaves) == [1, 2]
+def test_points_cite_only_the_chunks_they_are_grounded_in():
+    chunks = ["Producers put jobs on a Redis stream.", "Replicas batch decoding steps.", "The cache has fixed blocks."]
+    words = [content_words(c) for c in chunks]
+    assert cited_chunks("Jobs wait on a Redis stream for producers.", words) == [0]
+    assert cited_chunks("Decoding steps are batched by replicas; the cache has fixed blocks.", words) == [1, 2]
+    assert cited_chunks("The moon is made of green cheese.", words) == []  # never "all chunks"
     chunks = [{"pages": [1, 2]}, {"pages": [2, 3]}, {"pages": [7, 7]}]
     assert citation_of(chunks) == "p. 1-3, 7"
     assert citation_of([{"pages": None, "headings": ["2 Methods", "2.1 Results"], "lines": [1, 2]}]) == "§ 2.1 Results"

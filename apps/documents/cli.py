@@ -32,6 +32,10 @@ from conveyor.clients.connection import command_settings, settings_from_args
 from conveyor.clients.keys import PRIORITY_CLASSES
 from conveyor.clients.model_info import DEFAULT_MODEL_WAIT_S
 
+# Every document summarized, some with warnings (a thin or partly extractive summary: see
+# grounding.py); a failed document still exits EXIT_JOB_FAILED, which wins.
+EXIT_DONE_WITH_WARNINGS = 3
+
 # (flag, SummarizeOptions field, type) of `summarize`.
 SUMMARIZE_OPTIONS = [
     ("--model", "model", str),
@@ -65,8 +69,13 @@ SUMMARIZE_DESCRIPTION = (
     "'.notes' becomes '_notes'). Outputs are written to a temporary file and renamed, so a "
     "symbolic link already at an output path is replaced, never written through; a symbolic "
     "link to a folder inside --out makes that document an error. Names in the lines printed are "
-    "escaped (a control character shows as \\x1b, \\n...). A document is an error, and the exit "
-    "status non-zero, when any of its jobs failed or answered nothing; the line names the job id."
+    "escaped (a control character shows as \\x1b, \\n...). A document is an error when any of its jobs "
+    "failed or answered nothing; the line names the job id. Every point must be grounded in the "
+    "chunks it cites (content words shared); filler and unsupported points are dropped, and a chunk "
+    "the model twice answered with nothing usable is summarized by its most salient sentences. "
+    "Exit status: 0 every document done cleanly; 3 every document done, some with warnings (fewer "
+    "than 2 grounded points, or extractive chunk summaries; printed as 'warning:' lines and kept in "
+    "the JSON record and the report); 1 a document failed; 2 usage; 130 interrupted."
 )
 SUMMARIZE_PATHS_HELP = (
     "PDF, DOCX, HTML, Markdown, reST or text files (told apart by content), or folders of "
@@ -146,7 +155,17 @@ def _summarize(args: argparse.Namespace) -> int:
         return fail(f"invalid option {'.'.join(map(str, error['loc']))}: {error['msg']}", EXIT_USAGE)
     for result in results:
         print(printable(_summary_line(result.record)), file=sys.stdout if result.ok else sys.stderr)
-    return EXIT_OK if all(r.ok for r in results) else EXIT_JOB_FAILED
+        for warning in result.warnings if result.ok else []:
+            print(printable(f"warning: {result.name}: {warning}"), file=sys.stderr)
+    return exit_status(results)
+
+
+def exit_status(results: list) -> int:
+    """EXIT_JOB_FAILED when a document failed, else EXIT_DONE_WITH_WARNINGS when a summary has
+    warnings, else EXIT_OK."""
+    if not all(r.ok for r in results):
+        return EXIT_JOB_FAILED
+    return EXIT_DONE_WITH_WARNINGS if any(r.warnings for r in results) else EXIT_OK
 
 
 async def _summarize_on_client(args: argparse.Namespace, options: dict[str, Any]) -> list:
@@ -174,8 +193,9 @@ def _summary_line(record: dict[str, Any]) -> str:
     """One document's result line (printed escaped: names and paths may hold control characters)."""
     if record["status"] == "error":
         return f"error: {record['error']}"
-    jobs = record["jobs"]
+    jobs, warnings = record["jobs"], len(record.get("warnings") or [])
+    warned = f", {warnings} warning{'s' if warnings > 1 else ''}" if warnings else ""
     return (
         f"{record['document']}: {len(record['chunks'])} chunks, {len(jobs)} jobs ({record['submitted']} "
-        f"submitted, {record['reused']} reused), {record['wall_s']:.1f} s -> {record['summary_file']}"
+        f"submitted, {record['reused']} reused){warned}, {record['wall_s']:.1f} s -> {record['summary_file']}"
     )

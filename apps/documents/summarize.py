@@ -10,10 +10,17 @@ submitting a known id is a no-op, so a rerun after a crash or Ctrl-C waits on th
 already queued or finished and submits only the missing ones.
 
 A document has a summary only when every job of its tree finished with text: a job that
-failed, timed out or answered nothing usable (empty once cut to finished sentences) makes
-the document an error naming that job and its id, once the other jobs of its level have
-finished (for a rerun to reuse). A reduce over empty chunk summaries would otherwise
-invent a summary of nothing, and the command would exit 0.
+failed, timed out or answered no text at all (empty once cut to finished sentences: a
+misconfigured job, which no retry mends) makes the document an error naming that job and
+its id, once the other jobs of its level have finished (for a rerun to reuse). A reduce over
+empty chunk summaries would otherwise invent a summary of nothing.
+
+Grounding (grounding.py): a job's sentences that are assistant filler or not grounded in the
+chunks it covers are dropped; a job left with none is retried once with another instruction,
+then replaced by the most salient sentences of its input (`extractive` in the record). The
+final points are kept only where grounded and cite only the chunks they are grounded in. A
+document with fewer than MIN_GROUNDED_POINTS points or any extractive step ends `done` with
+`warnings`.
 """
 
 from __future__ import annotations
@@ -30,7 +37,15 @@ from tqdm import tqdm
 from conveyor.apps.documents.chunking import Chunk
 from conveyor.apps.documents.doc_layout import Locator, citation_label, citation_of
 from conveyor.apps.documents.documents import Document, UnsafeOutputPath, load_documents, summary_path, write_outputs
-from conveyor.apps.documents.summary_points import deduplicated, finished, sentences, sources_of, without_repeats
+from conveyor.apps.documents.grounding import (
+    cited_chunks,
+    content_words,
+    is_filler,
+    salient_sentences,
+    screen,
+    word_frequencies,
+)
+from conveyor.apps.documents.summary_points import deduplicated, finished, sentences, without_repeats
 from conveyor.apps.documents.summary_prompts import Messages, Prompts, SummarizeError, SummarizeOptions, job_id
 from conveyor.apps.documents.summary_report import write_report
 from conveyor.clients.async_client import AsyncClient, AsyncJob
@@ -41,6 +56,8 @@ from conveyor.clients.model_info import DEFAULT_MODEL_WAIT_S, ModelInfo, wait_fo
 __all__ = ["DocumentSummary", "SummarizeError", "SummarizeOptions", "summarize_documents", "summarize_documents_async"]
 
 RETRIED_STATUSES = ("error", "cancelled")
+MIN_GROUNDED_POINTS = 2  # fewer grounded points: a thin summary, `done` with a warning
+MAX_FALLBACK_POINTS = 6  # points taken from chunk summaries when the final summary has none grounded
 
 
 @dataclass
@@ -57,6 +74,36 @@ class DocumentSummary:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def warnings(self) -> list[str]:
+        """Why a `done` summary deserves a second look (thin, partly extractive); [] if clean."""
+        return list(self.record.get("warnings") or [])
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One map or reduce job to ground: its prompt, its retry's prompt, the content words of the
+    chunks it covers (what its sentences must be grounded in), the text to extract from."""
+
+    messages: Messages
+    retry_messages: Messages
+    source_words: frozenset[str]
+    extract_from: str
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """A screened step: its kept text, where that came from ("model", "model retry",
+    "extractive") and the sentences dropped on the way, with why."""
+
+    text: str
+    origin: str
+    dropped: list[dict[str, str]]
+
+    @property
+    def extractive(self) -> bool:
+        return self.origin == "extractive"
 
 
 def summarize_documents(
@@ -179,32 +226,106 @@ class PipelineRun:
         except ValueError as exc:
             raise SummarizeError(str(exc)) from None
         record.add_chunks(doc, chunks, self.prompts)
-        leaves, ids = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
+        if self.options.schema_ is not None:
+            return await self._summarize_json(doc, record, chunks)
+        return await self._summarize_grounded(doc, record, chunks)
+
+    async def _summarize_json(self, doc: Document, record: _Record, chunks: list[Chunk]) -> str:
+        """Every step answers JSON under the schema; the final JSON is validated."""
+        leaves, _ = await self._level(doc, record, "map", 0, [self.prompts.map_messages(c.text) for c in chunks])
         record.add_chunk_summaries(leaves)
         summaries, covered, level = leaves, [[i] for i in range(len(leaves))], 0
         while len(summaries) > 1:
             level += 1
             groups = self.prompts.group_indices(summaries)
             prompts = [self.prompts.reduce_messages([summaries[i] for i in g]) for g in groups]
-            summaries, ids = await self._level(doc, record, "reduce", level, prompts)
+            summaries, _ = await self._level(doc, record, "reduce", level, prompts)
             covered = [[leaf for i in group for leaf in covered[i]] for group in groups]
             record.add_reduce_level(level, groups, covered, summaries)
-        if self.options.schema_ is not None:
-            return record.add_final_json(summaries[0], self.options.schema_)
-        summary = record.add_points(summaries[0], leaves)
-        if not summary.strip():
-            final = f"{'reduce' if level else 'map'} job 0 of level {level} ({ids[0]})"
-            raise SummarizeError(f"{final}, the final summary, holds no point to list: the summary is empty")
+        return record.add_final_json(summaries[0], self.options.schema_)
+
+    async def _summarize_grounded(self, doc: Document, record: _Record, chunks: list[Chunk]) -> str:
+        """Map-reduce where every step keeps only grounded, non-filler sentences (grounding.py)."""
+        chunk_words = [content_words(c.text) for c in chunks]
+        frequencies = word_frequencies(doc.text)
+        steps = [
+            _Step(self.prompts.map_messages(c.text), self.prompts.retry_map_messages(c.text), chunk_words[i], c.text)
+            for i, c in enumerate(chunks)
+        ]
+        leaves = await self._grounded_level(doc, record, "map", 0, steps, frequencies)
+        record.add_chunk_summaries([leaf.text for leaf in leaves], leaves)
+        summaries, covered, level = [leaf.text for leaf in leaves], [[i] for i in range(len(leaves))], 0
+        while len(summaries) > 1:
+            level += 1
+            groups = self.prompts.group_indices(summaries)
+            covered = [[leaf for i in group for leaf in covered[i]] for group in groups]
+            steps = [
+                _Step(
+                    self.prompts.reduce_messages([summaries[i] for i in g]),
+                    self.prompts.retry_reduce_messages([summaries[i] for i in g]),
+                    frozenset().union(*(chunk_words[c] for c in leaves_of)),
+                    "\n".join(summaries[i] for i in g),
+                )
+                for g, leaves_of in zip(groups, covered)
+            ]
+            merged = await self._grounded_level(doc, record, "reduce", level, steps, frequencies)
+            summaries = [node.text for node in merged]
+            record.add_reduce_level(level, groups, covered, summaries, merged)
+        summary = record.add_points(summaries[0], [leaf.text for leaf in leaves], chunk_words)
+        if not summary:
+            raise SummarizeError("no sentence of the summary or of the chunk summaries is grounded in the document")
         return summary
+
+    async def _grounded_level(
+        self,
+        doc: Document,
+        record: _Record,
+        kind: str,
+        level: int,
+        steps: list[_Step],
+        frequencies: Any,
+    ) -> list[_Outcome]:
+        """One level's jobs, each screened, retried once when nothing usable is left, and
+        replaced by the salient sentences of its input when the retry fails too."""
+        self._count_jobs(len(steps))
+        outcomes = await asyncio.gather(
+            *(
+                self._grounded_job(doc, record, kind, level, index, step, frequencies)
+                for index, step in enumerate(steps)
+            ),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)
+
+    async def _grounded_job(
+        self, doc: Document, record: _Record, kind: str, level: int, index: int, step: _Step, frequencies: Any
+    ) -> _Outcome:
+        dropped: list[dict[str, str]] = []
+        for retry, messages in ((False, step.messages), (True, step.retry_messages)):
+            if retry:
+                self._count_jobs(1)
+            text, _ = await self._job(doc, record, kind, level, index, messages, retry=retry)
+            screened = screen(sentences(text), step.source_words)
+            dropped += [{"text": sentence, "reason": reason} for sentence, reason in screened.dropped]
+            if screened.kept:
+                return _Outcome(screened.text, "model retry" if retry else "model", dropped)
+        fallback = " ".join(salient_sentences(step.extract_from, frequencies))
+        return _Outcome(fallback or step.extract_from.strip(), "extractive", dropped)
+
+    def _count_jobs(self, count: int) -> None:
+        self.jobs_bar.total += count
+        self.jobs_total += count
+        self.jobs_bar.refresh()
 
     async def _level(
         self, doc: Document, record: _Record, kind: str, level: int, prompts: list[Messages]
     ) -> tuple[list[str], list[str]]:
         """Run one level's jobs: (their texts, their job ids). All of them finish (for a rerun to
         reuse) before a failure is raised: the first one's, in index order."""
-        self.jobs_bar.total += len(prompts)
-        self.jobs_total += len(prompts)
-        self.jobs_bar.refresh()
+        self._count_jobs(len(prompts))
         outcomes = await asyncio.gather(
             *(self._job(doc, record, kind, level, index, messages) for index, messages in enumerate(prompts)),
             return_exceptions=True,
@@ -215,13 +336,20 @@ class PipelineRun:
         return [text for text, _ in outcomes], [key for _, key in outcomes]
 
     async def _job(
-        self, doc: Document, record: _Record, kind: str, level: int, index: int, messages: Messages
+        self,
+        doc: Document,
+        record: _Record,
+        kind: str,
+        level: int,
+        index: int,
+        messages: Messages,
+        retry: bool = False,
     ) -> tuple[str, str]:
         """(text, job id) of one job. Raises SummarizeError naming the job and its id when it
-        failed, timed out or answered nothing usable."""
-        step = {"kind": kind, "level": level, "index": index}
-        job_key = job_id(kind, doc, level, index, messages, self.options, self.info.name)
-        name = f"{kind} job {index} of level {level} ({job_key})"
+        failed, timed out or (unless a retry) answered no text."""
+        step = {"kind": kind, "level": level, "index": index, **({"retry": True} if retry else {})}
+        job_key = job_id(f"{kind}-retry" if retry else kind, doc, level, index, messages, self.options, self.info.name)
+        name = f"{kind} job {index} of level {level}{' (retry)' if retry else ''} ({job_key})"
         async with self.in_flight:
             if self.options.retry_failed:
                 await self._forget_failure(job_key)
@@ -247,7 +375,7 @@ class PipelineRun:
         if self.options.schema_ is not None:
             return _complete_json(result, name, self.options.max_tokens), job_key
         text = cleaned(result.text)
-        if not text:
+        if not text and not retry:  # a retry's empty answer leads to the extractive fallback
             raise SummarizeError(
                 f"{name} returned an empty summary ({_said(result)}); the document's summary would miss it"
             )
@@ -264,6 +392,25 @@ def cleaned(text: str) -> str:
     leaves nothing (`1. The licence grants` cut at max_tokens: `1.` is a list number, not a
     sentence), the text uncut, less its repeats. Empty when the model said nothing usable."""
     return deduplicated(finished(text)) or deduplicated(text)
+
+
+def _describe(node: dict[str, Any], outcome: _Outcome) -> None:
+    """Where a chunk's or merge's summary came from, in its record entry."""
+    node.update(origin=outcome.origin, extractive=outcome.extractive, dropped=outcome.dropped)
+
+
+def _leading_sentences(leaves: list[str], chunk_words: list[frozenset[str]]) -> list[tuple[str, list[int]]]:
+    """(sentence, cited chunks): the first grounded sentence of each chunk summary, at most
+    MAX_FALLBACK_POINTS, without repeats."""
+    points: list[tuple[str, list[int]]] = []
+    for leaf in leaves:
+        for sentence in sentences(leaf):
+            chunks = cited_chunks(sentence, chunk_words)
+            if chunks and not is_filler(sentence):
+                points.append((sentence, chunks))
+                break
+    kept = set(without_repeats([p for p, _ in points]))
+    return [(p, c) for p, c in points if p in kept][:MAX_FALLBACK_POINTS]
 
 
 def _said(result: JobResult) -> str:
@@ -304,6 +451,7 @@ class _Record:
             "tree": [],
             "points": [],
             "jobs": [],
+            "warnings": [],
         }
 
     def add_chunks(self, doc: Document, chunks: list[Chunk], prompts: Prompts) -> None:
@@ -323,35 +471,79 @@ class _Record:
                 }
             )
 
-    def add_chunk_summaries(self, summaries: list[str]) -> None:
-        for chunk, summary in zip(self.data["chunks"], summaries):
+    def add_chunk_summaries(self, summaries: list[str], outcomes: list[_Outcome] | None = None) -> None:
+        for index, (chunk, summary) in enumerate(zip(self.data["chunks"], summaries)):
             chunk["summary"] = summary
+            if outcomes is not None:
+                _describe(chunk, outcomes[index])
 
     def add_reduce_level(
-        self, level: int, groups: list[list[int]], covered: list[list[int]], summaries: list[str]
+        self,
+        level: int,
+        groups: list[list[int]],
+        covered: list[list[int]],
+        summaries: list[str],
+        outcomes: list[_Outcome] | None = None,
     ) -> None:
         """One level of the reduce tree: which nodes of the level below each merge read."""
         for index, (group, leaves, summary) in enumerate(zip(groups, covered, summaries)):
-            self.data["tree"].append(
-                {
-                    "level": level,
-                    "index": index,
-                    "inputs": group,
-                    "chunks": leaves,
-                    "cite": self._cite(leaves),
-                    "summary": summary,
-                }
-            )
+            node = {
+                "level": level,
+                "index": index,
+                "inputs": group,
+                "chunks": leaves,
+                "cite": self._cite(leaves),
+                "summary": summary,
+            }
+            if outcomes is not None:
+                _describe(node, outcomes[index])
+            self.data["tree"].append(node)
 
-    def add_points(self, final: str, leaves: list[str]) -> str:
-        """The final summary as cited points; each cites the chunks it was traced to."""
-        lines = []
+    def add_points(self, final: str, leaves: list[str], chunk_words: list[frozenset[str]]) -> str:
+        """The final summary as cited points: filler and points grounded in no chunk dropped,
+        each kept one citing only the chunks it is grounded in. When none is left, the first
+        grounded sentences of the chunk summaries stand in (with a warning)."""
+        points, dropped = [], []
         for point in without_repeats(sentences(final)):
-            chunks = sources_of(point, leaves)
+            filler = is_filler(point)
+            chunks = [] if filler else cited_chunks(point, chunk_words)
+            if chunks:
+                points.append((point, chunks))
+            else:
+                dropped.append({"text": point, "reason": "filler" if filler else "ungrounded"})
+        self.data["dropped_points"] = dropped
+        if not points:
+            points = _leading_sentences(leaves, chunk_words)
+            self.warn(
+                "no point of the final summary is grounded in the document: the points are the chunk "
+                "summaries' first sentences"
+            )
+        elif len(points) < MIN_GROUNDED_POINTS:
+            self.warn(f"thin summary: {len(points)} grounded point, fewer than {MIN_GROUNDED_POINTS}")
+        self._warn_extractive()
+        lines = []
+        for point, chunks in points:
             cite = self._cite(chunks)
             self.data["points"].append({"text": point, "chunks": chunks, "cite": cite})
             lines.append(f"- {point} [{cite}]")
         return "\n".join(lines)
+
+    def warn(self, warning: str) -> None:
+        self.data["warnings"].append(warning)
+
+    def _warn_extractive(self) -> None:
+        chunks = [c["index"] for c in self.data["chunks"] if c.get("extractive")]
+        if chunks:
+            self.warn(
+                f"{len(chunks)} of {len(self.data['chunks'])} chunk summaries are extractive (the model's "
+                f"answers were filler or not grounded in the chunk, twice): chunks {chunks}"
+            )
+        merges = [f"{n['level']}.{n['index']}" for n in self.data["tree"] if n.get("extractive")]
+        if merges:
+            self.warn(
+                f"{len(merges)} of {len(self.data['tree'])} merges are extractive (the model's answers were "
+                f"filler or not grounded in their chunks, twice): nodes {merges}"
+            )
 
     def add_final_json(self, final: str, schema: dict[str, Any]) -> str:
         """The final JSON, validated against the schema (an invalid one is the document's error)."""

@@ -1,9 +1,8 @@
-"""From model output to cited points: cut an unfinished last sentence, drop repeated
-sentences, and trace each point of the final summary to the chunk summaries it came from.
+"""From model output to sentences: cut an unfinished last sentence, drop repeated sentences.
 
 Small models quote their input rather than cite it, so the citation is not left to the
-model: each final point is matched, by the content words it shares, with the per-chunk
-summaries (the leaves of the reduce tree), and cites the coordinates of the best ones."""
+model: grounding.py matches each final point, by the content words it shares, with the
+chunks' text and cites only the chunks it is grounded in."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ STOP_WORDS = frozenset(
     "document summary summaries part parts".split()
 )
 SAME_POINT = 0.6  # word-set overlap (Jaccard) at which two sentences say the same thing
-CLOSE_SECOND = 0.75  # a second source is cited when it matches at least this share of the best
 
 
 def finished(text: str) -> str:
@@ -53,18 +51,6 @@ def without_repeats(points: list[str]) -> list[str]:
 def deduplicated(text: str) -> str:
     """A summary with repeated sentences removed (the looping of a small model)."""
     return " ".join(without_repeats(sentences(text)))
-
-
-def sources_of(point: str, leaves: list[str]) -> list[int]:
-    """Indices of the leaf summaries `point` came from: the best match by shared content
-    words, and a close second; all leaves when it shares no word with any."""
-    words = content_words(point)
-    scores = [len(words & content_words(leaf)) / (len(words) or 1) for leaf in leaves]
-    best = max(scores, default=0.0)
-    if best == 0.0:
-        return list(range(len(leaves)))
-    ranked = sorted(range(len(leaves)), key=lambda i: -scores[i])
-    return sorted(i for i in ranked[:2] if scores[i] >= CLOSE_SECOND * best)
 
 
 def _jaccard(a: frozenset[str], b: frozenset[str]) -> float:

@@ -25,6 +25,12 @@ DEFAULT_REDUCE_INSTRUCTION = (
     "Here are summaries of consecutive parts of one document. Combine them into one summary of the "
     "whole document in three to six complete sentences; state each point once. Reply with the summary only."
 )
+# The one retry of a map or reduce job whose answer held no usable sentence (filler, or not
+# grounded in its chunks: see grounding.py) asks differently: for facts in the text's own words.
+RETRY_MAP_INSTRUCTION = "State two facts from the following text, each in one complete sentence using its own words."
+RETRY_REDUCE_INSTRUCTION = (
+    "State the three most important facts in these notes, each in one complete sentence using their words."
+)
 SCHEMA_INSTRUCTION = " Reply with one JSON object under the given schema."
 PIPELINE_FIELDS = frozenset(
     {
@@ -138,6 +144,21 @@ class Prompts:
     def reduce_messages(self, summaries: list[str]) -> Messages:
         return self._chat(self._instruction(self.options.reduce_instruction) + "".join(f"\n\n{s}" for s in summaries))
 
+    def retry_map_messages(self, chunk: str) -> Messages:
+        return self._chat(f"{RETRY_MAP_INSTRUCTION}\n\n{chunk}")
+
+    def retry_reduce_messages(self, summaries: list[str]) -> Messages:
+        return self._chat(RETRY_REDUCE_INSTRUCTION + "".join(f"\n\n{s}" for s in summaries))
+
+    def _map_excess(self, chunk: str) -> int:
+        """Excess of a chunk's map prompt or of its retry (without a schema), whichever is longer."""
+        retry = [] if self.options.schema_ is not None else [self.excess(self.retry_map_messages(chunk))]
+        return max([self.excess(self.map_messages(chunk)), *retry])
+
+    def _reduce_excess(self, summaries: list[str]) -> int:
+        retry = [] if self.options.schema_ is not None else [self.excess(self.retry_reduce_messages(summaries))]
+        return max([self.excess(self.reduce_messages(summaries)), *retry])
+
     def _instruction(self, text: str) -> str:
         return text + SCHEMA_INSTRUCTION if self.options.schema_ is not None else text
 
@@ -151,7 +172,7 @@ class Prompts:
 
     def chunk_budget(self) -> int:
         """Token budget of a chunk's text: what the context leaves beside the instruction."""
-        room = -self.excess(self.map_messages(""))
+        room = -self._map_excess("")
         if room < 1:
             raise SummarizeError(
                 f"the map instruction and max_tokens {self.options.max_tokens} leave no room for text "
@@ -165,7 +186,7 @@ class Prompts:
 
         def chunk_excess(text: str) -> int:
             over_cap = self.counter.count(text, add_special_tokens=False) - cap if cap else 0
-            return max(over_cap, self.excess(self.map_messages(text)))
+            return max(over_cap, self._map_excess(text))
 
         budget = self.chunk_budget()
         return split_text(
@@ -185,7 +206,7 @@ class Prompts:
         groups: list[list[int]] = [[]]
         for index, summary in enumerate(summaries):
             members = [summaries[i] for i in groups[-1]]
-            if groups[-1] and self.excess(self.reduce_messages([*members, summary])) > 0:
+            if groups[-1] and self._reduce_excess([*members, summary]) > 0:
                 groups.append([])
             groups[-1].append(index)
         if len(groups) == len(summaries) > 1:

@@ -14,7 +14,7 @@ from conveyor.apps.documents.documents import write_top_file
 REPORT_NAME = "index.html"
 STYLE = (
     "body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.4}"
-    ".error{color:#a00}.cite{font-size:90%}table{border-collapse:collapse}"
+    ".error{color:#a00}.warning{color:#a60}.cite{font-size:90%}table{border-collapse:collapse}"
     "td,th{border:1px solid #ccc;padding:2px 6px;vertical-align:top}details{margin:.5em 0}"
 )
 
@@ -43,9 +43,11 @@ def write_report(out_dir: Path) -> Path:
 def render(records: list[dict[str, Any]]) -> str:
     done = [r for r in records if r.get("status") == "done"]
     failed = [r for r in records if r.get("status") != "done"]
+    warned = sum(bool(r.get("warnings")) for r in done)
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Summaries</title><style>{STYLE}</style>"
-        f"</head><body><h1>Summaries</h1><p>{len(done)} documents summarized, {len(failed)} failed.</p>"
+        f"</head><body><h1>Summaries</h1><p>{len(done)} documents summarized ({warned} with warnings), "
+        f"{len(failed)} failed.</p>"
     ]
     parts.extend(_document(number, record) for number, record in enumerate(done))
     if failed:
@@ -67,18 +69,21 @@ def _document(number: int, record: dict[str, Any]) -> str:
         f"{usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} completion tokens, "
         f"{record.get('wall_s', 0)} s</p>"
     )
+    warnings = record.get("warnings") or []
+    if warnings:
+        head += "<ul class='warning'>" + "".join(f"<li>warning: {_e(w)}</li>" for w in warnings) + "</ul>"
     if record.get("summary_json") is not None:
         body = f"<pre>{_e(json.dumps(record['summary_json'], indent=2, ensure_ascii=False))}</pre>"
     else:
         body = "<ul>" + "".join(_point(anchor, p) for p in record.get("points", [])) + "</ul>"
     chunks = "".join(
         f"<tr id='{anchor}-c{c['index']}'><td>{c['index']}</td><td>{_e(c.get('cite'))}</td>"
-        f"<td>{_e(c.get('summary'))}</td></tr>"
+        f"<td>{_extractive(c)}{_e(c.get('summary'))}</td></tr>"
         for c in record.get("chunks", [])
     )
     tree = "".join(
         f"<tr><td>{t['level']}.{t['index']}</td><td>{_e(t['inputs'])}</td><td>{_e(t.get('cite'))}</td>"
-        f"<td>{_e(t.get('summary'))}</td></tr>"
+        f"<td>{_extractive(t)}{_e(t.get('summary'))}</td></tr>"
         for t in record.get("tree", [])
     )
     return (
@@ -87,6 +92,10 @@ def _document(number: int, record: dict[str, Any]) -> str:
         "<details><summary>reduce tree</summary><table><tr><th>node</th><th>inputs</th><th>covers</th>"
         f"<th>summary</th></tr>{tree}</table></details>"
     )
+
+
+def _extractive(node: dict[str, Any]) -> str:
+    return "<em class='warning'>[extractive]</em> " if node.get("extractive") else ""
 
 
 def _point(anchor: str, point: dict[str, Any]) -> str:
