@@ -44,8 +44,12 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
             dest=field.name,
             type=kind,
             default=None,
-            help=f"default: {field.default} (env CONVEYOR_{field.name.upper()})",
+            help=f"default: {_default_of(field)} (env CONVEYOR_{field.name.upper()})",
         )
+
+
+def _default_of(field):
+    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
 
 
 def _flag_type(hint):

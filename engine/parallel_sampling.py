@@ -57,6 +57,7 @@ def make_children(seq: Sequence, share_prefix: bool) -> list[Sequence]:
         child.sample_index = index
         child.lora_request = seq.lora_request
         child.cache_salt = seq.cache_salt
+        child.tenant = seq.tenant
         child.leader = children[0] if index and share_prefix else None
         children.append(child)
     return children

@@ -14,7 +14,9 @@ is still in flight, counting the token each of its sequences will sample (its
 ``num_pending_samples``) without knowing it; the runner feeds those tokens in itself. A
 sequence that step in flight will certainly end is not scheduled again, and a sequence in
 flight is never preempted: where room runs out the plan is simply smaller. Ranks: priority class (batch work ages into interactive), then the
-integer priority (lower first), then arrival (admission, for running sequences).
+integer priority (lower first), then arrival (admission, for running sequences). Waiting
+sequences of several tenants are admitted by token-weighted fair share (engine/fair_share.py),
+each tenant's in its own rank order.
 
 With speculative decoding (``EngineConfig.speculative_config``) a decode may carry draft
 tokens (engine/spec_decode/drafter.py), from what the step leaves once running and admitted
@@ -32,6 +34,7 @@ import time
 from conveyor.engine.batching_policy import make_policy
 from conveyor.engine.block_manager import BlockManager
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.fair_share import FairShare
 from conveyor.engine.finishing import StopRules
 from conveyor.engine.parallel_sampling import waits_for_leader
 from conveyor.engine.plan import NewSeqData, ScheduledSeq, StepPlan, StepResult
@@ -44,6 +47,7 @@ class Scheduler:
         self.config = config
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = make_policy(config)
+        self.fair = FairShare(config.tenant_shares)  # which tenant's waiting sequence is admitted next
         self.stop_rules = stop_rules  # here only for the sampler's min_tokens mask
         self.watermark_blocks = max(1, num_blocks // 100)  # headroom kept when admitting
         self.waiting: list[Sequence] = []
@@ -63,6 +67,7 @@ class Scheduler:
         assert seq.seq_id not in self.seqs, f"duplicate request id {seq.seq_id!r}"
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+        self.fair.arrived(seq)
 
     def finish(self, seq_id: str, reason: str, stop_reason=None) -> Sequence | None:
         """End a sequence (stop, length, abort, ...) and release its blocks. No-op if unknown."""
@@ -78,6 +83,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finished_time = time.time()
         self.policy.on_finish(seq)
+        self.fair.finished(seq)
         if seq.known_to_runner:
             self.finished_ids.append(seq_id)
         return seq
@@ -211,8 +217,9 @@ class Scheduler:
         return threshold if threshold and contended else self.config.max_num_batched_tokens
 
     def _admit_waiting(self, budget: int, plan: StepPlan, now: float) -> int:
-        """Admit waiting sequences in rank order while budget and blocks last; the budget left."""
-        ranked = sorted(self.waiting, key=lambda s: self._waiting_rank(s, now))
+        """Admit waiting sequences in rank order, tenants taking turns by fair share, while budget
+        and blocks last; the budget left."""
+        ranked = self.fair.admission_order(sorted(self.waiting, key=lambda s: self._waiting_rank(s, now)))
         admissible = list(self.policy.admissible(ranked, now))
         for index, seq in enumerate(admissible):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
@@ -268,6 +275,7 @@ class Scheduler:
         seq.first_scheduled_time = seq.first_scheduled_time or now
         plan.scheduled.append(ScheduledSeq(seq.seq_id, start, num_new, new_block_ids))
         self.in_flight[plan.step_id].append(seq)
+        self.fair.charge(seq, num_new)
         seq.num_inflight_tokens += num_new
         if start + num_new == seq.num_tokens + seq.num_pending_samples:
             seq.num_pending_samples += 1  # this step samples its next token

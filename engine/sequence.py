@@ -42,6 +42,7 @@ class Sequence:
     grammar: object | None = None  # structured outputs: its compiled grammar (engine/grammar_compiler.py)
     lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
     cache_salt: str | None = None  # prefix-cache entries are shared only between requests of one salt
+    tenant: str | None = None  # whose fair share it is served from (engine/fair_share.py; a replica: its namespace)
     num_preemptions: int = 0
     known_to_runner: bool = False
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted
