@@ -139,7 +139,8 @@ return {attempt, state[3] or ''}
 # Usage: with KEYS[4] (the day's usage hash in the job's slot), the pairs ARGV[10..] (field,
 # count) are added to it when the job finishes for the first time (a retry, or a reclaimed
 # attempt whose earlier one finished, counts nothing), ARGV[9] its TTL; a key of another
-# type is reset and a field that is not an integer restarts (producers can write the namespace).
+# type is reset and a field that is not a number restarts (producers can write the namespace).
+# HGET and HSET rather than HINCRBY: the replica's ACL (docs/security.md) needs no new command.
 # KEYS: job hash, out stream, request stream[, usage hash]. ARGV: attempt, status, type, data,
 # ttl, group, entry id, now[, usage ttl, field, count, ...]. Returns 1 when written, 0 when
 # fenced off.
@@ -151,11 +152,14 @@ if finished ~= ARGV[1] then
   redis.call('XADD', KEYS[2], '*', 'type', ARGV[3], 'data', ARGV[4])
 end
 if KEYS[4] and not finished then
-  local kind = redis.call('TYPE', KEYS[4]).ok
-  if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[4]) end
   for i = 10, #ARGV, 2 do
-    local counted = redis.pcall('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1])
-    if type(counted) == 'table' and counted.err then redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]) end
+    local count = redis.pcall('HGET', KEYS[4], ARGV[i])
+    if type(count) == 'table' and count.err then
+      redis.call('DEL', KEYS[4])
+      count = false
+    end
+    count = (tonumber(count) or 0) + tonumber(ARGV[i + 1])
+    redis.call('HSET', KEYS[4], ARGV[i], string.format('%d', count))
   end
   redis.call('EXPIRE', KEYS[4], ARGV[9])
 end
