@@ -71,7 +71,20 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("REDIS_URL"),
         help="default: $REDIS_URL; without one, an embedded Valkey is started",
     )
-    parser.add_argument("--namespace", default=None, help="key prefix (default: conveyor)")
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=None,
+        help="key prefix (default: conveyor); repeat it to serve several namespaces from one engine, "
+        "shared by token-weighted fair share",
+    )
+    parser.add_argument(
+        "--share",
+        action="append",
+        default=None,
+        metavar="NAMESPACE=N",
+        help="a served namespace's share of the engine (default 1 each): tokens are shared in proportion",
+    )
     parser.add_argument(
         "--data-dir",
         default=None,
@@ -207,8 +220,11 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
     from conveyor.actors.config import ReplicaConfig
 
     config = ReplicaConfig(redis=redis_settings)
+    if args.namespace:
+        config.namespace, *more = args.namespace
+        config.more_namespaces = tuple(more)
+        config.__post_init__()  # one namespace served once
     for name in (
-        "namespace",
         "lease_s",
         "grace_s",
         "max_deliveries",
@@ -230,6 +246,8 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
 def run_serve(args: argparse.Namespace) -> int:
     try:
         args.lora_modules = lora_modules(args.lora_modules)  # before loading a model: fail fast
+        if args.share:
+            args.tenant_shares = served_shares(args.share, args.namespace)
     except ValueError as exc:
         return _usage_error(str(exc))
     if not args.redis_url:
@@ -243,6 +261,19 @@ def run_serve(args: argparse.Namespace) -> int:
         return _usage_error(refused)
     print(f"REDIS_URL={connection.redact(settings.url)}", flush=True)
     return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, settings)))
+
+
+def served_shares(shares: list[str], namespaces: list[str] | None) -> dict[str, float]:
+    """--share NAMESPACE=N flags: the engine's tenant shares, each naming a served namespace."""
+    from conveyor.clients.keys import default_namespace
+    from conveyor.engine.fair_share import check_shares
+
+    served = namespaces or [default_namespace()]
+    checked = check_shares(",".join(shares))
+    for name in checked:
+        if name not in served:
+            raise ValueError(f"--share {name}=...: {name!r} is not a served namespace ({', '.join(served)})")
+    return checked
 
 
 def _serve_embedded(args: argparse.Namespace) -> int:
@@ -274,7 +305,7 @@ def _serve_embedded(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(f"REDIS_URL={server.url}", flush=True)
-        print(next_steps(server.data_dir, args.namespace), flush=True)
+        print(next_steps(server.data_dir, args.namespace and args.namespace[0]), flush=True)
         return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, server.settings)))
     finally:
         server.stop()

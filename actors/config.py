@@ -26,6 +26,8 @@ class ReplicaConfig:
     redis_url: str | None = field(default_factory=lambda: os.environ.get("REDIS_URL"))
     redis: RedisSettings | None = None
     namespace: str = field(default_factory=default_namespace)
+    # more namespaces the replica serves beside `namespace`, each with its own keys (actors/replica.py Door)
+    more_namespaces: tuple[str, ...] = ()
     consumer: str = field(
         default_factory=lambda: os.environ.get("CONVEYOR_CONSUMER", f"{socket.gethostname()}-{os.getpid()}")
     )
@@ -60,10 +62,16 @@ class ReplicaConfig:
     )
 
     def __post_init__(self) -> None:
+        if len(set(self.namespaces)) != len(self.namespaces):
+            raise ValueError(f"namespace: each served once, got {', '.join(self.namespaces)}")
         if self.redis is None and self.redis_url:
             self.redis = resolve_settings(self.redis_url)
         if self.redis is not None:
             self.redis_url = self.redis.url  # no password in a config someone may print
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return (self.namespace, *self.more_namespaces)
 
     @property
     def renew_interval_s(self) -> float:

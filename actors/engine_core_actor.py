@@ -27,15 +27,18 @@ class EngineCoreActor(Actor):
     name = "engine_core"
     mailbox_size = 1024
 
-    def __init__(self, core: EngineCoreClient, publisher: Actor, metrics: ReplicaMetrics, job_hooks: tuple = ()):
+    def __init__(self, core: EngineCoreClient, publishers: dict[str, Actor], metrics: ReplicaMetrics, job_hooks=()):
+        """``publishers``: each namespace's (Delivery.door: "" on a replica serving one)."""
         super().__init__()
         self.core = core
         self.job_hooks = job_hooks  # test-only seam (actors/faults.py): called with each new job's metadata
-        self.publisher = publisher
+        self.publishers = publishers
         self.metrics = metrics
-        self.deliveries: dict[str, Delivery] = {}  # job id -> its delivery, while in the engine
-        self.abort_reasons: dict[str, str] = {}  # job id -> why it was aborted, until its last output
-        self.early_cancels: OrderedDict[str, float] = OrderedDict()  # job id -> when its cancel came, oldest first
+        # keyed by request key (Delivery.request_key: the job id, after its namespace on a
+        # replica serving several)
+        self.deliveries: dict[str, Delivery] = {}  # its delivery, while in the engine
+        self.abort_reasons: dict[str, str] = {}  # why it was aborted, until its last output
+        self.early_cancels: OrderedDict[str, float] = OrderedDict()  # when its cancel came, oldest first
         self.steps = 0
 
     @property
@@ -80,15 +83,16 @@ class EngineCoreActor(Actor):
         if isinstance(message, NewJob):
             for hook in self.job_hooks:
                 hook(message.delivery.metadata)
-            self.deliveries[message.delivery.job_id] = message.delivery
+            key = message.delivery.request_key
+            self.deliveries[key] = message.delivery
             self.core.send(AddRequest(message.request))
-            if self.early_cancels.pop(message.delivery.job_id, None) is not None:
-                self._abort(message.delivery.job_id, "cancelled")
+            if self.early_cancels.pop(key, None) is not None:
+                self._abort(key, "cancelled")
         elif isinstance(message, AbortJob):
-            if message.job_id in self.deliveries:
-                self._abort(message.job_id, message.reason)
+            if message.request_key in self.deliveries:
+                self._abort(message.request_key, message.reason)
             else:
-                self._remember_early_cancel(message.job_id)
+                self._remember_early_cancel(message.request_key)
 
     def _abort(self, job_id: str, reason: str) -> None:
         if job_id not in self.abort_reasons:
@@ -137,16 +141,16 @@ class EngineCoreActor(Actor):
     async def publish(self, outputs: list[RequestOutput], stats: dict) -> None:
         """One step's outputs to the publisher; a finished job leaves the engine's jobs here."""
         self.metrics.record_step(stats, outputs)
-        items = []
+        items: dict[str, list] = {}  # each namespace's, for its publisher
         for output in outputs:
             delivery = self.deliveries[output.request_id]
             abort_reason = None
             if output.finished:
                 del self.deliveries[output.request_id]
                 abort_reason = self.abort_reasons.pop(output.request_id, None)
-            items.append((delivery, output, abort_reason))
-        if items:
-            await self.publisher.send(StepOutputs(items))
+            items.setdefault(delivery.door, []).append((delivery, output, abort_reason))
+        for door, door_items in items.items():
+            await self.publishers[door].send(StepOutputs(door_items))
 
     async def _core_died(self) -> CoreDied:
         """Why the socket broke, once the core has ended (or CORE_EXIT_WAIT_S have passed)."""

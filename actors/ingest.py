@@ -20,7 +20,7 @@ from conveyor.actors.config import ReplicaConfig
 from conveyor.actors.engine_client import EngineCoreClient
 from conveyor.actors.ledger import JobLedger
 from conveyor.actors.log_limits import RateLimitedLog, shown
-from conveyor.actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits
+from conveyor.actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits, request_key
 from conveyor.actors.streams import CONFLICT, DUPLICATE, Streams
 from conveyor.clients.errors import ProtocolError
 from conveyor.clients.protocol import JobRequest, decode_job, payload_digest
@@ -47,8 +47,11 @@ class IngestActor(Actor):
         engine_core: Actor,
         publisher: Actor,
         config: ReplicaConfig,
+        door: str = "",
     ):
+        """``door``: the namespace, on a replica serving several ("" when it serves one)."""
         super().__init__()
+        self.door = door
         self.streams = streams
         # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
         self.inputs = engine.own_input_processor()
@@ -205,6 +208,7 @@ class IngestActor(Actor):
             job.deadline,
             entry.size,
             self._tool_reading(job),
+            self.door,
         )
         self.ledger.track(delivery)
         await self._hand_on(entry, job, delivery, cancelled)
@@ -314,7 +318,7 @@ class IngestActor(Actor):
         if job.chat_template == "auto" and self.inputs.has_chat_template():
             prompt, messages = None, [{"role": "user", "content": job.prompt}]
         request = self.inputs.request_for(
-            job.job_id,
+            request_key(self.door, job.job_id),
             prompt,
             SamplingParams(**params),
             job.priority_class,

@@ -195,7 +195,7 @@ class JobLedger(Actor):
         job_id = message.job_id
         if job_id in self.held and job_id not in self.cancelled:
             self.cancelled.add(job_id)
-            await self.engine_core.send(AbortJob(job_id, "cancelled"))
+            await self.engine_core.send(AbortJob(job_id, "cancelled", self.held[job_id].door))
         _answer(message.reply, job_id in self.held)
 
     async def _held_jobs(self, message: HeldJobs) -> None:

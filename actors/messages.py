@@ -27,6 +27,12 @@ class Delivery:
     deadline: float | None = None  # absolute epoch seconds
     size: int = 0  # bytes of the entry: counted against the replica's bytes in flight
     tools: ToolReading | None = field(default=None, compare=False)  # a job with tools: how its outputs are read
+    door: str = ""  # the namespace it came through, on a replica serving several ("": the only one)
+
+    @property
+    def request_key(self) -> str:
+        """Its request id in the engine: unique across the replica's namespaces."""
+        return request_key(self.door, self.job_id)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,17 @@ class NewJob:
 class AbortJob:
     job_id: str
     reason: str  # 'cancelled' | 'deadline_exceeded' | 'shutdown'
+    door: str = ""  # the namespace it came through (Delivery.door)
+
+    @property
+    def request_key(self) -> str:
+        return request_key(self.door, self.job_id)
+
+
+def request_key(door: str, job_id: str) -> str:
+    """A job's request id in the engine: its id, after its namespace on a replica serving
+    several (neither holds a '/': no two pairs give one key)."""
+    return f"{door}/{job_id}" if door else job_id
 
 
 # ---- to the publisher -----------------------------------------------------------------

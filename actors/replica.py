@@ -1,7 +1,14 @@
 """One engine replica: wires the actors, watches for crashes and signals, shuts down
-gracefully (finish in-flight jobs within the grace period, hand back the rest)."""
+gracefully (finish in-flight jobs within the grace period, hand back the rest).
+
+A replica may serve several namespaces (``conveyor serve --namespace a --namespace b``):
+each gets a front door of its own (``Door``: its streams, ledger, intake, publisher, cancels,
+model announcement and partition leases, so its keys, records and dead letters stay its
+own), and all of them feed the one engine, whose admission shares it between them by token-
+weighted fair share (engine/fair_share.py: each job's tenant is its namespace)."""
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -26,30 +33,27 @@ log = logging.getLogger(__name__)
 MAX_ENTRY_BYTES = max(MAX_MSGPACK_BYTES, MAX_JSON_BYTES) + 4096
 
 
-class Replica:
-    def __init__(self, engine: EngineCoreClient, config: ReplicaConfig):
-        """``engine``: the front door's end of the engine core, started in a process of its
-        own or on a thread (actors/engine_client.py); nothing here knows which."""
-        assert config.redis_url, "a replica needs a Redis URL"
-        self.engine = engine
-        self.config = config
+class Door:
+    """One namespace's actors. ``name``: its key in the engine-core actor ("" on a replica
+    serving one namespace, so request ids stay the job ids)."""
+
+    def __init__(self, name: str, config: ReplicaConfig, engine: EngineCoreClient, replica: "Replica"):
+        self.name, self.config = name, config
         facts = engine.facts
-        self.model_name = config.served_model_name or Path(facts.model_name).name
         # credentials and TLS: clients/connection.py
         self.streams = Streams(
             config.redis.async_client(),
             config.redis.keys(config.namespace),
             config.consumer,
-            self.model_name,
+            replica.model_name,
             max_entry_bytes=MAX_ENTRY_BYTES,
         )
         capacity = config.max_in_flight or 2 * facts.max_num_seqs
-        self.metrics = ReplicaMetrics()
         self.ledger = JobLedger(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.ledger)
-        self.engine_core = EngineCoreActor(engine, self.publisher, self.metrics, faults.job_hooks())
-        self.ingest = IngestActor(self.streams, engine, self.ledger, self.engine_core, self.publisher, config)
-        self.ledger.connect(self.ingest, self.engine_core)
+        replica.engine_core.publishers[name] = self.publisher
+        self.ingest = IngestActor(self.streams, engine, self.ledger, replica.engine_core, self.publisher, config, name)
+        self.ledger.connect(self.ingest, replica.engine_core)
         self.partitions = None
         if config.partition_ownership:
             self.partitions = PartitionKeeper(
@@ -61,37 +65,82 @@ class Replica:
             self.streams,
             facts,
             engine.tokenizer,
-            self.model_name,
+            replica.model_name,
             config.max_queue_len,
             config.max_tokens_cap,
             tuple(config.lora_modules),
-            self.metrics,
+            replica.metrics,
         )
+
+    def actors(self) -> tuple:
+        """Downstream first, so each actor's consumers exist before it sends to them."""
+        keeper = (self.partitions,) if self.partitions is not None else ()
+        return (self.publisher, self.ledger, self.cancels, self.announcer, *keeper, self.ingest)
+
+    async def stop_intake(self) -> None:
+        self.announcer.state = "draining"
+        await self.ingest.stop()
+        if self.partitions is not None:
+            await self.partitions.stop()
+            await self.partitions.release()  # others take its partitions at their next check
+
+
+class Replica:
+    def __init__(self, engine: EngineCoreClient, config: ReplicaConfig):
+        """``engine``: the front door's end of the engine core, started in a process of its
+        own or on a thread (actors/engine_client.py); nothing here knows which."""
+        assert config.redis_url, "a replica needs a Redis URL"
+        self.engine = engine
+        self.config = config
+        self.model_name = config.served_model_name or Path(engine.facts.model_name).name
+        self.metrics = ReplicaMetrics()
+        self.engine_core = EngineCoreActor(engine, {}, self.metrics, faults.job_hooks())
+        namespaces = config.namespaces
+        self.doors = [
+            Door(
+                ns if len(namespaces) > 1 else "",
+                dataclasses.replace(config, namespace=ns, more_namespaces=()),
+                engine,
+                self,
+            )
+            for ns in namespaces
+        ]
+        first = self.doors[0]  # the names a replica of one namespace has always had
+        self.streams, self.ledger, self.publisher, self.ingest = (
+            first.streams,
+            first.ledger,
+            first.publisher,
+            first.ingest,
+        )
+        self.partitions, self.cancels, self.announcer = first.partitions, first.cancels, first.announcer
         self.stop_requested = asyncio.Event()
         self.crash: BaseException | None = None
 
     async def run(self) -> int:
         """Serve until SIGTERM/SIGINT (or ``request_stop``); 0 on a clean stop, 1 on a crash."""
-        await self.streams.resilient(self.streams.ensure_groups, "create consumer groups")
+        for door in self.doors:
+            await door.streams.resilient(door.streams.ensure_groups, "create consumer groups")
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self._install_signal_handlers()
         for actor in self._actors():
             actor.start(self._on_crash)
         log.info(
-            "replica %s serving model %r in namespace %r on %s",
+            "replica %s serving model %r in namespace%s %s on %s",
             self.config.consumer,
             self.model_name,
-            self.config.namespace,
+            "s" if len(self.doors) > 1 else "",
+            ", ".join(repr(d.config.namespace) for d in self.doors),
             self.config.redis.describe(),
         )
         await self.stop_requested.wait()
         if self.crash is None:
             await self._drain()
         await self._stop_actors()
-        if self.crash is None:
-            await self.announcer.farewell()
-        await self.streams.close()
+        for door in self.doors:
+            if self.crash is None:
+                await door.announcer.farewell()
+            await door.streams.close()
         return 1 if self.crash else 0
 
     def request_stop(self) -> None:
@@ -113,23 +162,24 @@ class Replica:
     async def _drain(self) -> None:
         """Stop taking work; let in-flight jobs finish within the grace period; hand back
         the rest only once no step can publish them any more (no result after hand-back)."""
-        self.announcer.state = "draining"
-        await self.ingest.stop()
-        if self.partitions is not None:
-            await self.partitions.stop()
-            await self.partitions.release()  # others take its partitions at their next check
-        drained = asyncio.ensure_future(self.ledger.ask(Drain()))  # entries in intake can't progress now
-        await asyncio.wait({drained}, timeout=self.config.grace_s)
-        drained.cancel()
+        for door in self.doors:
+            await door.stop_intake()
+        drained = [asyncio.ensure_future(door.ledger.ask(Drain())) for door in self.doors]
+        await asyncio.wait(drained, timeout=self.config.grace_s)  # entries in intake can't progress now
+        for future in drained:
+            future.cancel()
         # always: entries read but never recorded may be pending even when nothing is held
         await self.engine_core.stop()
-        await self.publisher.mailbox.join()  # outputs of finished steps still get published
-        await self.ledger.ask(HandBack())  # after the releases those outputs sent it
+        for door in self.doors:
+            await door.publisher.mailbox.join()  # outputs of finished steps still get published
+        for door in self.doors:
+            await door.ledger.ask(HandBack())  # after the releases those outputs sent it
 
     def _actors(self):
-        """Downstream first, so each actor's consumers exist before it sends to them."""
-        keeper = (self.partitions,) if self.partitions is not None else ()
-        return (self.publisher, self.engine_core, self.ledger, self.cancels, self.announcer, *keeper, self.ingest)
+        """Downstream first: publishers, then the engine-core actor, then the rest of each door."""
+        publishers = tuple(door.publisher for door in self.doors)
+        rest = tuple(actor for door in self.doors for actor in door.actors()[1:])
+        return (*publishers, self.engine_core, *rest)
 
     async def _stop_actors(self) -> None:
         for actor in reversed(self._actors()):

@@ -22,12 +22,14 @@ class ReplicaThread:
         consumer: str = "replica-a",
         lease_s: float = 30.0,
         served_model_name: str | None = None,
+        more_namespaces: tuple[str, ...] = (),
         **engine_options,
     ):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.config = ReplicaConfig(
             redis_url=redis_url,
             namespace=namespace,
+            more_namespaces=more_namespaces,
             consumer=consumer,
             lease_s=lease_s,
             grace_s=10.0,
