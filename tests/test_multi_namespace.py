@@ -120,3 +120,21 @@ def test_a_stopping_replica_hands_back_every_namespaces_jobs(tiny_model, redis_u
         for client in clients.values():
             client.close()
     assert all(r.attempt == 2 and len(r.token_ids) == LONG for rs in results.values() for r in rs)
+
+
+def test_namespaces_on_one_replica_never_share_prefix_cache_blocks(tiny_model, redis_url, namespace):
+    """The same long prompt in a, then b, then a again: b reads nothing from the cache (its
+    blocks are salted with its namespace), the second job of a reads its prefix."""
+    a, b = f"{namespace}-a", f"{namespace}-b"
+    prompt = dict(prompt_token_ids=list(range(5, 205)), max_tokens=2, temperature=0)
+    with ReplicaThread(tiny_model, redis_url, a, more_namespaces=(b,), max_num_seqs=4):
+        ca, cb = Client(redis_url, namespace=a), Client(redis_url, namespace=b)
+        try:
+            first_a = ca.submit(**prompt).result(timeout=60)
+            only_b = cb.submit(**prompt).result(timeout=60)
+            second_a = ca.submit(**prompt).result(timeout=60)
+        finally:
+            ca.close(), cb.close()
+    assert (first_a.usage.cached_tokens, only_b.usage.cached_tokens) == (0, 0)
+    assert second_a.usage.cached_tokens > 0
+    assert first_a.token_ids == only_b.token_ids == second_a.token_ids
