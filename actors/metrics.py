@@ -28,6 +28,16 @@ class ReplicaMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.finished = counter("requests_finished", "Finished requests")
+        # per namespace (tenant) and model: what `conveyor usage` bills, as it happens
+        self.tenant_tokens = Counter(
+            "conveyor_tenant_tokens",
+            "Tokens of done jobs by namespace, model and kind (prompt, completion, cached)",
+            ("namespace", "model", "kind"),
+            registry=self.registry,
+        )
+        self.tenant_jobs = Counter(
+            "conveyor_tenant_jobs", "Done jobs by namespace and model", ("namespace", "model"), registry=self.registry
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive steps")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency")
@@ -66,6 +76,16 @@ class ReplicaMetrics:
             self._record_tokens(output, now)
             if output.finished:
                 self._record_finish(output)
+
+    def record_usage(self, namespace: str, model: str, usage) -> None:
+        """A done job's usage (clients/events.py Usage)."""
+        self.tenant_jobs.labels(namespace, model).inc()
+        for kind, count in (
+            ("prompt", usage.prompt_tokens),
+            ("completion", usage.completion_tokens),
+            ("cached", usage.cached_tokens),
+        ):
+            self.tenant_tokens.labels(namespace, model, kind).inc(count)
 
     def _record_speculation(self, stats: dict) -> None:
         for key, counter in self.spec_counters.items():

@@ -29,10 +29,12 @@ class PublisherActor(Actor):
     name = "publisher"
     mailbox_size = 4096  # steps keep their outputs here while Redis is briefly away
 
-    def __init__(self, streams: Streams, ledger: Actor):
+    def __init__(self, streams: Streams, ledger: Actor, metrics=None):
+        """``metrics``: a ReplicaMetrics, told each done job's usage by namespace and model."""
         super().__init__()
         self.streams = streams
         self.ledger = ledger
+        self.metrics = metrics
         self.next_seq: dict[str, int] = {}  # job id -> seq of its next token event
         self.warnings = RateLimitedLog(log)
 
@@ -68,6 +70,10 @@ class PublisherActor(Actor):
                 finish_at.append(len(pipe))  # commands queued so far
                 await self.streams.queue_finish(pipe, delivery, status, event, usage)
 
+        if self.metrics is not None:  # before the write: whoever reads the result finds it counted
+            for *_, usage in finishes:
+                if usage is not None:
+                    self.metrics.record_usage(self.streams.keys.ns, self.streams.model_name, usage)
         replies = await self.streams.write(queue, "publish step")
         unstored = [
             (delivery, replies[index])

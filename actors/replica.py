@@ -50,7 +50,7 @@ class Door:
         )
         capacity = config.max_in_flight or 2 * facts.max_num_seqs
         self.ledger = JobLedger(self.streams, config, capacity)
-        self.publisher = PublisherActor(self.streams, self.ledger)
+        self.publisher = PublisherActor(self.streams, self.ledger, replica.metrics)
         replica.engine_core.publishers[name] = self.publisher
         self.ingest = IngestActor(self.streams, engine, self.ledger, replica.engine_core, self.publisher, config, name)
         self.ledger.connect(self.ingest, replica.engine_core)

@@ -35,6 +35,12 @@ def test_each_namespace_keeps_its_own_jobs_records_and_usage(tiny_model, redis_u
             assert [(r.jobs, r.completion_tokens) for r in usage[a]] == [(1, 3)]
             assert [(r.jobs, r.completion_tokens) for r in usage[b]] == [(1, 5)]
             assert clients[a].queue_status()["namespace"] == a
+            metrics, model = running.replica.metrics.registry, running.replica.model_name
+            for ns, completion in ((a, 3), (b, 5)):  # Prometheus, per namespace and model
+                labels = {"namespace": ns, "model": model}
+                assert metrics.get_sample_value("conveyor_tenant_jobs_total", labels) == 1
+                tokens = metrics.get_sample_value("conveyor_tenant_tokens_total", {**labels, "kind": "completion"})
+                assert tokens == completion
         finally:
             for client in clients.values():
                 client.close()
