@@ -7,6 +7,7 @@ textContent only, under a Content-Security-Policy that allows no inline script."
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from conveyor.apps.openai_api.batch_store import BatchStore
 from conveyor.apps.openai_api.errors import OpenAIError, invalid
 from conveyor.clients.dead_letters import dead_page_args, dead_page_from, requeue_async
 from conveyor.clients.job_lookup import lookup_args, lookup_from, valid_job_id
+from conveyor.clients.usage import read_usage_async
 from conveyor.gateway.body_limit import read_json
 from conveyor.gateway.dashboard_access import Viewer, actor_of, viewer_of
 
@@ -111,10 +113,23 @@ async def overview(request: Request, viewer: Viewer = Depends(viewer_of)) -> JSO
                 "replicas_live": sum(r.live(facts.server_time) for r in facts.replicas),
             },
             "queues": queues,
+            "tenants_today": await _tenants_today(request, viewer),
             "replicas": [r.view(facts.server_time) for r in facts.replicas],
             "throughput": watch.series(),
         }
     )
+
+
+async def _tenants_today(request: Request, viewer: Viewer) -> list[dict[str, Any]]:
+    """Today's (UTC) billable usage of each namespace the viewer may see, per model
+    (clients/usage.py): an admin sees every configured tenant, a tenant itself."""
+    today = datetime.datetime.now(datetime.timezone.utc).date()
+    rows = []
+    for namespace in viewer.namespaces if viewer.may_act else (viewer.namespace,):
+        client = request.app.state.namespaces.client(namespace)
+        found, _ = await read_usage_async(client.redis, client.keys, today, today)
+        rows += [{"namespace": namespace, **row.as_dict()} for row in found]
+    return rows
 
 
 @router.get("/api/dead")

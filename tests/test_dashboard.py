@@ -253,6 +253,9 @@ def test_the_page_follows_the_queue_requeues_a_dead_letter_and_never_runs_plante
             assert max(overview()["throughput"]["done_per_s"]) > 0
             expect(page.locator("#chart polyline.done")).to_have_attribute("points", re.compile(r"\d"), timeout=10_000)
             expect(page.locator("#replicas")).to_contain_text("dash-replica", timeout=10_000)
+            [today] = [t for t in overview()["tenants_today"] if t["namespace"] == ns]
+            assert today["model"] == MODEL and today["jobs"] == 6 and today["completion_tokens"] == 48
+            expect(page.locator("#tenants tr", has_text=ns)).to_contain_text("48", timeout=10_000)
             expect(page.locator("#replicas tr", has_text="dash-replica")).to_contain_text("serving")
             expect(page.locator("#queued-total")).to_have_text("1", timeout=10_000)
             park_a_job(raw, keys, "unlucky")

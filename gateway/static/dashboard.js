@@ -71,6 +71,9 @@ async function refreshOverview() {
     q.model || "(any model)", q.priority_class, q.partition, q.queued, q.in_flight,
     q.queued ? seconds(q.oldest_age_s) : "–", q.consumers, num(q.done_per_s, 2),
   ])), "no request stream holds or serves anything yet");
+  fill("tenants", data.tenants_today.map(t => row([
+    t.namespace, t.model, t.jobs, t.prompt_tokens, t.completion_tokens, t.cached_tokens,
+  ])), "no job has finished today (UTC)");
   fill("replicas", data.replicas.map(r => row([
     r.consumer, r.model, el("span", r.state, r.live ? "live" : "gone"), num(r.running), num(r.waiting),
     r.kv_usage === null ? "–" : (100 * r.kv_usage).toFixed(1) + " %", num(r.tokens_per_s, 1), num(r.finished),
