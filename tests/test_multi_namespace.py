@@ -144,3 +144,28 @@ def test_namespaces_on_one_replica_never_share_prefix_cache_blocks(tiny_model, r
     assert (first_a.usage.cached_tokens, only_b.usage.cached_tokens) == (0, 0)
     assert second_a.usage.cached_tokens > 0
     assert first_a.token_ids == only_b.token_ids == second_a.token_ids
+
+
+def test_shares_weigh_two_backlogged_namespaces(tiny_model, redis_url, namespace):
+    """--share a=3: while both namespaces are backlogged a is served 3/4 of the tokens (0.65
+    to 0.85: the running batch's jobs, admitted before, finish at their own pace)."""
+    a, b = f"{namespace}-a", f"{namespace}-b"
+    job = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    with ReplicaThread(tiny_model, redis_url, a, more_namespaces=(b,), max_num_seqs=4, tenant_shares={a: 3}) as running:
+        scheduler = running.engine.scheduler
+        ca, cb = Client(redis_url, namespace=a), Client(redis_url, namespace=b)
+        try:
+            handles = [c.submit(prompt_token_ids=[5 + i % 40] * 20, **job) for i in range(30) for c in (ca, cb)]
+            wait_for(lambda: any(s.tenant == b for s in list(scheduler.waiting)), "both to wait")
+            start = dict(scheduler.fair.served)
+            wait_for(lambda: sum(scheduler.fair.served.values()) - sum(start.values()) >= 1200, "1200 tokens")
+            waiting = {s.tenant for s in list(scheduler.waiting)}
+            served = {ns: scheduler.fair.served[ns] - start.get(ns, 0) for ns in (a, b)}
+            for handle in handles:
+                handle.result(timeout=240)
+        finally:
+            ca.close(), cb.close()
+    assert waiting == {a, b}, "both still backlogged at the end of the window"
+    share_a = served[a] / (served[a] + served[b])
+    print(f"\na's share with share 3 of 4: {share_a:.2f} ({served})")
+    assert 0.65 <= share_a <= 0.85
