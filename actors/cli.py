@@ -130,6 +130,13 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
         help="server-side bound of each request stream: submits past it are refused (env CONVEYOR_MAX_QUEUE_LEN)",
     )
     parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="prompt + completion tokens each served namespace may use per UTC day; then submits are "
+        "refused until midnight UTC (env CONVEYOR_TOKEN_BUDGET)",
+    )
+    parser.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -234,6 +241,7 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
         "max_tokens_cap",
         "max_prompt_tokens",
         "max_queue_len",
+        "token_budget",
         "max_bytes_in_flight",
         "tool_call_parser",
         "lora_modules",

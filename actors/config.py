@@ -52,6 +52,9 @@ class ReplicaConfig:
     max_tokens_cap: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_TOKENS_CAP"))
     max_prompt_tokens: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_PROMPT_TOKENS"))
     max_queue_len: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_MAX_QUEUE_LEN"))
+    # prompt + completion tokens each namespace may use per UTC day: once spent, submits are
+    # refused until midnight UTC (a soft bound: jobs queued before it still run)
+    token_budget: int | None = field(default_factory=lambda: _env_int_or_none("CONVEYOR_TOKEN_BUDGET"))
     # LoRA adapters jobs may name (`lora`): name -> PEFT adapter directory (conveyor serve --lora-modules)
     lora_modules: dict[str, str] = field(default_factory=dict)
     # how outputs of jobs with tools are read (clients/tool_parsers.py); None: by the chat template

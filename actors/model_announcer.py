@@ -7,6 +7,7 @@ sequences, KV use, tokens/s), a fixed set of small fields."""
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import time
 
@@ -18,6 +19,7 @@ from conveyor.actors.metrics import ReplicaMetrics
 from conveyor.actors.streams import Streams
 from conveyor.clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
 from conveyor.clients.replica_records import REPLICA_BEAT_S, record_fields
+from conveyor.clients.usage import read_usage_async
 from conveyor.engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
@@ -37,6 +39,7 @@ class ModelAnnouncer(Actor):
         max_tokens_cap: int | None = None,
         lora_adapters: tuple[str, ...] = (),
         metrics: ReplicaMetrics | None = None,
+        token_budget: int | None = None,
     ):
         super().__init__()
         self.streams = streams
@@ -58,6 +61,7 @@ class ModelAnnouncer(Actor):
             tokenizer=tokenizer,
         )
         self.info = dataclasses.replace(self.info, lora_adapters=tuple(lora_adapters))
+        self.token_budget = token_budget
 
     async def run(self) -> None:
         warnings = RateLimitedLog(log)
@@ -67,6 +71,8 @@ class ModelAnnouncer(Actor):
                 await self._publish_model(warnings)
                 published = time.monotonic()
             await self.streams.publish_replica_record(self.record(), time.time())
+            if self.token_budget:
+                await self._publish_budget(warnings)
             await asyncio.sleep(REPLICA_BEAT_S)
 
     async def farewell(self, timeout_s: float = 2.0) -> None:
@@ -84,6 +90,21 @@ class ModelAnnouncer(Actor):
             warnings.warning("publish", "cannot publish the model info: %s", shown(str(exc), 200))
         if self.limits:
             await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
+
+    async def _publish_budget(self, warnings: RateLimitedLog) -> None:
+        """The daily token budget and, once today's usage reached it, when submits may resume
+        (next midnight UTC): the submit script refuses jobs until then."""
+        now = datetime.datetime.now(datetime.timezone.utc)
+        try:
+            rows, _ = await read_usage_async(self.streams.redis, self.streams.keys, now.date(), now.date())
+        except ResponseError as exc:
+            warnings.warning("budget", "cannot read today's usage: %s", shown(str(exc), 200))
+            return
+        spent = sum(row.prompt_tokens + row.completion_tokens for row in rows)
+        midnight = datetime.datetime.combine(now.date() + datetime.timedelta(days=1), datetime.time(), now.tzinfo)
+        resets_at = int(midnight.timestamp()) if spent >= self.token_budget else 0
+        self.limits.update(token_budget=self.token_budget, budget_reset_at=resets_at)
+        await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
 
     def record(self) -> dict[str, str]:
         stats, now = self.metrics.latest_stats, time.monotonic()

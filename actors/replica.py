@@ -70,6 +70,7 @@ class Door:
             config.max_tokens_cap,
             tuple(config.lora_modules),
             replica.metrics,
+            config.token_budget,
         )
 
     def actors(self) -> tuple:

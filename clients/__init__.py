@@ -12,6 +12,7 @@ from conveyor.clients.errors import (
     JobFailed,
     ProtocolError,
     QueueFull,
+    QuotaExceeded,
     Timeout,
 )
 from conveyor.clients.event_reader import JobResult, JobStatus
@@ -47,6 +48,7 @@ __all__ = [
     "PRIORITY_CLASSES",
     "ProtocolError",
     "QueueFull",
+    "QuotaExceeded",
     "SCHEMA_VERSION",
     "Timeout",
     "TokenEvent",

@@ -89,6 +89,13 @@ class Timeout(ConveyorError, TimeoutError):
         self.job_id = job_id
 
 
+class QuotaExceeded(ConveyorError):
+    """The namespace's daily token budget (the replicas' operator sets it) is spent: submits
+    are refused until it resets."""
+
+    code = "insufficient_quota"
+
+
 class QueueFull(ConveyorError):
     """submit(max_queue_len=N) found N or more entries on the request stream.
 

@@ -68,7 +68,8 @@ TRANSITIONS = (
 # ARGV: payload, ttl, now, max_queue_len (0 = none), digest ('' = not computed: not stored,
 #       never a conflict), entry field ('data' msgpack, the default, or 'json').
 # Returns 1 enqueued, 0 already known (not enqueued again), -2 conflict, -1 queue full at
-# the caller's bound, -3 queue full at the operator's bound.
+# the caller's bound, -3 queue full at the operator's bound, -4 the namespace's daily token
+# budget is spent (limits field budget_reset_at, epoch seconds, still ahead of now).
 # The PUBLISH on the channel named like the request stream wakes the replica that owns the
 # stream's partition (it waits there instead of polling: actors/partitions.py).
 SUBMIT_LUA = """
@@ -83,6 +84,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   end
   rejected = true
 end
+local resets_at = tonumber(redis.pcall('HGET', KEYS[4], 'budget_reset_at')) or 0
+if resets_at > tonumber(ARGV[3]) then return -4 end
 local limit, full = tonumber(ARGV[4]) or 0, -1
 local operator = tonumber(redis.pcall('HGET', KEYS[4], 'max_queue_len')) or 0
 if operator > 0 and (limit <= 0 or operator < limit) then limit, full = operator, -3 end

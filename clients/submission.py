@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import time
 from typing import Any, Iterable
 
-from conveyor.clients.errors import InvalidJob, JobConflict, QueueFull
+from conveyor.clients.errors import InvalidJob, JobConflict, QueueFull, QuotaExceeded
 from conveyor.clients.keys import Keys
 from conveyor.clients.protocol import JobRequest, encode_job, payload_digest, validate_job
 
@@ -48,7 +49,7 @@ def submit_args(keys: Keys, job: JobRequest, max_queue_len: int | None) -> tuple
 
 
 # SUBMIT_LUA replies (0: job id already known, not enqueued)
-OPERATOR_QUEUE_FULL, CONFLICT, QUEUE_FULL, ENQUEUED = -3, -2, -1, 1
+BUDGET_SPENT, OPERATOR_QUEUE_FULL, CONFLICT, QUEUE_FULL, ENQUEUED = -4, -3, -2, -1, 1
 
 
 def check_submitted(
@@ -56,6 +57,8 @@ def check_submitted(
 ) -> None:
     if code in (QUEUE_FULL, OPERATOR_QUEUE_FULL):
         raise queue_full(job, keys, max_queue_len, submitted or [], operator=code == OPERATOR_QUEUE_FULL)
+    if code == BUDGET_SPENT:
+        raise budget_spent(job, keys)
     if code == CONFLICT:
         raise JobConflict(f"job_id {job.job_id!r} was already submitted with a different payload", job_id=job.job_id)
 
@@ -82,6 +85,15 @@ def queue_full(
     else:
         message = f"{stream} holds {max_queue_len} or more entries (the caller's max_queue_len={max_queue_len})"
     return QueueFull(message, submitted=submitted)
+
+
+def budget_spent(job: JobRequest, keys: Keys) -> QuotaExceeded:
+    """QuotaExceeded naming the budget and when it resets (the next midnight UTC)."""
+    tomorrow = datetime.datetime.now(datetime.timezone.utc).date() + datetime.timedelta(days=1)
+    return QuotaExceeded(
+        f"namespace {keys.ns!r} has spent its daily token budget (token_budget in "
+        f"{keys.job_limits(job.job_id)}, set by the replicas' operator); it resets at {tomorrow}T00:00:00Z"
+    )
 
 
 def cancel_args(keys: Keys, job_id: str) -> tuple[list[str], list[str]]:

@@ -88,8 +88,10 @@ def replica_acl(ns: str) -> list[str]:
         "+zcard",
         "+zrem",  # partition leases (actors/partition_scripts.py)
         "+subscribe",
-        "+unsubscribe",
-    ]  # cancel channel, the owned partitions' wake-ups
+        "+unsubscribe",  # cancel channel, the owned partitions' wake-ups
+        "+hlen",
+        "+hgetall",  # the day's usage, against --token-budget
+    ]
 
 
 def producer_acl(ns: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from conveyor.clients.errors import InvalidJob, JobConflict, JobFailed, QueueFull, Timeout
+from conveyor.clients.errors import InvalidJob, JobConflict, JobFailed, QueueFull, QuotaExceeded, Timeout
 
 TYPES = {
     400: "invalid_request_error",
@@ -65,6 +65,8 @@ def from_conveyor(exc: Exception, params: dict[str, str] | None = None) -> OpenA
     params = params or {}
     if isinstance(exc, InvalidJob):
         return invalid(exc.message, param=params.get(exc.field, exc.field), code=exc.code)
+    if isinstance(exc, QuotaExceeded):  # OpenAI's shape for a spent quota
+        return OpenAIError(429, exc.message, code="insufficient_quota", type="insufficient_quota")
     if isinstance(exc, QueueFull):
         return OpenAIError(429, f"the queue is full, try again later: {exc.message}", code="queue_full")
     if isinstance(exc, JobConflict):

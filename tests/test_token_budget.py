@@ -1,0 +1,40 @@
+"""A daily token budget per namespace (issue 41): once the day's prompt + completion tokens
+reach the operator's `--token-budget`, submits are refused until midnight UTC with an error
+naming the budget and when it resets, and the gateway answers 429 in OpenAI's shape."""
+
+import datetime
+import time
+
+import openai
+import pytest
+from gateway_harness import GatewayThread, openai_client
+from replica_harness import ReplicaThread
+
+from conveyor.clients import Client, QuotaExceeded
+from conveyor.clients.keys import Keys
+
+
+def test_a_spent_budget_refuses_submits_until_midnight_utc(tiny_model, redis_url, namespace, raw):
+    replica = ReplicaThread(tiny_model, redis_url, namespace, max_num_seqs=4)
+    replica.config.token_budget = 50
+    limits = Keys(namespace).limits_of(0)
+    client = Client(redis_url, namespace=namespace)
+    try:
+        with replica:
+            job = dict(prompt_token_ids=list(range(5, 35)), max_tokens=30, temperature=0, ignore_eos=True)
+            assert client.submit(**job).result(timeout=60).usage.total_tokens == 60  # within budget when sent
+            deadline = time.monotonic() + 30
+            while int(raw.hget(limits, "budget_reset_at") or 0) <= time.time():  # the next beat sees it spent
+                assert time.monotonic() < deadline, "the replica never flagged the spent budget"
+                time.sleep(0.1)
+            tomorrow = datetime.datetime.now(datetime.timezone.utc).date() + datetime.timedelta(days=1)
+            with pytest.raises(QuotaExceeded, match=f"token_budget in {limits}.*resets at {tomorrow}T00:00:00Z"):
+                client.submit(**job)
+            with GatewayThread(redis_url, namespace=namespace) as gateway, openai_client(gateway) as sdk:
+                with pytest.raises(openai.RateLimitError) as refused:
+                    sdk.completions.create(model=replica.replica.model_name, prompt="x", max_tokens=2)
+            assert refused.value.status_code == 429 and refused.value.code == "insufficient_quota"
+            assert refused.value.body["type"] == "insufficient_quota"
+    finally:
+        client.close()
+    assert int(raw.hget(limits, "token_budget")) == 50
