@@ -125,3 +125,22 @@ def test_shares_are_validated_naming_the_tenant():
         with pytest.raises(ValueError, match=named):
             check_shares(bad)
     assert FairShare().admission_order([]) == []
+
+
+def test_each_tenant_keeps_its_own_rank_order():
+    """Priority classes and priorities keep working inside each tenant: the interleaving only
+    decides whose turn it is."""
+    from conveyor.engine.sequence import Sequence
+
+    def seq(name: str, tenant: str, prompt: int) -> Sequence:
+        made = Sequence(name, [1] * prompt, SamplingParams(max_tokens=1), max_tokens=1)
+        made.tenant = tenant
+        return made
+
+    fair = FairShare({"b": 2})
+    ranked = [seq("a-urgent", "a", 10), seq("a-1", "a", 10), seq("b-urgent", "b", 10), seq("a-2", "a", 10)]
+    ranked += [seq("b-1", "b", 10), seq("b-2", "b", 10)]
+    order = [s.seq_id for s in fair.admission_order(ranked)]
+    assert [i for i in order if i.startswith("a")] == ["a-urgent", "a-1", "a-2"]
+    assert [i for i in order if i.startswith("b")] == ["b-urgent", "b-1", "b-2"]
+    assert order[:3] == ["a-urgent", "b-urgent", "b-1"], "b's share of 2: two of its prompts per one of a's"
