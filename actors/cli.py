@@ -79,6 +79,13 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
         "shared by token-weighted fair share",
     )
     parser.add_argument(
+        "--namespace-user",
+        action="append",
+        default=None,
+        metavar="NAMESPACE=USERNAME:PASSWORD_FILE",
+        help="connect for this served namespace as its own Redis (ACL) user (default: the connection's user)",
+    )
+    parser.add_argument(
         "--share",
         action="append",
         default=None,
@@ -230,7 +237,8 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
     if args.namespace:
         config.namespace, *more = args.namespace
         config.more_namespaces = tuple(more)
-        config.__post_init__()  # one namespace served once
+    config.namespace_users = namespace_users(getattr(args, "namespace_user", None) or [])
+    config.__post_init__()  # one namespace served once, users only for served ones
     for name in (
         "lease_s",
         "grace_s",
@@ -262,13 +270,26 @@ def run_serve(args: argparse.Namespace) -> int:
         return _serve_embedded(args)
     try:
         settings = connection.settings_from_args(args)
+        config = replica_config(args, settings)  # namespaces, their users: before loading a model
     except (OSError, ValueError) as exc:  # unreadable password file, TLS flags without rediss://
         return _usage_error(str(exc))
     refused = connection.check_credentials(settings)  # fail fast, before loading a model
     if refused:
         return _usage_error(refused)
     print(f"REDIS_URL={connection.redact(settings.url)}", flush=True)
-    return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, settings)))
+    return _run_loop(_serve(build_engine(args, args.engine_process), config))
+
+
+def namespace_users(flags: list[str]) -> dict[str, tuple[str, str]]:
+    """--namespace-user NAMESPACE=USERNAME:PASSWORD_FILE flags: namespace -> (user, password)."""
+    users = {}
+    for flag in flags:
+        namespace, _, rest = flag.partition("=")
+        username, _, password_file = rest.partition(":")
+        if not (namespace and username and password_file):
+            raise ValueError(f"--namespace-user {flag!r}: NAMESPACE=USERNAME:PASSWORD_FILE")
+        users[namespace] = (username, connection.read_password_file(password_file))
+    return users
 
 
 def served_shares(shares: list[str], namespaces: list[str] | None) -> dict[str, float]:
@@ -314,7 +335,11 @@ def _serve_embedded(args: argparse.Namespace) -> int:
         )
         print(f"REDIS_URL={server.url}", flush=True)
         print(next_steps(server.data_dir, args.namespace and args.namespace[0]), flush=True)
-        return _run_loop(_serve(build_engine(args, args.engine_process), replica_config(args, server.settings)))
+        try:
+            config = replica_config(args, server.settings)
+        except (OSError, ValueError) as exc:
+            return _usage_error(str(exc))
+        return _run_loop(_serve(build_engine(args, args.engine_process), config))
     finally:
         server.stop()
 

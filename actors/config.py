@@ -1,5 +1,6 @@
 """Options of one replica (the engine's own options live in engine.EngineConfig)."""
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ class ReplicaConfig:
     namespace: str = field(default_factory=default_namespace)
     # more namespaces the replica serves beside `namespace`, each with its own keys (actors/replica.py Door)
     more_namespaces: tuple[str, ...] = ()
+    # a namespace's own Redis user: namespace -> (username, password); others connect as `redis` says
+    namespace_users: dict[str, tuple[str, str]] = field(default_factory=dict)
     consumer: str = field(
         default_factory=lambda: os.environ.get("CONVEYOR_CONSUMER", f"{socket.gethostname()}-{os.getpid()}")
     )
@@ -67,6 +70,9 @@ class ReplicaConfig:
     def __post_init__(self) -> None:
         if len(set(self.namespaces)) != len(self.namespaces):
             raise ValueError(f"namespace: each served once, got {', '.join(self.namespaces)}")
+        for name in self.namespace_users:
+            if name not in self.namespaces:
+                raise ValueError(f"namespace user: {name!r} is not a served namespace ({', '.join(self.namespaces)})")
         if self.redis is None and self.redis_url:
             self.redis = resolve_settings(self.redis_url)
         if self.redis is not None:
@@ -75,6 +81,14 @@ class ReplicaConfig:
     @property
     def namespaces(self) -> tuple[str, ...]:
         return (self.namespace, *self.more_namespaces)
+
+    def for_namespace(self, namespace: str) -> "ReplicaConfig":
+        """This config for one served namespace alone, connecting as that namespace's user."""
+        redis = self.redis
+        if namespace in self.namespace_users:
+            username, password = self.namespace_users[namespace]
+            redis = dataclasses.replace(self.redis, username=username, password=password)
+        return dataclasses.replace(self, namespace=namespace, more_namespaces=(), namespace_users={}, redis=redis)
 
     @property
     def renew_interval_s(self) -> float:

@@ -8,7 +8,6 @@ own), and all of them feed the one engine, whose admission shares it between the
 weighted fair share (engine/fair_share.py: each job's tenant is its namespace)."""
 
 import asyncio
-import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -100,7 +99,7 @@ class Replica:
         self.doors = [
             Door(
                 ns if len(namespaces) > 1 else "",
-                dataclasses.replace(config, namespace=ns, more_namespaces=()),
+                config.for_namespace(ns),
                 engine,
                 self,
             )

@@ -9,7 +9,7 @@ import pytest
 from model_factory import MAX_POSITIONS
 from replica_harness import ReplicaThread
 
-from conveyor.actors.cli import served_shares
+from conveyor.actors.cli import namespace_users, served_shares
 from conveyor.actors.config import ReplicaConfig
 from conveyor.clients import Client
 from conveyor.clients.usage import read_usage
@@ -103,6 +103,8 @@ def test_namespaces_and_shares_are_checked():
     assert served_shares(["a=3"], ["a", "b"]) == {"a": 3.0}
     with pytest.raises(ValueError, match="'c' is not a served namespace"):
         served_shares(["c=2"], ["a", "b"])
+    with pytest.raises(ValueError, match="NAMESPACE=USERNAME:PASSWORD_FILE"):
+        namespace_users(["a=user-without-file"])
 
 
 def test_a_stopping_replica_hands_back_every_namespaces_jobs(tiny_model, redis_url, namespace):
@@ -169,3 +171,33 @@ def test_shares_weigh_two_backlogged_namespaces(tiny_model, redis_url, namespace
     share_a = served[a] / (served[a] + served[b])
     print(f"\na's share with share 3 of 4: {share_a:.2f} ({served})")
     assert 0.65 <= share_a <= 0.85
+
+
+def test_each_namespace_connects_as_its_own_acl_user(tiny_model, tmp_path, namespace):
+    """--namespace-user: a replica of two namespaces whose Redis users may each touch one
+    namespace alone serves both without a denied command (ACL LOG)."""
+    from test_security_auth import replica_acl
+
+    from conveyor.actors.embedded_valkey import EmbeddedValkey
+    from conveyor.clients.connection import RedisSettings
+
+    a, b = f"{namespace}-a", f"{namespace}-b"
+    server = EmbeddedValkey(tmp_path / "acl", password="admin-secret").start()
+    try:
+        admin = server.settings.client()
+        for user, ns in (("rep-a", a), ("rep-b", b)):
+            admin.execute_command("ACL", "SETUSER", user, "reset", "on", f">{user}-pw", *replica_acl(ns))
+        replica = ReplicaThread(tiny_model, server.url, a, more_namespaces=(b,), max_num_seqs=4)
+        replica.config.redis = RedisSettings(url=server.url, username="rep-a", password="rep-a-pw")
+        replica.config.namespace_users = {b: ("rep-b", "rep-b-pw")}
+        with replica:
+            for ns in (a, b):
+                with Client(namespace=ns, connection=server.settings) as client:
+                    assert client.submit(prompt_token_ids=[5, 6, 7], max_tokens=3, temperature=0).result(timeout=60)
+        denied = [e for e in admin.acl_log() if e.get("username") in ("rep-a", "rep-b", b"rep-a", b"rep-b")]
+        admin.close()
+    finally:
+        server.stop()
+    assert denied == []
+    with pytest.raises(ValueError, match="'c' is not a served namespace"):
+        ReplicaConfig(redis_url="redis://127.0.0.1", namespace="a", namespace_users={"c": ("u", "p")})
