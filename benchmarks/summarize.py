@@ -3,12 +3,18 @@ same jobs sent straight through the queue; alternating rounds in one run.
 
     python benchmarks/summarize.py [--model smollm2] [--rounds 2] [--max-tokens 64]
                                    [--max-chunk-tokens 384] [--json out.json] [--png out.png]
-    python benchmarks/summarize.py --quality [--json out.json]   # grounding table only
+    python benchmarks/summarize.py --quality [--json out.json]   # grounding tables only
 
-`--quality`: one run of ours over the folder (no gateway, no LangChain) and a table of what
-grounding (apps/documents/grounding.py) kept: the share of the final summaries' sentences
-kept as grounded points, the filler and ungrounded ones dropped, and how the chunk
-summaries were made (model, model retry, extractive).
+`--quality`: one run of ours over the folder and a table of what grounding
+(apps/documents/grounding.py) kept: the share of the final summaries' sentences kept as
+grounded points, the filler and ungrounded ones dropped, and how the chunk summaries were
+made (model, model retry, extractive). In the same run, concurrently, LangChain's
+map-reduce (below) makes one final summary per document over the gateway, same model,
+chunks, prompts and max_tokens; then both are scored by the same rules: a point is one of
+our cited points, or one sentence (summary_points.sentences) of LangChain's final summary;
+it is grounded when grounding.cited_chunks finds a chunk of its document it is grounded
+in, filler when grounding.is_filler. Ours also counts its extractive fallbacks and
+citations of a chunk its point is not grounded in.
 
 One embedded Valkey, one `conveyor serve` replica and one `conveyor gateway`. The folder
 holds mixed documents made here or shipped by Debian: a PDF (fpdf2) and a DOCX
@@ -102,15 +108,36 @@ async def run_direct(client, docs, prompts, options) -> int:
         return result.text.strip(), result.usage.completion_tokens
 
     async def document(doc) -> int:
-        return await map_reduce(
+        tokens, _ = await map_reduce(
             prompts, [c.text for c in prompts.chunks(doc)], lambda ms: asyncio.gather(*map(job, ms))
         )
+        return tokens
 
     return sum(await asyncio.gather(*map(document, docs)))
 
 
-async def run_langchain(llm, docs, prompts) -> int:
-    """LangChain's map-reduce: per document, abatch the maps, collapse, one document at a time."""
+def langchain_llm(gateway_url: str, model: str, max_tokens: int):
+    """langchain-openai's ChatOpenAI on our gateway: greedy, our repetition penalty, no retries."""
+    from langchain_openai import ChatOpenAI
+
+    from conveyor.apps.documents.summary_prompts import SummarizeOptions
+
+    llm = ChatOpenAI(
+        base_url=f"{gateway_url}/v1",
+        api_key="unused",
+        model=model,
+        temperature=0,
+        max_tokens=max_tokens,
+        max_retries=0,
+        timeout=1800,
+        frequency_penalty=None,
+    )
+    return llm.bind(extra_body={"repetition_penalty": SummarizeOptions().repetition_penalty})
+
+
+async def run_langchain(llm, docs, prompts) -> tuple[int, list[str]]:
+    """LangChain's map-reduce: per document, abatch the maps, collapse, one document at a time;
+    (output tokens, the final summary of each document)."""
     from langchain_core.messages import HumanMessage, SystemMessage
 
     def as_langchain(messages):
@@ -121,14 +148,15 @@ async def run_langchain(llm, docs, prompts) -> int:
         replies = await llm.abatch([as_langchain(m) for m in messages_list], config={"max_concurrency": 8})
         return [(r.content.strip(), r.usage_metadata["output_tokens"]) for r in replies]
 
-    tokens = 0
+    tokens, finals = 0, []
     for doc in docs:
-        tokens += await map_reduce(prompts, [c.text for c in prompts.chunks(doc)], batch)
-    return tokens
+        used, final = await map_reduce(prompts, [c.text for c in prompts.chunks(doc)], batch)
+        tokens, finals = tokens + used, [*finals, final]
+    return tokens, finals
 
 
-async def map_reduce(prompts, chunks: list[str], run_batch) -> int:
-    """Map every chunk, then reduce groups that fit, level by level; returns output tokens."""
+async def map_reduce(prompts, chunks: list[str], run_batch) -> tuple[int, str]:
+    """Map every chunk, then reduce groups that fit, level by level; (output tokens, final summary)."""
     replies = await run_batch([prompts.map_messages(c) for c in chunks])
     tokens = sum(n for _, n in replies)
     summaries = [text for text, _ in replies]
@@ -137,12 +165,11 @@ async def map_reduce(prompts, chunks: list[str], run_batch) -> int:
         replies = await run_batch([prompts.reduce_messages(g) for g in groups])
         tokens += sum(n for _, n in replies)
         summaries = [text for text, _ in replies]
-    return tokens
+    return tokens, summaries[0] if summaries else ""
 
 
 async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> dict[str, list[dict]]:
     import httpx
-    from langchain_openai import ChatOpenAI
 
     from conveyor.apps.documents.documents import load_documents
     from conveyor.apps.documents.summary_prompts import Prompts, SummarizeOptions
@@ -165,24 +192,14 @@ async def measure(args, redis_url: str, gateway_url: str, paths: list[Path]) -> 
             for mode in order:
                 options = {**base, "system_prompt": f"Run {round_index}-{mode}."}
                 prompts = Prompts(SummarizeOptions(**options), info.token_counter(), info.max_model_len)
-                llm = ChatOpenAI(
-                    base_url=f"{gateway_url}/v1",
-                    api_key="unused",
-                    model=model,
-                    temperature=0,
-                    max_tokens=args.max_tokens,
-                    max_retries=0,
-                    timeout=1800,
-                    frequency_penalty=None,
-                )
-                llm = llm.bind(extra_body={"repetition_penalty": SummarizeOptions().repetition_penalty})
+                llm = langchain_llm(gateway_url, model, args.max_tokens)
                 started = time.perf_counter()
                 if mode == "ours":
                     tokens = await run_ours(client, paths, options)
                 elif mode == "direct":
                     tokens = await run_direct(client, docs, prompts, options)
                 else:
-                    tokens = await run_langchain(llm, docs, prompts)
+                    tokens, _ = await run_langchain(llm, docs, prompts)
                 seconds = time.perf_counter() - started
                 if round_index < 0:
                     continue
@@ -231,16 +248,91 @@ def quality(results) -> dict:
     return table
 
 
-async def measure_quality(args, redis_url: str, paths: list[Path]) -> dict:
+def score(points: list[tuple[str, list[frozenset[str]]]]) -> dict:
+    """Points (text, its document's chunk words) scored by the grounding rules."""
+    from conveyor.apps.documents.grounding import cited_chunks, is_filler
+
+    grounded = sum(bool(cited_chunks(text, chunk_words)) for text, chunk_words in points)
+    return {
+        "points": len(points),
+        "grounded points": grounded,
+        "share grounded": grounded / max(len(points), 1),
+        "filler points": sum(is_filler(text) for text, _ in points),
+    }
+
+
+def score_ours(results, chunk_words: dict[str, list[frozenset[str]]]) -> dict:
+    """Our cited points, scored again; and our citations of a chunk the point is not grounded in."""
+    from conveyor.apps.documents.grounding import content_words, grounded
+
+    records = [r.record for r in results if r.ok]
+    points = [(p, chunk_words[r["document"]]) for r in records for p in r["points"]]
+    steps = [s for r in records for s in r["chunks"] + r["tree"]]
+    return {
+        **score([(p["text"], words) for p, words in points]),
+        "citations not grounded": sum(
+            not grounded(content_words(p["text"]), words[c]) for p, words in points for c in p["chunks"]
+        ),
+        "extractive fallbacks (chunk summaries + merges)": sum(bool(s.get("extractive")) for s in steps),
+        "documents failed": len(results) - len(records),
+    }
+
+
+def score_langchain(docs, finals: list[str], chunk_words: dict[str, list[frozenset[str]]]) -> dict:
+    """Each sentence of LangChain's final summary of a document is one point."""
+    from conveyor.apps.documents.summary_points import sentences
+
+    return score([(s, chunk_words[doc.name]) for doc, final in zip(docs, finals) for s in sentences(final)])
+
+
+def side_by_side(ours: dict, langchain: dict) -> None:
+    print("\n| measure | ours | LangChain |\n|---|---:|---:|")
+    for name, value in ours.items():
+        theirs = langchain.get(name, "-")
+        cells = [f"{v:.0%}" if isinstance(v, float) else str(v) for v in (value, theirs)]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+
+
+async def timed(label: str, work) -> object:
+    started = time.perf_counter()
+    result = await work
+    print(f"{label}: {time.perf_counter() - started:.1f} s", flush=True)
+    return result
+
+
+async def measure_quality(args, redis_url: str, gateway_url: str, paths: list[Path]) -> dict:
+    """Ours and LangChain's map-reduce over the same documents, concurrently, then scored."""
+    import httpx
+
+    from conveyor.apps.documents.documents import load_documents
+    from conveyor.apps.documents.grounding import content_words
     from conveyor.apps.documents.summarize import summarize_documents_async
+    from conveyor.apps.documents.summary_prompts import Prompts, SummarizeOptions
     from conveyor.clients import AsyncClient
+    from conveyor.clients.model_info import wait_for_model_info_async
 
     options = dict(max_tokens=args.max_tokens, max_chunk_tokens=args.max_chunk_tokens, max_in_flight=8)
+    docs = load_documents(paths)
     async with AsyncClient(redis_url) as client:
+        info = await wait_for_model_info_async(client.redis, client.keys, None, 600, True)
+        prompts = Prompts(SummarizeOptions(**options), info.token_counter(), info.max_model_len)
+        chunk_words = {doc.name: [content_words(c.text) for c in prompts.chunks(doc)] for doc in docs}
+        llm = langchain_llm(gateway_url, httpx.get(f"{gateway_url}/v1/models").json()["data"][0]["id"], args.max_tokens)
         started = time.perf_counter()
-        results = await summarize_documents_async(paths, client=client, wait_s=600, **options)
-        print(f"{len(paths)} documents in {time.perf_counter() - started:.1f} s")
-    return {"quality": quality(results), "warnings": {r.name: r.warnings for r in results}}
+        results, (_, finals) = await asyncio.gather(
+            timed("ours", summarize_documents_async(paths, client=client, wait_s=600, **options)),
+            timed("langchain", run_langchain(llm, docs, prompts)),
+        )
+        print(f"{len(paths)} documents, both systems concurrently, in {time.perf_counter() - started:.1f} s")
+    table = quality(results)
+    versus = {"ours": score_ours(results, chunk_words), "langchain": score_langchain(docs, finals, chunk_words)}
+    side_by_side(versus["ours"], versus["langchain"])
+    return {
+        "quality": table,
+        "versus": versus,
+        "langchain summaries": {doc.name: final for doc, final in zip(docs, finals)},
+        "warnings": {r.name: r.warnings for r in results},
+    }
 
 
 def report(rows: dict[str, list[dict]], args, docs: int) -> dict:
@@ -299,15 +391,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-chunk-tokens", type=int, default=384)
     parser.add_argument("--paragraphs", type=int, default=24, help="bzip2 manual paragraphs in the PDF and the DOCX")
-    parser.add_argument("--quality", action="store_true", help="only the grounding table of one run of ours")
+    parser.add_argument("--quality", action="store_true", help="grounding tables: ours, and ours vs LangChain")
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="conveyor-summarize-bench-") as folder, embedded_valkey() as url:
         paths = make_folder(Path(folder), args.paragraphs)
         if args.quality:
-            with spawned_replica(args.model, url, ["--max-num-seqs", "16"]):
-                result = asyncio.run(measure_quality(args, url, paths))
+            with spawned_replica(args.model, url, ["--max-num-seqs", "16"]), spawned_gateway(url) as (gateway_url, _):
+                result = asyncio.run(measure_quality(args, url, gateway_url, paths))
+            print(
+                f"\n{describe_cpu()}\n{len(paths)} documents, {args.model}, max_tokens {args.max_tokens}, "
+                f"max_chunk_tokens {args.max_chunk_tokens}"
+            )
             write_json(args.json, {"cpu": describe_cpu(), **result})
             return
         with spawned_replica(args.model, url, ["--max-num-seqs", "16"]), spawned_gateway(url) as (gateway_url, _):
