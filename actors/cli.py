@@ -273,9 +273,10 @@ def run_serve(args: argparse.Namespace) -> int:
         config = replica_config(args, settings)  # namespaces, their users: before loading a model
     except (OSError, ValueError) as exc:  # unreadable password file, TLS flags without rediss://
         return _usage_error(str(exc))
-    refused = connection.check_credentials(settings)  # fail fast, before loading a model
-    if refused:
-        return _usage_error(refused)
+    for namespace in config.namespaces:  # fail fast, before loading a model: each door's user
+        refused = connection.check_credentials(config.for_namespace(namespace).redis)
+        if refused:
+            return _usage_error(refused)
     print(f"REDIS_URL={connection.redact(settings.url)}", flush=True)
     return _run_loop(_serve(build_engine(args, args.engine_process), config))
 

@@ -8,6 +8,7 @@ touching any job's record; only an entry whose attempt was started speaks for it
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import os
 import time
@@ -52,6 +53,7 @@ class IngestActor(Actor):
         """``door``: the namespace, on a replica serving several ("" when it serves one)."""
         super().__init__()
         self.door = door
+        self.budget = None  # the announcer's BudgetGate where a --token-budget is set
         self.streams = streams
         # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
         self.inputs = engine.own_input_processor()
@@ -215,7 +217,7 @@ class IngestActor(Actor):
 
     async def _hand_on(self, entry: ReadEntry, job: JobRequest, delivery: Delivery, cancelled: bool) -> None:
         """A started job to the engine-core actor, or its end (cancelled, too late, invalid) to the publisher."""
-        ended = self._reject_reason(job, delivery.attempt, cancelled)
+        ended = self._reject_reason(job, delivery.attempt, cancelled) or self._over_budget(entry.entry_id)
         if ended is not None:
             await self.publisher.send(
                 JobEnded(
@@ -300,6 +302,18 @@ class IngestActor(Actor):
                 None,
             )
         return None
+
+    def _over_budget(self, entry_id: str):
+        """The refusal of an entry queued since the namespace's daily token budget was spent
+        (however it got past the submit script), else None."""
+        gate = self.budget
+        if gate is None or not gate.refuses(_enqueue_time(entry_id), time.time()):
+            return None
+        resets = datetime.datetime.fromtimestamp(gate.resets_at, datetime.timezone.utc).isoformat()
+        message = (
+            f"the namespace's daily token budget ({gate.budget} tokens, token_budget) is spent; it resets at {resets}"
+        )
+        return ("error", "insufficient_quota", message, None)
 
     def _tool_reading(self, job: JobRequest) -> ToolReading | None:
         mode = choice_mode(job.tool_choice)

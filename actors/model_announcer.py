@@ -16,6 +16,7 @@ from redis.exceptions import ResponseError
 from conveyor.actors.base import Actor
 from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.metrics import ReplicaMetrics
+from conveyor.actors.resilience import CONNECTION_ERRORS
 from conveyor.actors.streams import Streams
 from conveyor.clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
 from conveyor.clients.replica_records import REPLICA_BEAT_S, record_fields
@@ -24,6 +25,25 @@ from conveyor.engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
 log = logging.getLogger(__name__)
+
+
+class BudgetGate:
+    """Whether the namespace's daily token budget is spent, since when, until when: intake
+    refuses entries queued since it was seen spent (jobs queued before still run)."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.spent_since: float | None = None  # epoch seconds this replica first saw it spent
+        self.resets_at = 0  # epoch seconds (next midnight UTC) while spent, else 0
+
+    def update(self, spent: bool, now: float, midnight: int) -> None:
+        if not spent:
+            self.spent_since, self.resets_at = None, 0
+        elif self.spent_since is None or now >= self.resets_at:
+            self.spent_since, self.resets_at = now, midnight
+
+    def refuses(self, queued_at: float, now: float) -> bool:
+        return self.spent_since is not None and queued_at >= self.spent_since and now < self.resets_at
 
 
 class ModelAnnouncer(Actor):
@@ -62,6 +82,7 @@ class ModelAnnouncer(Actor):
         )
         self.info = dataclasses.replace(self.info, lora_adapters=tuple(lora_adapters))
         self.token_budget = token_budget
+        self.budget = BudgetGate(token_budget)  # intake reads it
 
     async def run(self) -> None:
         warnings = RateLimitedLog(log)
@@ -93,17 +114,22 @@ class ModelAnnouncer(Actor):
 
     async def _publish_budget(self, warnings: RateLimitedLog) -> None:
         """The daily token budget and, once today's usage reached it, when submits may resume
-        (next midnight UTC): the submit script refuses jobs until then."""
+        (next midnight UTC): the submit script refuses jobs until then, and so does intake for
+        entries queued since (``budget``: a producer can write the limits hash or XADD
+        directly). A beat that cannot read the usage changes nothing (Redis away: retried
+        next beat)."""
         now = datetime.datetime.now(datetime.timezone.utc)
         try:
-            rows, _ = await read_usage_async(self.streams.redis, self.streams.keys, now.date(), now.date())
-        except ResponseError as exc:
+            rows, skipped = await read_usage_async(self.streams.redis, self.streams.keys, now.date(), now.date())
+        except (ResponseError, *CONNECTION_ERRORS) as exc:
             warnings.warning("budget", "cannot read today's usage: %s", shown(str(exc), 200))
             return
+        if skipped:
+            warnings.warning("budget-keys", "usage keys skipped as unreadable (ACL? scribbled?): %s", skipped[:3])
         spent = sum(row.prompt_tokens + row.completion_tokens for row in rows)
         midnight = datetime.datetime.combine(now.date() + datetime.timedelta(days=1), datetime.time(), now.tzinfo)
-        resets_at = int(midnight.timestamp()) if spent >= self.token_budget else 0
-        self.limits.update(token_budget=self.token_budget, budget_reset_at=resets_at)
+        self.budget.update(spent >= self.token_budget, now.timestamp(), int(midnight.timestamp()))
+        self.limits.update(token_budget=self.token_budget, budget_reset_at=self.budget.resets_at)
         await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
 
     def record(self) -> dict[str, str]:

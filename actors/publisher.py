@@ -58,7 +58,8 @@ class PublisherActor(Actor):
                     tokens.append((delivery, encode_event(self._token(delivery, completion))))
             if output.finished:
                 status, event = self._terminal(delivery, output, abort_reason)
-                finishes.append((delivery, status, encode_event(event), getattr(event, "usage", None)))
+                # what the engine served is billed, done or not (a cancel after the last token, too)
+                finishes.append((delivery, status, encode_event(event), usage_of(output)))
 
         finish_at: list[int] = []  # pipeline index of each finish
 
@@ -70,11 +71,11 @@ class PublisherActor(Actor):
                 finish_at.append(len(pipe))  # commands queued so far
                 await self.streams.queue_finish(pipe, delivery, status, event, usage)
 
-        if self.metrics is not None:  # before the write: whoever reads the result finds it counted
-            for *_, usage in finishes:
-                if usage is not None:
-                    self.metrics.record_usage(self.streams.keys.ns, self.streams.model_name, usage)
         replies = await self.streams.write(queue, "publish step")
+        if self.metrics is not None:  # what FINISH_LUA stored (1), as the usage counters bill it
+            for (*_, usage), index in zip(finishes, finish_at):
+                if replies[index] == 1:
+                    self.metrics.record_usage(self.streams.keys.ns, self.streams.model_name, usage)
         unstored = [
             (delivery, replies[index])
             for (delivery, *_), index in zip(finishes, finish_at)
@@ -206,12 +207,7 @@ class PublisherActor(Actor):
                 metadata=delivery.metadata,
             )
         metrics = output.metrics
-        usage = Usage(
-            prompt_tokens=len(output.prompt_token_ids),
-            completion_tokens=output.num_output_tokens,
-            total_tokens=len(output.prompt_token_ids) + output.num_output_tokens,
-            cached_tokens=output.num_cached_tokens or 0,
-        )
+        usage = usage_of(output)
         timings = (
             Timings(queue=metrics.queue_time, ttft=metrics.ttft, tpot=metrics.tpot, e2e=metrics.e2e)
             if metrics
@@ -260,3 +256,14 @@ def _tool_output(delivery: Delivery, text: str, index: int) -> dict:
     if delivery.tools is None:
         return {}
     return delivery.tools.read(text, index).model_dump(exclude_none=True)
+
+
+def usage_of(output: RequestOutput) -> Usage:
+    """The tokens the engine served a request: its prompt (cached part too) and outputs."""
+    prompt = len(output.prompt_token_ids)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=output.num_output_tokens,
+        total_tokens=prompt + output.num_output_tokens,
+        cached_tokens=output.num_cached_tokens or 0,
+    )

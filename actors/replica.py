@@ -71,6 +71,8 @@ class Door:
             replica.metrics,
             config.token_budget,
         )
+        if config.token_budget:
+            self.ingest.budget = self.announcer.budget
 
     def actors(self) -> tuple:
         """Downstream first, so each actor's consumers exist before it sends to them."""

@@ -161,7 +161,9 @@ if KEYS[4] and not finished then
       redis.call('DEL', KEYS[4])
       count = false
     end
-    count = (tonumber(count) or 0) + tonumber(ARGV[i + 1])
+    count = tonumber(count) or 0
+    if count ~= count or count < 0 or count >= 2^53 then count = 0 end  -- nan, inf, negative: restart
+    count = count + tonumber(ARGV[i + 1])
     redis.call('HSET', KEYS[4], ARGV[i], string.format('%d', count))
   end
   redis.call('EXPIRE', KEYS[4], ARGV[9])

@@ -5,8 +5,10 @@ Each tenant (a replica's namespace; None: one tenant for every request without o
 counter of the tokens it was served, prompt and output alike, each divided by its share. The
 scheduler admits waiting sequences tenant by tenant, the backlogged tenant with the smallest
 counter first (within a tenant, its own rank: priority class, priority, arrival). A tenant
-that had nothing to run does not bank credit: when it has work again its counter is lifted
-to the smallest counter of the tenants that kept working.
+that had nothing waiting does not bank credit: when it has work waiting again its counter is
+lifted to the smallest counter of the tenants with work waiting. (A preempted sequence is
+charged again for its recomputed prompt; draft tokens of speculative decoding are not
+charged.)
 
 Bound (measured by tests/test_fair_share.py, as in the paper): while two tenants are both
 backlogged, their counters differ by at most one step's tokens (``max_num_batched_tokens``)
@@ -54,24 +56,39 @@ class FairShare:
         self.counters: dict[str | None, float] = {}  # tenant -> served tokens / share
         self.served: Counter = Counter()  # tenant -> tokens served (unweighted, for metrics and tests)
         self.active: Counter = Counter()  # tenant -> its unfinished sequences
+        self.waiting: Counter = Counter()  # tenant -> its sequences waiting for admission (backlogged)
 
     def share_of(self, tenant: str | None) -> float:
         return self.shares.get(tenant, 1.0) if tenant is not None else 1.0
 
     def arrived(self, seq: Sequence) -> None:
-        """A sequence of ``seq.tenant`` is waiting: a tenant coming back from idle starts level
-        with the lowest counter among the busy ones (no banked credit)."""
+        """A sequence of ``seq.tenant`` joins the waiting queue (new, or preempted back)."""
+        self.active[seq.tenant] += 1
+        self.queued(seq)
+
+    def queued(self, seq: Sequence) -> None:
+        """``seq`` is waiting: a tenant that had nothing waiting starts level with the lowest
+        counter among those that do (no banked credit, however long it ran or idled)."""
         tenant = seq.tenant
-        if not self.active[tenant]:
-            busy = [self.counters.get(t, 0.0) for t, n in self.active.items() if n and t != tenant]
+        if not self.waiting[tenant]:
+            busy = [self.counters.get(t, 0.0) for t, n in self.waiting.items() if n and t != tenant]
             if busy:
                 self.counters[tenant] = max(self.counters.get(tenant, 0.0), min(busy))
-        self.active[tenant] += 1
+        self.waiting[tenant] += 1
 
-    def finished(self, seq: Sequence) -> None:
-        self.active[seq.tenant] -= 1
-        if not self.active[seq.tenant]:
-            del self.active[seq.tenant]
+    def admitted(self, seq: Sequence) -> None:
+        self._drop(self.waiting, seq.tenant)
+
+    def finished(self, seq: Sequence, was_waiting: bool) -> None:
+        self._drop(self.active, seq.tenant)
+        if was_waiting:
+            self._drop(self.waiting, seq.tenant)
+
+    @staticmethod
+    def _drop(counts: Counter, tenant: str | None) -> None:
+        counts[tenant] -= 1
+        if counts[tenant] <= 0:
+            del counts[tenant]
 
     def charge(self, seq: Sequence, tokens: int) -> None:
         """``tokens`` computed for ``seq`` this step (prompt chunk or decode)."""

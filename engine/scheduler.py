@@ -74,7 +74,8 @@ class Scheduler:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return None
-        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+        was_waiting = seq.status != SequenceStatus.RUNNING
+        (self.waiting if was_waiting else self.running).remove(seq)
         self.block_manager.free(seq)
         self.trimmed_tables.pop(seq_id, None)
         if self.drafter is not None:
@@ -83,7 +84,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finished_time = time.time()
         self.policy.on_finish(seq)
-        self.fair.finished(seq)
+        self.fair.finished(seq, was_waiting)
         if seq.known_to_runner:
             self.finished_ids.append(seq_id)
         return seq
@@ -206,6 +207,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
+        self.fair.queued(seq)
 
     def _prompt_chunk_cap(self, others_wait: bool) -> int:
         """The most tokens prompt chunks may take this step: capped only while other sequences
@@ -238,6 +240,7 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 return budget
             self.waiting.remove(seq)
+            self.fair.admitted(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -17,6 +17,7 @@ from conveyor.gateway.dashboard_access import Viewer, viewer_of
 router = APIRouter()
 DAY_S = 86_400
 DEFAULT_BUCKETS, MAX_BUCKETS = 7, 31  # OpenAI's limits for bucket_width=1d
+MAX_TIME = 253_402_300_799 - (MAX_BUCKETS + 1) * DAY_S  # days past it would leave year 9999
 GROUPS = ("project_id", "model")
 
 
@@ -27,11 +28,13 @@ async def completions_usage(request: Request, viewer: Viewer = Depends(viewer_of
     if query.get("page"):  # next_page: the first day not yet returned
         start = _day_of(_integer(query.get("page"), "page", required=True))
     now = datetime.datetime.now(datetime.timezone.utc).timestamp()
-    end_time = _integer(query.get("end_time"), "end_time") or int(now) + 1
+    end_time = _integer(query.get("end_time"), "end_time")
+    end_time = int(now) + 1 if end_time is None else end_time
     if query.get("bucket_width", "1d") != "1d":
         raise OpenAIError(400, "bucket_width: only 1d is kept (daily counters)", param="bucket_width")
-    limit = _integer(query.get("limit"), "limit") or DEFAULT_BUCKETS
-    if not 1 <= limit <= MAX_BUCKETS:
+    limit = _integer(query.get("limit"), "limit", top=MAX_BUCKETS)
+    limit = DEFAULT_BUCKETS if limit is None else limit
+    if limit < 1:
         raise OpenAIError(400, f"limit: 1 to {MAX_BUCKETS} buckets of 1d", param="limit")
     group_by = _group_by(query.getlist("group_by"))
     projects = _projects(viewer, query.getlist("project_ids"))
@@ -101,13 +104,13 @@ def _group_by(values: list[str]) -> tuple[str, ...]:
     return tuple(values)
 
 
-def _integer(text: str | None, name: str, required: bool = False) -> int | None:
+def _integer(text: str | None, name: str, required: bool = False, top: int = MAX_TIME) -> int | None:
     if text is None or text == "":
         if required:
             raise OpenAIError(400, f"{name}: a Unix time in seconds is required", param=name)
         return None
-    if not text.isdigit() or len(text) > 12:
-        raise OpenAIError(400, f"{name}: a non-negative integer of at most 12 digits", param=name)
+    if not (text.isascii() and text.isdigit() and len(text) <= 12 and int(text) <= top):
+        raise OpenAIError(400, f"{name}: an integer from 0 to {top}", param=name)
     return int(text)
 
 

@@ -144,3 +144,26 @@ def test_each_tenant_keeps_its_own_rank_order():
     assert [i for i in order if i.startswith("a")] == ["a-urgent", "a-1", "a-2"]
     assert [i for i in order if i.startswith("b")] == ["b-urgent", "b-1", "b-2"]
     assert order[:3] == ["a-urgent", "b-urgent", "b-1"], "b's share of 2: two of its prompts per one of a's"
+
+
+def test_a_tenant_with_only_running_work_is_lifted_when_it_queues_again():
+    """Nothing waiting is "idle" for the lift, even with a sequence still running: a later burst
+    starts level with the tenants that kept work waiting."""
+    from conveyor.engine.sequence import Sequence
+
+    def seq(tenant: str) -> Sequence:
+        made = Sequence(f"{tenant}-x", [1] * 8, SamplingParams(max_tokens=1), max_tokens=1)
+        made.tenant = tenant
+        return made
+
+    fair = FairShare()
+    running_b, waiting_a = seq("b"), seq("a")
+    fair.arrived(running_b)
+    fair.admitted(running_b)  # b runs, nothing of b waits
+    fair.arrived(waiting_a)
+    fair.charge(waiting_a, 500)
+    fair.charge(running_b, 10)
+    fair.arrived(seq("b"))
+    assert fair.counters["b"] == fair.counters["a"] == 500
+    fair.finished(running_b, was_waiting=False)
+    assert fair.active["b"] == 1 and fair.waiting["b"] == 1

@@ -697,4 +697,5 @@ def test_usage_api_reports_the_replicas_counters_per_project_and_model(stack):
     assert usage(EMPTY_KEY, project_ids=stack.ns).status_code == 403
     refused = usage(MAIN_KEY, bucket_width="1h")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "bucket_width"
-    assert usage(MAIN_KEY, start_time="soon").json()["error"]["param"] == "start_time"
+    for name, bad in (("start_time", "soon"), ("start_time", "\u00b2"), ("start_time", "999999999999"), ("limit", "0")):
+        assert usage(MAIN_KEY, **{name: bad}).json()["error"]["param"] == name, (name, bad)

@@ -37,8 +37,8 @@ def test_each_namespace_keeps_its_own_jobs_records_and_usage(tiny_model, redis_u
             assert clients[a].queue_status()["namespace"] == a
             metrics, model = running.replica.metrics.registry, running.replica.model_name
             for ns, completion in ((a, 3), (b, 5)):  # Prometheus, per namespace and model
-                labels = {"namespace": ns, "model": model}
-                assert metrics.get_sample_value("conveyor_tenant_jobs_total", labels) == 1
+                labels = {"namespace": ns, "model": model}  # counted just after the result is stored
+                wait_for(lambda: metrics.get_sample_value("conveyor_tenant_jobs_total", labels) == 1, "the counter")
                 tokens = metrics.get_sample_value("conveyor_tenant_tokens_total", {**labels, "kind": "completion"})
                 assert tokens == completion
         finally:

@@ -89,3 +89,28 @@ def test_scribbled_counters_restart_and_oversized_hashes_are_skipped(raw, namesp
     raw.hset(key, mapping={f"jobs:model-{i}": 1 for i in range(MAX_USAGE_FIELDS + 1)})
     rows, skipped = day_usage(raw, keys)
     assert rows == [] and skipped == [key]
+
+
+def test_a_cancelled_job_is_billed_for_what_it_was_served(tiny_model, redis_url, namespace):
+    """A client may stream every token and cancel before the end: the usage counters still
+    count what the engine served."""
+    from conveyor.clients.errors import JobCancelled
+
+    with ReplicaThread(tiny_model, redis_url, namespace, max_num_seqs=4):
+        client = Client(redis_url, namespace=namespace)
+        try:
+            job = client.submit(prompt_token_ids=[5, 6, 7, 8], max_tokens=900, temperature=0, ignore_eos=True)
+            streamed = 0
+            for event in job.stream(timeout=60):
+                streamed += len(event.token_ids)
+                if streamed >= 20:
+                    break
+            assert job.cancel()
+            try:
+                job.result(timeout=60)
+            except JobCancelled:
+                pass
+            [row], _ = read_usage(client.redis, client.keys, TODAY, TODAY)
+        finally:
+            client.close()
+    assert row.jobs == 1 and row.prompt_tokens == 4 and 20 <= row.completion_tokens < 900

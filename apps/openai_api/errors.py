@@ -51,6 +51,7 @@ JOB_ERROR_STATUS = {
     "too_large": 400,
     "unsupported_version": 400,
     "deadline_exceeded": 504,
+    "insufficient_quota": 429,  # queued past the namespace's daily token budget
     "cancelled": 409,
     "conflict": 409,
 }
