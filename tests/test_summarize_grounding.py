@@ -207,3 +207,21 @@ def test_a_real_run_keeps_only_grounded_points_and_its_exit_status_matches_its_w
     extractive = [c["index"] for c in record["chunks"] if c["extractive"]]
     assert bool(extractive) == any("chunk summaries are extractive" in w for w in record["warnings"])
     assert (len(record["points"]) < 2) <= bool(record["warnings"])
+
+
+def test_the_extractive_fallback_is_cut_to_max_tokens():
+    """A "sentence" of a list or of code can be a whole paragraph: the fallback is cut to
+    max_tokens like a model's answer, so the reduce tree's groups still fit."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from conveyor.apps.documents.summarize import PipelineRun
+    from conveyor.clients.token_counter import TokenCounter
+
+    words = [f"item{i}" for i in range(40)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    run = SimpleNamespace(prompts=SimpleNamespace(counter=TokenCounter(tokenizer, None, {})))
+    run.options = SimpleNamespace(max_tokens=8)
+    paragraph = " ".join(words)  # one "sentence": no full stop anywhere
+    assert PipelineRun._within_max_tokens(run, paragraph) == " ".join(words[:8])
+    assert PipelineRun._within_max_tokens(run, "item1 item2") == "item1 item2"

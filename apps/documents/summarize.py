@@ -312,8 +312,15 @@ class PipelineRun:
             dropped += [{"text": sentence, "reason": reason} for sentence, reason in screened.dropped]
             if screened.kept:
                 return _Outcome(screened.text, "model retry" if retry else "model", dropped)
-        fallback = " ".join(salient_sentences(step.extract_from, frequencies))
-        return _Outcome(fallback or step.extract_from.strip(), "extractive", dropped)
+        fallback = " ".join(salient_sentences(step.extract_from, frequencies)) or step.extract_from.strip()
+        return _Outcome(self._within_max_tokens(fallback), "extractive", dropped)
+
+    def _within_max_tokens(self, text: str) -> str:
+        """``text`` cut to max_tokens, as a model's answer would be: the reduce tree's groups
+        assume every summary fits (a "sentence" of a list or code can be a whole paragraph)."""
+        counter, cap = self.prompts.counter, self.options.max_tokens
+        spans = counter.offsets(text)
+        return text if len(spans) <= cap else text[: spans[cap - 1][1]].rstrip()
 
     def _count_jobs(self, count: int) -> None:
         self.jobs_bar.total += count
