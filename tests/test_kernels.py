@@ -177,13 +177,14 @@ def test_prefill_attention_over_cached_prefix():
 
 
 @pytest.mark.parametrize(
-    "block, dim, cache_dtype", [(16, 64, torch.bfloat16), (16, 64, torch.float32), (4, 24, torch.float32)]
+    "block, dim, cache_dtype",
+    [(16, 64, torch.bfloat16), (16, 64, torch.float32), (16, 192, torch.bfloat16), (4, 24, torch.float32)],
 )
 def test_prefill_rows_are_the_same_numbers_in_any_chunk_and_as_decode(block, dim, cache_dtype):
     """The compiled prefill reads the cache as stored and computes each token's row as a decode
     step at that position does: bit for bit the same whole, in chunks after a cached prefix,
-    and one token at a time (issue 40); close to dense attention. (16, 64): the vector paths;
-    (4, 24): the plain loops."""
+    and one token at a time (issue 40); close to dense attention. (16, 64) and (16, 192): the
+    vector paths (a head of up to 128, or of up to 256); (4, 24): the plain loops."""
     kernels = extension.load()
     if kernels is None:
         pytest.skip("no compiled CPU kernels")

@@ -120,8 +120,9 @@ ROW_FUNCTION void softmax_row(float* row, int64_t len) {
   for (int64_t t = 0; t < len; ++t) row[t] *= inv;
 }
 
-// out[:head_dim] += the sum over the block's first n rows of w[t] * v[t]: even and odd t in two
-// chains (twice the independent FMAs in flight), added at the end of the block
+// out[:head_dim] += the sum over the block's first n rows of w[t] * v[t]: up to 128 wide, even
+// and odd t in two chains (twice the FMAs in flight), added at the end of the block; up to
+// 256, one chain in order of t (the registers would not hold two)
 ROW_FUNCTION void block_weighted_sum(const float* w, const float* vb, int64_t n, int64_t head_dim, float* out) {
 #if defined(__AVX512F__)
   if (head_dim % 16 == 0 && head_dim <= 128) {
@@ -141,6 +142,18 @@ ROW_FUNCTION void block_weighted_sum(const float* w, const float* vb, int64_t n,
       for (int64_t c = 0; c < chunks; ++c) even[c] = _mm512_fmadd_ps(we, _mm512_loadu_ps(vb + t * head_dim + 16 * c), even[c]);
     }
     for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+    return;
+  }
+  if (head_dim % 16 == 0 && head_dim <= 256) {
+    __m512 acc[16];
+    const int64_t chunks = head_dim / 16;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(out + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 wt = _mm512_set1_ps(w[t]);
+      for (int64_t c = 0; c < chunks; ++c)
+        acc[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vb + t * head_dim + 16 * c), acc[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
     return;
   }
 #elif defined(__AVX2__) && defined(__FMA__)
