@@ -20,7 +20,7 @@ from conveyor.actors.resilience import CONNECTION_ERRORS
 from conveyor.actors.streams import Streams
 from conveyor.clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
 from conveyor.clients.replica_records import REPLICA_BEAT_S, record_fields
-from conveyor.clients.usage import read_usage_async
+from conveyor.clients.usage import next_day_start, read_usage_async, usage_day
 from conveyor.engine.engine_core import CoreFacts
 
 MODEL_INFO_TTL_S = 3600
@@ -116,21 +116,25 @@ class ModelAnnouncer(Actor):
         """The daily token budget and, once today's usage reached it, when submits may resume
         (next midnight UTC): the submit script refuses jobs until then, and so does intake for
         entries queued since (``budget``: a producer can write the limits hash or XADD
-        directly). A beat that cannot read the usage changes nothing (Redis away: retried
-        next beat)."""
-        now = datetime.datetime.now(datetime.timezone.utc)
+        directly). The limits are written when that changes and, while spent, every beat; the
+        model info's republishing refreshes them otherwise. A beat that cannot read the usage
+        changes nothing (Redis away: retried next beat)."""
+        now = time.time()
+        today = datetime.date.fromisoformat(usage_day(now))
         try:
-            rows, skipped = await read_usage_async(self.streams.redis, self.streams.keys, now.date(), now.date())
+            rows, skipped = await read_usage_async(self.streams.redis, self.streams.keys, today, today)
         except (ResponseError, *CONNECTION_ERRORS) as exc:
             warnings.warning("budget", "cannot read today's usage: %s", shown(str(exc), 200))
             return
         if skipped:
             warnings.warning("budget-keys", "usage keys skipped as unreadable (ACL? scribbled?): %s", skipped[:3])
         spent = sum(row.prompt_tokens + row.completion_tokens for row in rows)
-        midnight = datetime.datetime.combine(now.date() + datetime.timedelta(days=1), datetime.time(), now.tzinfo)
-        self.budget.update(spent >= self.token_budget, now.timestamp(), int(midnight.timestamp()))
-        self.limits.update(token_budget=self.token_budget, budget_reset_at=self.budget.resets_at)
-        await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
+        self.budget.update(spent >= self.token_budget, now, int(next_day_start(now).timestamp()))
+        budget = {"token_budget": self.token_budget, "budget_reset_at": self.budget.resets_at}
+        changed = any(self.limits.get(name) != value for name, value in budget.items())
+        if changed or self.budget.resets_at:  # while spent, every beat: a producer may have cleared it
+            self.limits.update(budget)
+            await self.streams.publish_limits(self.limits, MODEL_INFO_TTL_S)
 
     def record(self) -> dict[str, str]:
         stats, now = self.metrics.latest_stats, time.monotonic()

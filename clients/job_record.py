@@ -84,10 +84,11 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   end
   rejected = true
 end
-local resets_at = tonumber(redis.pcall('HGET', KEYS[4], 'budget_reset_at')) or 0
-if resets_at > tonumber(ARGV[3]) then return -4 end
+local limits = redis.pcall('HMGET', KEYS[4], 'budget_reset_at', 'max_queue_len')
+if limits.err then limits = {} end
+if (tonumber(limits[1]) or 0) > tonumber(ARGV[3]) then return -4 end
 local limit, full = tonumber(ARGV[4]) or 0, -1
-local operator = tonumber(redis.pcall('HGET', KEYS[4], 'max_queue_len')) or 0
+local operator = tonumber(limits[2]) or 0
 if operator > 0 and (limit <= 0 or operator < limit) then limit, full = operator, -3 end
 if limit > 0 and redis.call('XLEN', KEYS[2]) >= limit then return full end
 if rejected then redis.call('DEL', KEYS[1], KEYS[3]) end

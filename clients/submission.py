@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import time
 from typing import Any, Iterable
@@ -10,6 +9,7 @@ from typing import Any, Iterable
 from conveyor.clients.errors import InvalidJob, JobConflict, QueueFull, QuotaExceeded
 from conveyor.clients.keys import Keys
 from conveyor.clients.protocol import JobRequest, encode_job, payload_digest, validate_job
+from conveyor.clients.usage import next_day_start
 
 JOB_FIELDS = frozenset(JobRequest.model_fields)
 SUBMIT_CHUNK = 500  # jobs per pipelined round trip in submit_many
@@ -89,10 +89,10 @@ def queue_full(
 
 def budget_spent(job: JobRequest, keys: Keys) -> QuotaExceeded:
     """QuotaExceeded naming the budget and when it resets (the next midnight UTC)."""
-    tomorrow = datetime.datetime.now(datetime.timezone.utc).date() + datetime.timedelta(days=1)
+    resets = next_day_start(time.time()).strftime("%Y-%m-%dT%H:%M:%SZ")
     return QuotaExceeded(
         f"namespace {keys.ns!r} has spent its daily token budget (token_budget in "
-        f"{keys.job_limits(job.job_id)}, set by the replicas' operator); it resets at {tomorrow}T00:00:00Z"
+        f"{keys.job_limits(job.job_id)}, set by the replicas' operator); it resets at {resets}"
     )
 
 

@@ -35,6 +35,12 @@ def usage_day(timestamp: float) -> str:
     return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).date().isoformat()
 
 
+def next_day_start(timestamp: float) -> datetime.datetime:
+    """The midnight UTC after ``timestamp``: when a day's counters (and budget) start again."""
+    day = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).date() + datetime.timedelta(days=1)
+    return datetime.datetime.combine(day, datetime.time(), datetime.timezone.utc)
+
+
 def usage_increments(model: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> list:
     """FINISH_LUA's field/count pairs for one finished job."""
     counts = (1, prompt_tokens, completion_tokens, cached_tokens)

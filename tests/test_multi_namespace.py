@@ -6,6 +6,7 @@ import datetime
 import time
 
 import pytest
+from fault_harness import wait_until
 from model_factory import MAX_POSITIONS
 from replica_harness import ReplicaThread
 
@@ -72,11 +73,8 @@ def test_a_flood_in_one_namespace_does_not_take_the_others_share(tiny_model, red
     assert share_b >= 0.4 and a_unfinished > 0
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.002)
+def wait_for(condition, what: str) -> None:
+    wait_until(condition, 60, what, interval=0.002)
 
 
 def backlogged_window(scheduler, tenant: str, last_job) -> dict:
