@@ -69,7 +69,8 @@ TRANSITIONS = (
 #       never a conflict), entry field ('data' msgpack, the default, or 'json').
 # Returns 1 enqueued, 0 already known (not enqueued again), -2 conflict, -1 queue full at
 # the caller's bound, -3 queue full at the operator's bound, -4 the namespace's daily token
-# budget is spent (limits field budget_reset_at, epoch seconds, still ahead of now).
+# budget is spent (limits field budget_reset_at, epoch seconds, ahead of now by at most the
+# day a budget lasts: a value further off is not a replica's, and refuses nothing).
 # The PUBLISH on the channel named like the request stream wakes the replica that owns the
 # stream's partition (it waits there instead of polling: actors/partitions.py).
 SUBMIT_LUA = """
@@ -86,7 +87,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 local limits = redis.pcall('HMGET', KEYS[4], 'budget_reset_at', 'max_queue_len')
 if limits.err then limits = {} end
-if (tonumber(limits[1]) or 0) > tonumber(ARGV[3]) then return -4 end
+local resets_at, now = tonumber(limits[1]) or 0, tonumber(ARGV[3])
+if resets_at > now and resets_at <= now + 86400 then return -4 end
 local limit, full = tonumber(ARGV[4]) or 0, -1
 local operator = tonumber(limits[2]) or 0
 if operator > 0 and (limit <= 0 or operator < limit) then limit, full = operator, -3 end

@@ -699,3 +699,11 @@ def test_usage_api_reports_the_replicas_counters_per_project_and_model(stack):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "bucket_width"
     for name, bad in (("start_time", "soon"), ("start_time", "\u00b2"), ("start_time", "999999999999"), ("limit", "0")):
         assert usage(MAIN_KEY, **{name: bad}).json()["error"]["param"] == name, (name, bad)
+
+
+def test_a_hostile_cache_salt_is_refused_naming_the_field(stack):
+    with openai_client(stack.gateway, MAIN_KEY) as sdk:
+        for hostile in ("x" * 257, "", 7, ["s"], {"s": 1}):
+            with pytest.raises(openai.BadRequestError) as refused:
+                sdk.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": hostile})
+            assert "cache_salt" in str(refused.value), hostile

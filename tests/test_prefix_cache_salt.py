@@ -81,8 +81,9 @@ def test_the_offline_llm_takes_a_prompt_dicts_cache_salt(tiny_model):
         assert (a1.num_cached_tokens, b.num_cached_tokens) == (0, 0)
         assert a2.num_cached_tokens == 36, "the second prompt of salt a reads its full blocks from the cache"
         assert a1.outputs[0].token_ids == a2.outputs[0].token_ids == b.outputs[0].token_ids
-        [refused] = llm.generate({"prompt_token_ids": prompt, "cache_salt": "x" * 257}, params, use_tqdm=False)
-        assert refused.outputs[0].finish_reason == "error" and "cache_salt" in refused.error
+        for hostile in ("x" * 257, "", 7, ["s"]):
+            [refused] = llm.generate({"prompt_token_ids": prompt, "cache_salt": hostile}, params, use_tqdm=False)
+            assert refused.outputs[0].finish_reason == "error" and "cache_salt" in refused.error, hostile
     finally:
         llm.close()
 

@@ -48,3 +48,18 @@ def test_a_spent_budget_refuses_submits_until_midnight_utc(tiny_model, redis_url
     finally:
         client.close()
     assert int(raw.hget(limits, "token_budget")) == 50
+
+
+def test_scribbled_limits_neither_block_nor_break_submits(redis_url, namespace, raw):
+    """Producers can write the limits hash: a budget flag that is not a time, lies more than
+    the day a budget lasts ahead, or is past, refuses nothing; a limits key of another type
+    fails no submit."""
+    keys = Keys(namespace)
+    limits = keys.limits_of(0)
+    with Client(redis_url, namespace=namespace) as client:
+        for junk in ("soon", "-5", "1e999", "x" * 10_000, str(int(time.time()) - 60), str(int(time.time()) + 90_000)):
+            raw.hset(limits, "budget_reset_at", junk)
+            assert client.submit(prompt="hi", max_tokens=1).enqueued, junk
+        raw.delete(limits)
+        raw.set(limits, "not a hash")
+        assert client.submit(prompt="hi", max_tokens=1).enqueued
