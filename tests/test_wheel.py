@@ -147,10 +147,11 @@ def test_the_base_install_is_the_light_client_without_torch(base_venv, outside):
     assert Path(where).is_relative_to(site_packages(base_venv)), where
     assert no_torch == "True False"
     conveyor = base_venv.parent / "conveyor"
-    helped = subprocess.run(
-        [str(conveyor), "submit", "--help"], cwd=outside, env=user_env(), capture_output=True, text=True
-    )
-    assert helped.returncode == 0 and "--max-tokens" in helped.stdout, helped.stderr
+    for command, flag in (("submit", "--max-tokens"), ("usage", "--start")):  # the light client's commands
+        helped = subprocess.run(
+            [str(conveyor), command, "--help"], cwd=outside, env=user_env(), capture_output=True, text=True
+        )
+        assert helped.returncode == 0 and flag in helped.stdout, helped.stderr
 
 
 @pytest.mark.parametrize(
