@@ -90,7 +90,7 @@ def _result(project: str | None, model: str | None) -> dict:
 
 def _projects(viewer: Viewer, asked: list[str]) -> tuple[str, ...]:
     """The namespaces to report: those asked (each one the key may see), else all it may see."""
-    allowed = viewer.namespaces if viewer.may_act else (viewer.namespace,)
+    allowed = viewer.namespaces  # an admin key's: every configured one; any other key's: its own
     for project in asked:
         if project not in allowed:
             raise OpenAIError(403, "project_ids: this key may not see that project", code="permission_denied")
