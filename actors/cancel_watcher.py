@@ -16,11 +16,11 @@ import logging
 import re
 
 from conveyor.actors.base import Actor
-from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.messages import CancelRequest, HeldJobs
 from conveyor.actors.resilience import keep_subscribed
 from conveyor.actors.streams import Streams
 from conveyor.clients.limits import JOB_ID_PATTERN
+from conveyor.clients.log_limits import RateLimitedLog, shown
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 2.0

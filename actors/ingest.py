@@ -20,10 +20,10 @@ from conveyor.actors.base import Actor
 from conveyor.actors.config import ReplicaConfig
 from conveyor.actors.engine_client import EngineCoreClient
 from conveyor.actors.ledger import JobLedger
-from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits, request_key
 from conveyor.actors.streams import CONFLICT, DUPLICATE, Streams
 from conveyor.clients.errors import ProtocolError
+from conveyor.clients.log_limits import RateLimitedLog, shown
 from conveyor.clients.protocol import JobRequest, decode_job, payload_digest
 from conveyor.clients.tool_grammar import forced_call_schema
 from conveyor.clients.tool_parsers import ToolReading
@@ -54,6 +54,7 @@ class IngestActor(Actor):
         super().__init__()
         self.door = door
         self.budget = None  # the announcer's BudgetGate where a --token-budget is set
+        self.tracer = None  # a JobTracer where OTEL_* asks for traces (actors/tracing.py)
         self.streams = streams
         # its own tokenizer: it tokenizes on a worker thread while the loop detokenizes
         self.inputs = engine.own_input_processor()
@@ -189,8 +190,9 @@ class IngestActor(Actor):
     async def _start(self, entry: ReadEntry, job: JobRequest) -> None:
         """Count the attempt on the job's record, then hand the job on."""
         try:
+            new_trace = self.tracer.new_trace_id() if self.tracer is not None else ""
             attempt, cancelled = await self.streams.start_attempt(
-                job.job_id, entry.entry_id, job.result_ttl, payload_digest(job)
+                job.job_id, entry.entry_id, job.result_ttl, payload_digest(job), job, new_trace
             )
         except ResponseError as exc:  # the job's own keys are unusable (e.g. its hash is a string)
             await self._refuse(
@@ -211,9 +213,26 @@ class IngestActor(Actor):
             entry.size,
             self._tool_reading(job),
             self.door,
+            job.webhook,
+            self._begin_spans(entry, job, attempt, new_trace),
         )
         self.ledger.track(delivery)
-        await self._hand_on(entry, job, delivery, cancelled)
+        # shielded: a stop (SIGTERM's drain) landing while the prompt is tokenized must not
+        # leave a started, held job that never reaches the engine (the drain would wait out
+        # its grace period for it, then hand it back)
+        await asyncio.shield(self._hand_on(entry, job, delivery, cancelled))
+
+    def _begin_spans(self, entry: ReadEntry, job: JobRequest, attempt: int, new_trace: str):
+        """The attempt's spans, when this replica traces (``new_trace``: the id its own trace gets)."""
+        if self.tracer is None:
+            return None
+        try:
+            return self.tracer.begin(
+                job, entry.stream, entry.entry_id, attempt, _enqueue_time(entry.entry_id), new_trace
+            )
+        except Exception as exc:  # noqa: BLE001 - tracing never stops a job, nor the replica
+            self.warnings.warning("tracing", "cannot trace job %s: %s", job.job_id, shown(repr(exc), 200))
+            return None
 
     async def _hand_on(self, entry: ReadEntry, job: JobRequest, delivery: Delivery, cancelled: bool) -> None:
         """A started job to the engine-core actor, or its end (cancelled, too late, invalid) to the publisher."""

@@ -21,7 +21,6 @@ from redis.exceptions import ResponseError
 
 from conveyor.actors.base import Actor
 from conveyor.actors.config import ReplicaConfig
-from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.messages import (
     AbortJob,
     CancelRequest,
@@ -36,6 +35,7 @@ from conveyor.actors.messages import (
     WantCredits,
 )
 from conveyor.actors.streams import Streams
+from conveyor.clients.log_limits import RateLimitedLog, shown
 
 log = logging.getLogger(__name__)
 RECLAIM_BATCH = 64  # entries taken over per stream per reclaim round

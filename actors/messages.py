@@ -3,6 +3,7 @@ a ``reply`` future (``Actor.ask`` sends it and awaits the answer)."""
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from conveyor.clients.protocol import JobRequest
 from conveyor.clients.tool_parsers import ToolReading
@@ -28,6 +29,8 @@ class Delivery:
     size: int = 0  # bytes of the entry: counted against the replica's bytes in flight
     tools: ToolReading | None = field(default=None, compare=False)  # a job with tools: how its outputs are read
     door: str = ""  # the namespace it came through, on a replica serving several ("": the only one)
+    webhook: bool = False  # the job asked for job.completed / job.failed webhook events
+    spans: Any = field(default=None, compare=False)  # its attempt's open span (actors/tracing.py), when traced
 
     @property
     def request_key(self) -> str:

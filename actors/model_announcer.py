@@ -14,10 +14,10 @@ import time
 from redis.exceptions import ResponseError
 
 from conveyor.actors.base import Actor
-from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.metrics import ReplicaMetrics
 from conveyor.actors.resilience import CONNECTION_ERRORS
 from conveyor.actors.streams import Streams
+from conveyor.clients.log_limits import RateLimitedLog, shown
 from conveyor.clients.model_info import MODEL_INFO_REPUBLISH_S, ModelInfo
 from conveyor.clients.replica_records import REPLICA_BEAT_S, record_fields
 from conveyor.clients.usage import next_day_start, read_usage_async, usage_day

@@ -29,10 +29,10 @@ from typing import Callable
 from redis.exceptions import ResponseError
 
 from conveyor.actors.base import Actor
-from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.partition_scripts import SCRIBBLED_MARK
 from conveyor.actors.resilience import keep_subscribed
 from conveyor.actors.streams import Streams
+from conveyor.clients.log_limits import RateLimitedLog, shown
 
 log = logging.getLogger(__name__)
 LISTEN_TIMEOUT_S = 1.0  # how long one wait on the channels lasts before subscriptions are checked

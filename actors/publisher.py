@@ -2,11 +2,11 @@
 finished job's terminal event and status are stored before its request entry is acked."""
 
 import logging
+import time
 
 from redis.exceptions import ResponseError
 
 from conveyor.actors.base import Actor
-from conveyor.actors.log_limits import RateLimitedLog, shown
 from conveyor.actors.messages import Delivery, EntryDone, EntryRefused, JobEnded, Release, StepOutputs
 from conveyor.actors.streams import Streams
 from conveyor.clients.events import (
@@ -19,9 +19,12 @@ from conveyor.clients.events import (
     Usage,
     encode_event,
 )
+from conveyor.clients.log_limits import RateLimitedLog, shown
+from conveyor.clients.webhook_queue import queue_event
 from conveyor.engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
+WEBHOOK_EVENTS = {"done": "job.completed", "error": "job.failed"}  # a cancelled job: none (as OpenAI's jobs)
 ABORT_MESSAGES = {"deadline_exceeded": "the job's deadline passed while it was running"}
 
 
@@ -36,6 +39,7 @@ class PublisherActor(Actor):
         self.ledger = ledger
         self.metrics = metrics
         self.next_seq: dict[str, int] = {}  # job id -> seq of its next token event
+        self.tracer = None  # a JobTracer where OTEL_* asks for traces (actors/tracing.py)
         self.warnings = RateLimitedLog(log)
 
     async def run(self) -> None:
@@ -51,7 +55,7 @@ class PublisherActor(Actor):
 
     async def _publish_step(self, message: StepOutputs) -> None:
         # events are built once: a retried round trip resends the very same events
-        tokens, finishes = [], []
+        tokens, finishes, ended = [], [], {}
         for delivery, output, abort_reason in message.items:
             for completion in output.outputs:  # n > 1: one token event per output that advanced
                 if completion.new_token_ids or completion.new_text:
@@ -60,6 +64,7 @@ class PublisherActor(Actor):
                 status, event = self._terminal(delivery, output, abort_reason)
                 # what the engine served is billed, done or not (a cancel after the last token, too)
                 finishes.append((delivery, status, encode_event(event), usage_of(output)))
+                ended[delivery.job_id] = (output, getattr(event, "message", None))
 
         finish_at: list[int] = []  # pipeline index of each finish
 
@@ -71,16 +76,27 @@ class PublisherActor(Actor):
                 finish_at.append(len(pipe))  # commands queued so far
                 await self.streams.queue_finish(pipe, delivery, status, event, usage)
 
+        published_from = time.time()
         replies = await self.streams.write(queue, "publish step")
+        published = (published_from, time.time())
         if self.metrics is not None:  # what FINISH_LUA stored (1), as the usage counters bill it
             for (*_, usage), index in zip(finishes, finish_at):
                 if replies[index] == 1:
                     self.metrics.record_usage(self.streams.keys.ns, self.streams.model_name, usage)
+        stored = [
+            (delivery, status) for (delivery, status, *_), index in zip(finishes, finish_at) if replies[index] == 1
+        ]
+        await self._queue_webhooks(stored)
         unstored = [
             (delivery, replies[index])
             for (delivery, *_), index in zip(finishes, finish_at)
             if isinstance(replies[index], ResponseError)
         ]
+        parked = {delivery.job_id: f"result could not be stored: {error}" for delivery, error in unstored}
+        for delivery, status, _, usage in finishes:
+            output, error = ended[delivery.job_id]
+            dead_letter = parked.get(delivery.job_id)
+            self._end_spans(delivery, status, output, usage, error, dead_letter=dead_letter, published=published)
         if len(unstored) < sum(isinstance(reply, ResponseError) for reply in replies):
             self.warnings.warning(
                 "token-events",
@@ -140,7 +156,35 @@ class PublisherActor(Actor):
         replies = await self.streams.write(queue, "publish ended job")
         if isinstance(replies[finish_at[0]], ResponseError):
             await self._park_unstored([(delivery, replies[finish_at[0]])])
+        elif replies[finish_at[0]] == 1:
+            await self._queue_webhooks([(delivery, message.event_type)])
+        self._end_spans(delivery, message.event_type, error=message.message, dead_letter=message.dead_letter_reason)
         await self._release([delivery])
+
+    async def _queue_webhooks(self, stored: list[tuple[Delivery, str]]) -> None:
+        """job.completed / job.failed for the stored outcomes of jobs that asked (gateway/webhooks.py sends them)."""
+        wanted = [(d, WEBHOOK_EVENTS[status]) for d, status in stored if d.webhook and status in WEBHOOK_EVENTS]
+        if not wanted:
+            return
+
+        async def queue(pipe):
+            for delivery, event_type in wanted:
+                queue_event(pipe, self.streams.keys.webhooks, event_type, delivery.job_id)
+
+        replies = await self.streams.write(queue, "queue webhook events")
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                self.warnings.warning("webhooks", "cannot queue webhook events: %s", shown(str(reply), 200))
+
+    def _end_spans(self, delivery: Delivery, status: str, output=None, usage=None, error=None, **more) -> None:
+        if self.tracer is None or delivery.spans is None:
+            return
+        try:
+            self.tracer.end(delivery.spans, status, output, usage, error, **more)
+        except Exception as exc:  # noqa: BLE001 - tracing never stops publishing, nor the replica
+            self.warnings.warning(
+                "tracing", "cannot end the spans of job %s: %s", delivery.job_id, shown(repr(exc), 200)
+            )
 
     async def _publish_refused(self, message: EntryRefused) -> None:
         """Dead letter + ack; an error event for the producer only where no record of the id exists."""

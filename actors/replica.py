@@ -25,6 +25,7 @@ from conveyor.actors.model_announcer import ModelAnnouncer
 from conveyor.actors.partitions import PartitionKeeper
 from conveyor.actors.publisher import PublisherActor
 from conveyor.actors.streams import Streams
+from conveyor.actors.tracing import ChosenTraceIds, JobTracer, tracer_provider_from_env
 from conveyor.clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class Door:
             )
             self.ingest.partitions = self.ledger.partitions = self.partitions
         self.cancels = CancelWatcher(self.streams, self.ledger)
+        if replica.tracer_provider is not None:
+            tracer = JobTracer(replica.tracer_provider, config.namespace, replica.model_name, config.consumer)
+            self.ingest.tracer = self.publisher.tracer = tracer
         self.announcer = ModelAnnouncer(
             self.streams,
             facts,
@@ -97,6 +101,7 @@ class Replica:
         self.model_name = config.served_model_name or Path(engine.facts.model_name).name
         self.metrics = ReplicaMetrics()
         self.engine_core = EngineCoreActor(engine, {}, self.metrics, faults.job_hooks())
+        self.tracer_provider = tracer_provider_from_env("conveyor-replica", ChosenTraceIds)  # None: no tracing
         namespaces = config.namespaces
         self.doors = [
             Door(
@@ -143,6 +148,8 @@ class Replica:
             if self.crash is None:
                 await door.announcer.farewell()
             await door.streams.close()
+        if self.tracer_provider is not None:  # the last spans exported (bounded by the exporter's timeout)
+            await asyncio.to_thread(self.tracer_provider.shutdown)
         return 1 if self.crash else 0
 
     def request_stop(self) -> None:

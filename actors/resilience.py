@@ -10,7 +10,7 @@ from redis.exceptions import AskError, ClusterError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from conveyor.actors.log_limits import RateLimitedLog, shown
+from conveyor.clients.log_limits import RateLimitedLog, shown
 from conveyor.clients.redis_cluster import FAILOVER_ERRORS
 
 log = logging.getLogger(__name__)

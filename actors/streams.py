@@ -17,9 +17,16 @@ from conveyor.actors.messages import Delivery, ReadEntry
 from conveyor.actors.partition_scripts import CLAIM_PARTITIONS_LUA, RELEASE_PARTITIONS_LUA
 from conveyor.actors.resilience import retrying, transient
 from conveyor.clients.events import Usage
-from conveyor.clients.job_record import FINISH_LUA, HAND_BACK_LUA, REJECT_LUA, START_LUA
+from conveyor.clients.job_record import (
+    FINISH_LUA,
+    HAND_BACK_LUA,
+    PROMPT_HEAD_CHARS,
+    REJECT_LUA,
+    START_LUA,
+)
 from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from conveyor.clients.model_info import ModelInfo, publish_model_info_async
+from conveyor.clients.protocol import JobRequest
 from conveyor.clients.redis_cluster import queue_script
 from conveyor.clients.replica_records import queue_beat
 from conveyor.clients.usage import USAGE_TTL_S, usage_day, usage_increments
@@ -218,13 +225,17 @@ class Streams:
             await self.resilient(lambda: self.redis.xack(stream, GROUP, *deleted), "ack deleted")
         return entries
 
-    async def start_attempt(self, job_id: str, entry_id: str, ttl: int, digest: str) -> tuple[int, bool]:
-        """Count this delivery on the job hash; returns (attempt or DUPLICATE/CONFLICT, cancel requested).
-        Raises ResponseError when the job's keys are unusable (e.g. not a hash)."""
+    async def start_attempt(
+        self, job_id: str, entry_id: str, ttl: int, digest: str, job: JobRequest | None = None, new_trace: str = ""
+    ) -> tuple[int, bool]:
+        """Count this delivery on the job hash (with where it runs, its trace id and the prompt's
+        head, for the dashboard: ``new_trace``, the id of the trace this replica starts unless
+        the attempt continues the producer's); returns (attempt or DUPLICATE/CONFLICT, cancel
+        requested). Raises ResponseError when the job's keys are unusable (e.g. not a hash)."""
+        producer_trace = job.traceparent.split("-")[1] if job is not None and job.traceparent else ""
+        args = [entry_id, ttl, repr(time.time()), digest, self.consumer, producer_trace, prompt_head(job), new_trace]
         attempt, cancel = await self.resilient(
-            lambda: self.start_script(
-                keys=[self.keys.job(job_id), self.keys.out(job_id)], args=[entry_id, ttl, repr(time.time()), digest]
-            ),
+            lambda: self.start_script(keys=[self.keys.job(job_id), self.keys.out(job_id)], args=args),
             "start job",
         )
         return int(attempt), cancel == b"1"
@@ -551,3 +562,16 @@ def _bytes(value) -> bytes:
 
 def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def prompt_head(job: JobRequest | None) -> str:
+    """What the dashboard shows of a job's prompt: its first PROMPT_HEAD_CHARS characters (a
+    chat's last message; token ids only counted)."""
+    if job is None:
+        return ""
+    if job.prompt is not None:
+        return job.prompt[:PROMPT_HEAD_CHARS]
+    if job.messages is not None:
+        content = job.chat_messages()[-1].get("content")
+        return (content if isinstance(content, str) else str(content))[:PROMPT_HEAD_CHARS]
+    return f"<{len(job.prompt_token_ids or ())} prompt token ids>"

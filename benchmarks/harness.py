@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -181,7 +182,11 @@ def embedded_valkey() -> Iterator[str]:
 
 @contextlib.contextmanager
 def spawned_replica(
-    model: str, redis_url: str, engine_args: str | Sequence[str] = (), log_path: str | None = None
+    model: str,
+    redis_url: str,
+    engine_args: str | Sequence[str] = (),
+    log_path: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[subprocess.Popen]:
     """``conveyor serve`` on ``redis_url`` with extra engine flags; SIGTERM (then SIGKILL) on exit.
 
@@ -195,12 +200,37 @@ def spawned_replica(
             command,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
-            env={**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING"},
+            env={**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING", **(env or {})},
         )
         try:
             yield replica
         finally:
             _stop(replica)
+
+
+@contextlib.contextmanager
+def otlp_sink() -> Iterator[str]:
+    """An OTLP/HTTP endpoint that accepts every export and keeps nothing (what tracing costs
+    the replica, not a collector): its base URL, for OTEL_EXPORTER_OTLP_ENDPOINT."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def free_port() -> int:

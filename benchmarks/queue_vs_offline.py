@@ -3,6 +3,10 @@
     python benchmarks/queue_vs_offline.py [--model smollm2] [--num-requests 32] [--rounds 3]
                                           [--modes offline,queue,queue_overlapped,queue_thread]
 
+``queue_traced`` (not in the default modes) is ``queue`` with OpenTelemetry tracing on,
+exporting every job's spans over OTLP/HTTP to a sink in this process (docs/tracing.md):
+what tracing costs; plain ``queue`` has none configured.
+
 One embedded Valkey and one ``conveyor serve`` replica per queue mode (separate processes,
 as in production): ``queue`` is the default replica (its engine core in a process of its
 own, one step at a time), ``queue_overlapped`` the same with ``--async-scheduling true``
@@ -23,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import describe_cpu, embedded_valkey, spawned_replica, write_json  # noqa: E402
+from harness import describe_cpu, embedded_valkey, otlp_sink, spawned_replica, write_json  # noqa: E402
 from offline import make_workload  # noqa: E402
 
 ENGINE_OPTIONS = dict(max_num_seqs=64, max_num_batched_tokens=512)
@@ -31,7 +35,9 @@ QUEUE_MODES = {
     "queue": [],
     "queue_overlapped": ["--async-scheduling", "true"],
     "queue_thread": ["--engine-process", "false"],
+    "queue_traced": [],
 }
+TRACED_MODES = {"queue_traced"}
 
 
 def offline_runner(model: str):
@@ -120,14 +126,20 @@ def main():
 
     vocab = load_spec(args.model).hf_config.vocab_size
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_OPTIONS.items()]
-    with embedded_valkey() as url:
+    with embedded_valkey() as url, otlp_sink() as sink:
+        traced = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink, "OTEL_SERVICE_NAME": "bench-replica"}
         runners, replicas = {}, []
         for mode in modes:
             if mode == "offline":
                 runners[mode] = offline_runner(args.model)
             else:
                 namespace = f"bench-{mode.replace('_', '-')}"
-                replica = spawned_replica(args.model, url, [*flags, *QUEUE_MODES[mode], "--namespace", namespace])
+                replica = spawned_replica(
+                    args.model,
+                    url,
+                    [*flags, *QUEUE_MODES[mode], "--namespace", namespace],
+                    env=traced if mode in TRACED_MODES else {"OTEL_EXPORTER_OTLP_ENDPOINT": ""},
+                )
                 replicas.append(replica)
                 replica.__enter__()
                 runners[mode] = queue_runner(url, namespace)

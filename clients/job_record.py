@@ -18,6 +18,15 @@ class Field:
     FINISHED_ATTEMPT = "finished_attempt"  # the attempt whose terminal event is stored
     CANCEL = "cancel"  # "1" once cancellation was requested
     REJECTED = "rejected"  # "1" on a refusal record
+    PROMPT_HEAD = "prompt_head"  # the prompt's first PROMPT_HEAD_CHARS characters (the job page)
+    # per attempt n <= MAX_RECORDED_ATTEMPTS: "replica:<n>", "started:<n>", "trace:<n>"
+    REPLICA_OF_ATTEMPT = "replica:{}"
+    STARTED_OF_ATTEMPT = "started:{}"
+    TRACE_OF_ATTEMPT = "trace:{}"
+
+
+PROMPT_HEAD_CHARS = 500
+MAX_RECORDED_ATTEMPTS = 32
 
 
 class Status:
@@ -119,8 +128,10 @@ return 1
 # owner's finish acked it): a duplicate, not run again; another payload: a conflict.
 # A refusal record (status 'rejected', left by an unreadable entry) is no claim: replaced.
 # A digest that is not 64 hex digits (the 32-digit form before 0.2, or junk) is not compared.
-# KEYS: job hash, out stream. ARGV: entry id, ttl, now, payload digest.
-# Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
+# KEYS: job hash, out stream. ARGV: entry id, ttl, now, payload digest[, replica, producer's
+# trace id, prompt head, new trace id] (for the dashboard's job page: where and when each of
+# the first 32 attempts ran, the prompt cut, and the attempt's trace: the producer's for a first
+# attempt, else the one a tracing replica starts, '' when none). Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
 START_LUA = """
 local state = redis.call('HMGET', KEYS[1], 'entry', 'digest', 'cancel', 'finished_attempt', 'status', 'attempt')
 if state[5] == 'rejected' then
@@ -135,6 +146,12 @@ if not attempt or attempt ~= attempt or attempt < 0 or attempt > 1e9 then attemp
 attempt = math.floor(attempt) + 1
 redis.call('HSET', KEYS[1], 'attempt', attempt, 'status', 'running', 'updated', ARGV[3], 'entry', ARGV[1],
            'digest', ARGV[4])
+if ARGV[5] and attempt <= 32 then
+  redis.call('HSET', KEYS[1], 'replica:' .. attempt, ARGV[5], 'started:' .. attempt, ARGV[3], 'prompt_head', ARGV[7])
+  local trace = ARGV[6]
+  if attempt > 1 or trace == '' then trace = ARGV[8] or '' end
+  if trace ~= '' then redis.call('HSET', KEYS[1], 'trace:' .. attempt, trace) end
+end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return {attempt, state[3] or ''}
 """

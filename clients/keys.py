@@ -198,6 +198,17 @@ class Keys:
         return f"{self._namespace_prefix}:partition-takers"
 
     @property
+    def webhooks(self) -> str:
+        """Stream of webhook events waiting to be delivered (clients/webhook_queue.py); the
+        gateway's sender reads it in group WEBHOOK_GROUP, so a delivery survives restarts."""
+        return f"{self._namespace_prefix}:webhooks"
+
+    @property
+    def webhooks_dead(self) -> str:
+        """Stream of webhook events given up on (every retry failed for the retry window)."""
+        return f"{self._namespace_prefix}:webhooks:dead"
+
+    @property
     def dead(self) -> str:
         return f"{self.ns}:dead"
 

@@ -16,6 +16,11 @@ MAX_STOP_TOTAL_CHARS = 4096  # all stop strings of a job together
 MAX_STOP_TOKEN_IDS = 1_024
 MAX_METADATA_BYTES = 64 * 1024
 MAX_CACHE_SALT_CHARS = 256
+# W3C Trace Context (https://www.w3.org/TR/trace-context/): version 00, a non-zero trace and
+# parent id; tracestate is at most 32 list members, 512 characters as the spec asks vendors to keep
+TRACEPARENT_PATTERN = r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"  # ids not all zero (checked beside)
+MAX_TRACESTATE_CHARS = 512
+TRACESTATE_PATTERN = r"^[\x20-\x2b\x2d-\x3c\x3e-\x7e]*=[\x20-\x2b\x2d-\x3c\x3e-\x7e]*(,[\x20-\x2b\x2d-\x3c\x3e-\x7e]*=[\x20-\x2b\x2d-\x3c\x3e-\x7e]*){0,31}$"
 MAX_RESULT_TTL = 30 * 86_400
 MAX_MSGPACK_BYTES = 8 * 1024 * 1024
 MAX_JSON_BYTES = 4 * 1024 * 1024

@@ -60,11 +60,14 @@ from conveyor.clients.limits import (  # noqa: F401  (re-exported)
     MAX_STOP_TOTAL_CHARS,
     MAX_STRUCTURED_BYTES,
     MAX_TEMPERATURE,
+    MAX_TRACESTATE_CHARS,
     MIN_PENALTY,
     MIN_REPETITION_PENALTY,
     SCHEMA_VERSION,
     SEED_MAX,
     SEED_MIN,
+    TRACEPARENT_PATTERN,
+    TRACESTATE_PATTERN,
 )
 from conveyor.clients.safe_payload import read_payload, readable_job_id  # noqa: F401
 from conveyor.clients.tool_schema import (
@@ -231,6 +234,13 @@ class JobRequest(BaseModel):
     # vLLM's cache_salt: prefix-cache entries are shared only between jobs of one salt (and,
     # on a replica, of one namespace whatever the salt)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # the producer's span (W3C Trace Context): the replica's spans of this job continue it
+    # (actors/tracing.py); only its syntax is trusted, and it is no part of the digest
+    traceparent: str | None = Field(default=None, max_length=55, pattern=TRACEPARENT_PATTERN)
+    tracestate: str | None = Field(default=None, max_length=MAX_TRACESTATE_CHARS, pattern=TRACESTATE_PATTERN)
+    # ask for job.completed / job.failed webhook events, sent to the address the operator
+    # configured for the namespace (never one the job names)
+    webhook: bool = False
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
@@ -269,6 +279,13 @@ class JobRequest(BaseModel):
     def _deadline_is_absolute(cls, value: float | None) -> float | None:
         if value is not None and value < EARLIEST_DEADLINE:
             raise ValueError(f"must be absolute epoch seconds (e.g. time.time() + 30), got {value}")
+        return value
+
+    @field_validator("traceparent")
+    @classmethod
+    def _trace_ids_set(cls, value: str | None) -> str | None:
+        if value is not None and any(set(part) == {"0"} for part in value.split("-")[1:3]):
+            raise ValueError("trace-id and parent-id must not be all zeros (W3C Trace Context)")
         return value
 
     @field_validator("metadata")
@@ -480,7 +497,7 @@ OPTIONAL_DIGEST_FIELDS = (
 def payload_digest(job: JobRequest) -> str:
     """What the job asks for, hashed: the same job_id with another digest is a conflict.
     Scheduling and delivery (priority_class, priority, deadline, result_ttl), job_id,
-    metadata and `v` are not part of it."""
+    metadata, `v`, the trace context and `webhook` are not part of it."""
     return hashlib.sha256(digest_input(job).encode("ascii")).hexdigest()
 
 

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 from conveyor.clients.errors import InvalidJob, JobConflict, QueueFull, QuotaExceeded
 from conveyor.clients.keys import Keys
 from conveyor.clients.protocol import JobRequest, encode_job, payload_digest, validate_job
+from conveyor.clients.trace_context import current_trace_fields
 from conveyor.clients.usage import next_day_start
 
 JOB_FIELDS = frozenset(JobRequest.model_fields)
@@ -20,7 +21,10 @@ def build_job(fields: dict[str, Any]) -> JobRequest:
     unknown = sorted(set(fields) - JOB_FIELDS)
     if unknown:
         raise InvalidJob(_unknown_message(unknown[0]), field=unknown[0])
-    return validate_job({k: v for k, v in fields.items() if v is not None})  # None: the default
+    given = {k: v for k, v in fields.items() if v is not None}  # None: the default
+    if "traceparent" not in given:  # the producer's active span, when it traces (OpenTelemetry)
+        given.update(current_trace_fields())
+    return validate_job(given)
 
 
 def build_jobs(items: Iterable[dict[str, Any]]) -> list[JobRequest]:

@@ -15,7 +15,7 @@ class RateLimitedLog:
         self.interval_s = interval_s
         self._last: dict[str, tuple[float, int]] = {}  # kind -> (when logged, suppressed since)
 
-    def warning(self, kind: str, message: str, *args) -> None:
+    def warning(self, kind: str, message: str, *args, exc_info: bool = False) -> None:
         now = time.monotonic()
         logged_at, suppressed = self._last.get(kind, (-self.interval_s, 0))
         if now - logged_at < self.interval_s:
@@ -23,7 +23,7 @@ class RateLimitedLog:
             return
         if suppressed:
             message += f" ({suppressed} more like it in the last {now - logged_at:.0f} s)"
-        self.logger.warning(message, *args)
+        self.logger.warning(message, *args, exc_info=exc_info)
         self._last[kind] = (now, 0)
 
 
