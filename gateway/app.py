@@ -58,6 +58,9 @@ from conveyor.gateway.streaming import BadLogprobs, ChunkWriter, checked_logprob
 from conveyor.gateway.tenant_share import TenantShare
 from conveyor.gateway.tenants import KeyRing, Namespaces, ServedModel, Tenant, load_grants, tenant_of
 from conveyor.gateway.tools import ToolChunkWriter, named_function, with_tool_calls
+from conveyor.gateway.tracing import tracing_middleware
+from conveyor.gateway.webhook_config import webhook_targets
+from conveyor.gateway.webhooks import sender_for
 
 log = logging.getLogger("conveyor.gateway")
 DEADLINE_GRACE_S = 2.0  # past a job's deadline, wait this long for the replica to report it
@@ -73,7 +76,11 @@ def create_app(
     settings = settings or GatewaySettings()
     app = FastAPI(title="Conveyor gateway", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
-    app.state.keyring = KeyRing(load_grants(settings.keys_file, settings.api_keys))
+    grants = load_grants(settings.keys_file, settings.api_keys)
+    app.state.keyring = KeyRing(grants)
+    served = sorted({g.namespace for g in grants.values()}) if grants else [settings.namespace]
+    # namespace -> its webhook target (a bad URL or secret file: ValueError now, at startup)
+    app.state.webhooks = webhook_targets(settings, grants, served) if api else {}
     app.state.metrics = Metrics()
     app.add_middleware(BodyLimit, limit_of=_body_limit_of(settings), timeout_s=settings.body_timeout_s)
     app.add_middleware(
@@ -83,6 +90,9 @@ def create_app(
     )
     app.add_middleware(AllowedHosts, policy=HostPolicy(settings.allowed_hosts, settings.host))
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    traced = tracing_middleware()  # None unless OTEL_* asks for traces
+    if traced is not None:
+        app.add_middleware(traced[0], **traced[1])
     _add_error_handlers(app)
     app.include_router(ops_router)
     app.include_router(dashboard_routes.router)
@@ -124,9 +134,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if app.state.keyring.enabled
         else f"no API keys: every request uses namespace {settings.namespace!r}",
     )
+    sender = sender_for(redis, app.state.webhooks, lambda ns: app.state.namespaces.client(ns).keys)
+    sender.start()
     try:
         yield
     finally:
+        await sender.stop()
         await redis.aclose()
 
 

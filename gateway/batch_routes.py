@@ -46,6 +46,7 @@ from conveyor.apps.openai_api.errors import OpenAIError, invalid
 from conveyor.apps.openai_api.work_caps import WorkCaps
 from conveyor.gateway.body_limit import read_json
 from conveyor.gateway.tenants import load_grants, tenant_of
+from conveyor.gateway.tracing import gateway_tracer
 
 MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
 MAX_FILES_LIMIT = 10_000  # OpenAI's bound and default for files.list
@@ -79,6 +80,11 @@ async def runner_lifespan(app: FastAPI):
     gateway = getattr(app.state, "settings", None)
     if gateway is not None and settings.caps is None:  # each line as capped as a live request
         settings = replace(settings, caps=WorkCaps(gateway.max_samples, gateway.max_total_tokens))
+    webhooks = frozenset(getattr(app.state, "webhooks", None) or ())
+    if webhooks:  # their batches' terminal statuses queue batch.* events (gateway/webhooks.py)
+        settings = replace(settings, webhook_namespaces=settings.webhook_namespaces | webhooks)
+    if settings.tracer is None:  # one trace per batch line, where OTEL_* asks for traces
+        settings = replace(settings, tracer=gateway_tracer())
     runners = BatchRunners(settings)
     namespaces = getattr(app.state, "namespaces", None)  # the core app's lifespan, entered first
     for namespace in configured_namespaces(app) if namespaces else ():

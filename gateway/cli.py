@@ -130,6 +130,40 @@ OPTIONS = [
         "('*.example.com': its subdomains; '*': any); others get 400, against DNS rebinding "
         "(env CONVEYOR_GATEWAY_ALLOWED_HOSTS, default none)",
     ),
+    (
+        "--webhook-url",
+        "webhook_url",
+        str,
+        "POST signed events (batch.*, response.* of background responses, job.* of jobs asking for them) "
+        "of every served namespace to this http(s) URL; a keys-file grant's webhook_url overrides it for its "
+        "namespace (env CONVEYOR_GATEWAY_WEBHOOK_URL; docs/webhooks.md)",
+    ),
+    (
+        "--webhook-secret-file",
+        "webhook_secret_file",
+        str,
+        "file holding the signing secret 'whsec_<base64>' (Standard Webhooks) "
+        "(env CONVEYOR_GATEWAY_WEBHOOK_SECRET_FILE)",
+    ),
+    (
+        "--webhook-retry-for",
+        "webhook_retry_for",
+        float,
+        "seconds an event is retried (backoff up to 5 min) before it is dead-lettered "
+        "(env CONVEYOR_GATEWAY_WEBHOOK_RETRY_FOR, default 259200 = 72 h)",
+    ),
+    (
+        "--webhook-timeout",
+        "webhook_timeout",
+        float,
+        "seconds one delivery attempt may take (env CONVEYOR_GATEWAY_WEBHOOK_TIMEOUT, default 10)",
+    ),
+    (
+        "--webhook-concurrency",
+        "webhook_concurrency",
+        int,
+        "delivery attempts in flight at once per namespace (env CONVEYOR_GATEWAY_WEBHOOK_CONCURRENCY, default 8)",
+    ),
 ]
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

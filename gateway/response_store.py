@@ -22,13 +22,22 @@ import re
 from typing import Any
 
 from conveyor.apps.openai_api.errors import OpenAIError
+from conveyor.clients.webhook_queue import MAX_PENDING_EVENTS, event_args
 
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9_-]{1,128}$")
 MAX_RECORD_BYTES = 16 * 1024 * 1024  # a record read back larger than this is not ours
 SWEEP_BATCH = 1000  # expired entries one script forgets at most
+EVENT_OF_STATUS = {  # a background response's final status -> its webhook event
+    "completed": "response.completed",
+    "incomplete": "response.incomplete",
+    "failed": "response.failed",
+    "cancelled": "response.cancelled",
+}
 
 # KEYS: sizes (hash), expiry (zset), total (string), pending (zset: background responses not yet
-# seen final). ARGV: id, bytes (-1: forget it), ttl_s, budget (0: never refuse), pending (1 or 0).
+# seen final), and the namespace's webhook events stream when it has a webhook. ARGV: id, bytes
+# (-1: forget it), ttl_s, budget (0: never refuse), pending (1 or 0), then the stream's bound
+# and the fields of the event to queue when this record leaves `pending` (a final save).
 # Reply: {1, total} counted, {0, total} refused (nothing changed but the sweep).
 ACCOUNT_LUA = (
     """
@@ -66,7 +75,12 @@ else
   total = total - old + size
   redis.call('HSET', KEYS[1], ARGV[1], size)
   redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
-  if ARGV[5] == '1' then redis.call('ZADD', KEYS[4], now + ttl, ARGV[1]) else redis.call('ZREM', KEYS[4], ARGV[1]) end
+  if ARGV[5] == '1' then
+    redis.call('ZADD', KEYS[4], now + ttl, ARGV[1])
+  elseif redis.call('ZREM', KEYS[4], ARGV[1]) == 1 and KEYS[5] and #ARGV > 6 then
+    -- a background response seen final for the first time: its webhook event, once
+    redis.pcall('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', unpack(ARGV, 7))
+  end
 end
 if total < 0 then total = 0 end
 redis.call('SET', KEYS[3], total)
@@ -101,9 +115,14 @@ class StoreFull(OpenAIError):
 
 
 class ResponseStore:
-    def __init__(self, redis: Any, namespace: str, ttl_s: int, max_bytes: int = 0) -> None:
+    def __init__(
+        self, redis: Any, namespace: str, ttl_s: int, max_bytes: int = 0, events_stream: str | None = None
+    ) -> None:
+        """`events_stream`: the namespace's webhook events stream (Keys.webhooks) when it has a
+        webhook: a background response saved final the first time queues its response.* event."""
         self.redis = redis
         self.namespace = namespace
+        self.events_stream = events_stream
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes  # 0: no limit
         tag = f"{namespace}:{{{namespace}}}:stored"
@@ -136,7 +155,8 @@ class ResponseStore:
         A background response not final yet is listed as pending (see pending())."""
         data = self.encode(response, messages, job_id)
         pending = response.get("background") is True and response.get("status") in ("queued", "in_progress")
-        await self._account(response["id"], len(data), 0, pending)
+        event = None if pending else EVENT_OF_STATUS.get(response.get("status"))
+        await self._account(response["id"], len(data), 0, pending, event)
         await self.redis.set(self.key(response["id"]), data, ex=self.ttl_s)
 
     async def pending(self, limit: int) -> list[str]:
@@ -144,9 +164,14 @@ class ResponseStore:
         ids = await self.redis.zrange(self.usage_keys[3], 0, limit - 1)
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
 
-    async def _account(self, response_id: str, size: int, budget: int, pending: bool = False) -> tuple[int, int]:
-        args = [response_id, size, self.ttl_s, budget, int(pending)]
-        reply = await self._account_script(keys=self.usage_keys, args=args)
+    async def _account(
+        self, response_id: str, size: int, budget: int, pending: bool = False, event: str | None = None
+    ) -> tuple[int, int]:
+        keys, args = list(self.usage_keys), [response_id, size, self.ttl_s, budget, int(pending)]
+        if event and self.events_stream:
+            keys.append(self.events_stream)
+            args += [MAX_PENDING_EVENTS, *event_args(event, response_id)]
+        reply = await self._account_script(keys=keys, args=args)
         return int(reply[0]), int(reply[1])
 
     async def load(self, response_id: str) -> dict | None:

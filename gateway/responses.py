@@ -12,17 +12,22 @@ tenant's stored responses hold at most --max-stored-bytes (429 past it), and a b
 response whose job failed or was cancelled keeps no input. The work caps of chat completions
 (--max-samples, --max-total-tokens and the default share) apply.
 `background: true` submits a batch-priority job (no deadline: it runs when the queue has
-room) and answers at once with status `queued`; GET polls it. What a body may hold, and
-how it becomes the job: response_items.py.
+room) and answers at once with status `queued`; GET polls it. In a namespace with a webhook
+(docs/webhooks.md) the gateway also notices its end without a GET (settler_lifespan) and
+queues its response.* event once. What a body may hold, and how it becomes the job:
+response_items.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
@@ -50,14 +55,32 @@ from conveyor.gateway.response_items import (
     output_items,
     usage,
 )
+from conveyor.gateway.response_settler import ResponseSettlers
 from conveyor.gateway.response_store import ResponseStore, StoreFull
 from conveyor.gateway.streaming import Relay, StreamDiverged
-from conveyor.gateway.tenants import Tenant, tenant_of
+from conveyor.gateway.tenants import INTERACTIVE, Tenant, tenant_of
 
-router = APIRouter()
+
+@asynccontextmanager
+async def settler_lifespan(app: Any) -> AsyncIterator[None]:
+    """For the namespaces with a webhook: their background responses settled every second
+    (response_settler.py), so each one's response.* event is queued without a GET."""
+    webhooks = getattr(app.state, "webhooks", None) or {}
+    namespaces = getattr(app.state, "namespaces", None)  # the core app's lifespan, entered first
+    settlers = ResponseSettlers(sorted(webhooks) if namespaces else [], partial(_settle_namespace, app))
+    settlers.start()
+    try:
+        yield
+    finally:
+        await settlers.stop()
+
+
+router = APIRouter(lifespan=settler_lifespan)
+log = logging.getLogger("conveyor.gateway")
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for the job to end before answering
 RESULT_READ_S = 5.0
 SETTLE_BATCH, SETTLE_EVERY_S = 32, 1.0  # pending background responses one full tenant settles
+SETTLE_SCAN = 256  # pending background responses whose job a settler round looks at
 _settled_at: dict[str, float] = {}  # namespace -> when it last settled (monotonic)
 
 
@@ -128,6 +151,38 @@ async def _settle(store: ResponseStore, tenant: Tenant) -> bool:
         elif (await _refreshed(store, tenant, record))["response"]["status"] not in ("queued", "in_progress"):
             changed = True
     return changed
+
+
+async def _settle_namespace(app: Any, namespace: str) -> int:
+    settings = app.state.settings
+    tenant = Tenant(namespace, INTERACTIVE, app.state.namespaces)
+    store = ResponseStore(
+        tenant.client.redis, namespace, settings.result_ttl, settings.max_stored_bytes, tenant.client.keys.webhooks
+    )
+    return await settle_finished(store, tenant)
+
+
+async def settle_finished(store: ResponseStore, tenant: Tenant) -> int:
+    """Of the oldest SETTLE_SCAN pending background responses, up to SETTLE_BATCH whose job has
+    ended brought up to date (saved final: with a webhook, their event queued); how many.
+    A response's job id is its id without `resp_` (create_response); the job hashes' statuses
+    are read in one round trip, and only the final ones loaded."""
+    ids = await store.pending(SETTLE_SCAN)
+    pipe = tenant.client.redis.pipeline(transaction=False)
+    for response_id in ids:
+        pipe.hget(tenant.client.keys.job(response_id.removeprefix("resp_")), "status")
+    statuses = await pipe.execute(raise_on_error=False) if ids else []
+    ended = [i for i, status in zip(ids, statuses) if isinstance(status, bytes) and status.decode() in FINAL_STATUSES]
+    for response_id in ended[:SETTLE_BATCH]:
+        record = await store.load(response_id)
+        try:
+            if record is None:  # deleted or expired meanwhile
+                await store.release(response_id)
+            else:
+                await _refreshed(store, tenant, record)
+        except (ConveyorError, RedisError) as exc:  # one unreadable result holds up no other response
+            log.warning("background response %s of %s not settled: %s", response_id[:80], tenant.namespace, exc)
+    return len(ended[:SETTLE_BATCH])
 
 
 @router.get("/v1/responses/{response_id}")
@@ -228,7 +283,7 @@ async def finished(store: ResponseStore, response: dict, conversation: list[dict
     output = output_items(result, response["id"])
     status = "incomplete" if result.outputs[0].finish_reason == "length" else "completed"
     final = {**response, "status": status, "output": output, "usage": usage(result)}
-    if response.get("store", True):
+    if response.get("store", True) or response.get("background") is True:  # background ones always are
         await store.save(final, history_of(conversation, output), result.job_id)
     return final
 
@@ -296,8 +351,12 @@ async def _refreshed(store: ResponseStore, tenant: Tenant, record: dict) -> dict
 
 
 def _store(request: Request, tenant: Tenant) -> ResponseStore:
+    """The tenant's stored responses; with a webhook for its namespace, a background response's
+    first final save queues its response.* event."""
     settings = request.app.state.settings
-    return ResponseStore(tenant.client.redis, tenant.namespace, settings.result_ttl, settings.max_stored_bytes)
+    webhooks = getattr(request.app.state, "webhooks", None) or {}
+    events = tenant.client.keys.webhooks if tenant.namespace in webhooks else None
+    return ResponseStore(tenant.client.redis, tenant.namespace, settings.result_ttl, settings.max_stored_bytes, events)
 
 
 def _not_found(response_id: str, param: str = "response_id") -> OpenAIError:

@@ -10,6 +10,7 @@ from conveyor.clients.connection import RedisSettings, resolve_settings
 from conveyor.clients.keys import NAMESPACE_PATTERN, NAMESPACE_RULE, default_namespace
 from conveyor.clients.limits import MAX_N
 from conveyor.gateway.allowed_hosts import HostPolicy
+from conveyor.gateway.webhook_config import check_pacing, check_url
 
 DEFAULT_MAX_STORED_BYTES = 64 << 20
 
@@ -69,6 +70,15 @@ class GatewaySettings:
     )
     # Host header names answered besides localhost and IP addresses ("a.example,*.b.example"; "*": any)
     allowed_hosts: str = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_ALLOWED_HOSTS", ""))
+    # signed completion webhooks (docs/webhooks.md): the receiver of every served namespace
+    # (a keys-file grant may name its own), the signing secret's file, and delivery pacing
+    webhook_url: str | None = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_WEBHOOK_URL"))
+    webhook_secret_file: str | None = field(default_factory=lambda: _env("CONVEYOR_GATEWAY_WEBHOOK_SECRET_FILE"))
+    webhook_retry_for: float = field(
+        default_factory=lambda: _env_float("CONVEYOR_GATEWAY_WEBHOOK_RETRY_FOR", 72 * 3600.0)
+    )
+    webhook_timeout: float = field(default_factory=lambda: _env_float("CONVEYOR_GATEWAY_WEBHOOK_TIMEOUT", 10.0))
+    webhook_concurrency: int = field(default_factory=lambda: _env_int("CONVEYOR_GATEWAY_WEBHOOK_CONCURRENCY", 8))
 
     def __post_init__(self) -> None:
         if not NAMESPACE_PATTERN.fullmatch(self.namespace):
@@ -101,3 +111,6 @@ class GatewaySettings:
             self.max_connections_per_peer = max(1, self.max_connections * 3 // 4)
         if self.max_queue_len < 0:
             raise ValueError(f"max_queue_len must be >= 0, got {self.max_queue_len}")
+        if self.webhook_url:
+            check_url(self.webhook_url, "--webhook-url (CONVEYOR_GATEWAY_WEBHOOK_URL)")
+        check_pacing(self.webhook_retry_for, self.webhook_timeout, self.webhook_concurrency)

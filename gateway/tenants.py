@@ -3,7 +3,9 @@ namespace's state (one AsyncClient on the shared Redis connection, its served mo
 
 Keys come from a file (`--keys-file`, JSON or YAML: `{"<key>": {"namespace": "team-a",
 "priority_class": "batch", "admin": false}}`, or `"<key>": "team-a:batch"`; `admin: true`
-lets the key open the dashboard of every configured namespace and act there) and/or the environment
+lets the key open the dashboard of every configured namespace and act there; `webhook_url` and
+`webhook_secret_file` send the namespace's webhook events elsewhere than the gateway's
+--webhook-url, docs/webhooks.md) and/or the environment
 (`CONVEYOR_GATEWAY_API_KEYS="key1=team-a,key2=team-b:batch"`). With no key configured,
 requests need no `Authorization` and all use the gateway's `--namespace`, class
 interactive. Keys are kept only as SHA-256 digests, compared in constant time, never logged.
@@ -33,6 +35,7 @@ from conveyor.clients.async_client import AsyncClient
 from conveyor.clients.errors import ConveyorError
 from conveyor.clients.keys import GROUP, NAMESPACE_PATTERN, NAMESPACE_RULE, PRIORITY_CLASSES, Keys
 from conveyor.clients.model_info import adapter_names, fetch_model_info_async
+from conveyor.gateway.webhook_config import check_url
 
 INTERACTIVE, BATCH = PRIORITY_CLASSES
 log = logging.getLogger("conveyor.gateway")
@@ -50,10 +53,19 @@ class Grant:
     namespace: str
     priority_class: str = INTERACTIVE
     admin: bool = False  # the dashboard: every configured namespace, and its actions
+    # the namespace's webhook receiver and secret instead of the gateway's (webhook_config.py)
+    webhook_url: str | None = None
+    webhook_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.admin, bool):
             raise ValueError(f"admin must be true or false, got {self.admin!r}")
+        if self.webhook_url is not None:
+            check_url(self.webhook_url, "webhook_url")
+        if self.webhook_secret_file is not None and not (
+            isinstance(self.webhook_secret_file, str) and 0 < len(self.webhook_secret_file) <= 4096
+        ):
+            raise ValueError("webhook_secret_file must be a file path (a non-empty string)")
         if not isinstance(self.namespace, str) or not NAMESPACE_PATTERN.fullmatch(self.namespace):
             raise ValueError(f"namespace must be {NAMESPACE_RULE}, got {self.namespace!r}")
         if self.priority_class not in PRIORITY_CLASSES:
@@ -135,7 +147,13 @@ def _grant(value: Any, where: str) -> Grant:
             namespace, _, priority_class = value.partition(":")
             return Grant(namespace, priority_class or INTERACTIVE)
         if isinstance(value, dict):
-            return Grant(value.get("namespace"), value.get("priority_class") or INTERACTIVE, value.get("admin", False))
+            return Grant(
+                value.get("namespace"),
+                value.get("priority_class") or INTERACTIVE,
+                value.get("admin", False),
+                value.get("webhook_url"),
+                value.get("webhook_secret_file"),
+            )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     raise ValueError(f"{where}: expected 'namespace[:class]' or {{namespace, priority_class}}")

@@ -49,6 +49,7 @@ from conveyor.clients.event_reader import outcome, terminal_from_hash
 from conveyor.clients.job_record import FINAL_STATUSES
 from conveyor.clients.model_info import fetch_model_info_async
 from conveyor.clients.submission import build_job
+from conveyor.clients.trace_context import trace_fields_of
 
 log = logging.getLogger("conveyor.batch")
 
@@ -70,6 +71,10 @@ class RunnerSettings:
     cancel_wait_s: float = 10.0  # how long a wind-down waits for cancelled jobs to stop
     job_result_ttl: int = 2 * 86_400  # a job's result outlives the 24 h window
     caps: WorkCaps | None = None  # the gateway's --max-samples and --max-total-tokens, per line
+    # namespaces with a webhook: a batch's terminal status there queues its batch.* event
+    webhook_namespaces: frozenset[str] = frozenset()
+    # an OpenTelemetry tracer (the gateway's, where OTEL_* asks for traces): one trace per line
+    tracer: Any = None
 
     @property
     def lease_ms(self) -> int:
@@ -464,7 +469,12 @@ class BatchRun:
     async def _fill(self, pending: deque[BatchLine], in_flight: dict[str, BatchLine]) -> None:
         batch = [pending.popleft() for _ in range(min(len(pending), self.settings.max_in_flight - len(in_flight)))]
         jobs = [await self._with_room_left(line) for line in batch]
+        spans = self._line_spans(batch)
+        if spans:
+            jobs = [{**job, **trace_fields_of(span)} for job, span in zip(jobs, spans)]
         replies = await asyncio.gather(*(self.client.submit(**job) for job in jobs), return_exceptions=True)
+        for span in spans:
+            span.end()
         failed = []
         for line, reply in zip(batch, replies):
             if isinstance(reply, QueueFull):
@@ -478,6 +488,29 @@ class BatchRun:
                 self.submitted += bool(reply.enqueued)
                 self.reused += not reply.enqueued
         await self._record([(line, (out, False, (0, 0))) for line, out in failed])
+
+    def _line_spans(self, lines: list[BatchLine]) -> list:
+        """One new trace per line (a batch of 50,000 lines is not one trace of 50,000 jobs):
+        a producer span each, whose context its job carries to the replica."""
+        tracer = self.settings.tracer
+        if tracer is None:
+            return []
+        from opentelemetry import context, trace
+
+        return [
+            tracer.start_span(
+                "batch line",
+                context=context.Context(),
+                kind=trace.SpanKind.PRODUCER,
+                attributes={
+                    "conveyor.batch_id": self.batch_id,
+                    "conveyor.custom_id": str(line.custom_id)[:256],
+                    "conveyor.job_id": line.job_id,
+                    "conveyor.namespace": self.client.keys.ns,
+                },
+            )
+            for line in lines
+        ]
 
     async def _with_room_left(self, line: BatchLine) -> dict[str, Any]:
         """A chat naming no max_tokens gets the context its prompt leaves, as the live route
@@ -628,7 +661,8 @@ class BatchRunners:
 
     def watch(self, client: AsyncClient) -> None:
         if client.keys.ns not in self._stores:
-            self._stores[client.keys.ns] = (BatchStore(client.redis, client.keys.ns), client)
+            events = client.keys.webhooks if client.keys.ns in self.settings.webhook_namespaces else None
+            self._stores[client.keys.ns] = (BatchStore(client.redis, client.keys.ns, events), client)
             self.wake()
 
     def wake(self) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from conveyor.clients.limits import MAX_JSON_BYTES
 from conveyor.clients.redis_cluster import is_cluster, queue_script
+from conveyor.clients.webhook_queue import MAX_PENDING_EVENTS, event_args
 
 FILE_TTL_S = 7 * 86_400  # uploaded files
 BATCH_TTL_S = 30 * 86_400  # batches, their results and output files
@@ -50,16 +51,26 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 CANCELLABLE = ("validating", "in_progress")
 OK, FAILED = b"+", b"-"  # prefixes of stored result lines
 
-# Compare-and-set a batch's status. KEYS: batch hash, active set. ARGV: allowed current
-# statuses (comma-separated), new status, "1" when terminal, batch id, then field/value
-# pairs to set with it. Returns {1, new} when changed, {0, current} when not.
+# Compare-and-set a batch's status. KEYS: batch hash, active set, and the namespace's webhook
+# events stream when it has a webhook. ARGV: allowed current statuses (comma-separated), new
+# status, "1" when terminal, batch id, the number E of event fields (0: no event), the stream's
+# bound, the E event fields (field, value, ...), then field/value pairs to set with the status.
+# A terminal change queues the `batch.<status>` event in the same script: exactly once per
+# batch (a stream of the wrong type loses the event, never the change). Returns {1, new}
+# when changed, {0, current} when not.
 TRANSITION_LUA = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if not current then return {0, ''} end
 if not string.find(',' .. ARGV[1] .. ',', ',' .. current .. ',', 1, true) then return {0, current} end
+local events = tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ARGV[3] == '1' then redis.call('SREM', KEYS[2], ARGV[4]) end
+for i = 7 + events, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[3] == '1' then
+  redis.call('SREM', KEYS[2], ARGV[4])
+  if events > 0 and KEYS[3] then
+    redis.pcall('XADD', KEYS[3], 'MAXLEN', '~', ARGV[6], '*', unpack(ARGV, 7, 6 + events))
+  end
+end
 return {1, ARGV[2]}
 """
 
@@ -220,9 +231,12 @@ def check_metadata(metadata: Any) -> dict[str, str]:
 class BatchStore:
     """Files and batches of one namespace on a redis.asyncio client (bytes responses)."""
 
-    def __init__(self, redis: Any, ns: str) -> None:
+    def __init__(self, redis: Any, ns: str, events_stream: str | None = None) -> None:
+        """`events_stream`: the namespace's webhook events stream (Keys.webhooks), when it has a
+        webhook: each batch's terminal status then queues its `batch.*` event there."""
         self.redis = redis
         self.keys = BatchKeys(ns, tagged=is_cluster(redis))
+        self.events_stream = events_stream
         self._transition = redis.register_script(TRANSITION_LUA)
         self._record = redis.register_script(RECORD_LUA)
         self._create_batch = redis.register_script(CREATE_BATCH_LUA)
@@ -390,8 +404,13 @@ class BatchStore:
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str, **fields: Any) -> tuple[bool, str]:
         """Set `status` (and `fields`) if the current status is in `allowed`: (changed, status now)."""
         terminal = "1" if status in TERMINAL else "0"
-        args = [",".join(allowed), status, terminal, batch_id, *_flat(fields)]
-        changed, now = await self._transition([self.keys.batch(batch_id), self.keys.active], args)
+        keys = [self.keys.batch(batch_id), self.keys.active]
+        event = []
+        if terminal == "1" and self.events_stream:
+            keys.append(self.events_stream)
+            event = event_args(f"batch.{status}", batch_id)
+        args = [",".join(allowed), status, terminal, batch_id, len(event), MAX_PENDING_EVENTS, *event, *_flat(fields)]
+        changed, now = await self._transition(keys, args)
         return bool(changed), now.decode() if isinstance(now, bytes) else now
 
     async def request_cancel(self, batch_id: str) -> tuple[bool, str]:
