@@ -1,15 +1,18 @@
 """Queue facts an operator or an autoscaler reads, with a bounded number of Redis commands
 whatever the queue holds: per request stream (class, partition, model) its length, the
 `engines` group's pending entries (delivered, not yet acked: in flight) and lag (not yet
-delivered: waiting), the age of the oldest waiting entry, the consumers; the dead letters;
-the replicas' own records (clients/replica_records.py).
+delivered: waiting), the age of the oldest waiting entry, the nearest deadline among the
+oldest waiting jobs, the consumers; the dead letters; the replicas' own records
+(clients/replica_records.py).
 
 One read of a namespace costs one SRANDMEMBER (the published models, at most MAX_MODELS),
 then one pipelined round trip: one script per partition (TIME, then per stream XLEN, XINFO
-GROUPS and, when something waits, one XRANGE ... COUNT 1 whose entry never leaves the
-server), XLEN of the dead letters, and the replica records' script (ZREVRANGE, one HMGET per
-replica). So 100,000 queued jobs cost what 1 does (tests/test_dashboard.py counts them).
-Everything read is input: wrong types read as empty, numbers are checked.
+GROUPS and, when something waits, one to four XRANGE ... COUNT DEADLINE_SCAN_PAGE whose entries
+never leave the server), XLEN of the dead letters, and the replica records' script
+(ZREVRANGE, one HMGET per replica). So 100,000 queued jobs cost what 1 does
+(tests/test_dashboard.py counts them; tests/test_deadline_gauge.py bounds the deadline scan).
+Everything read is input: wrong types read as empty, numbers are checked, and a payload the
+script cannot decode is skipped, never an error.
 """
 
 from __future__ import annotations
@@ -21,24 +24,81 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
+from conveyor.clients.limits import EARLIEST_DEADLINE
 from conveyor.clients.redis_cluster import is_cluster
 from conveyor.clients.replica_records import READ_REPLICAS_LUA, ReplicaRecord, read_args, records_from
 
 MAX_MODELS = 64  # model names read from <ns>:models per look
+# The deadline gauge looks at the oldest waiting entries of each stream only, so a read costs
+# the same with 300 or 300,000 jobs queued: the nearest deadline among these many of them...
+DEADLINE_SCAN_ENTRIES = 256
+# ...read this many at a time (at most 4 XRANGE per stream)...
+DEADLINE_SCAN_PAGE = 64
+# ...until their payloads reach this many bytes: a queue of long documents is not copied 256
+# at a time. An entry is decoded while its payload fits in what is left of these bytes, so a
+# huge one is skipped, not the smaller ones after it.
+DEADLINE_SCAN_BYTES = 512 * 1024
+# Deadlines outside these bounds (epoch seconds) count as none: below, the replica rejects the
+# job (EARLIEST_DEADLINE: a relative time by mistake); above (year 5138), it is no deadline in
+# practice, and the milliseconds the script returns stay well inside a 64-bit integer.
+LATEST_DEADLINE = 1e11
 
-# KEYS: request streams of one slot. ARGV: the group. Returns the server time (ms), then per
-# stream {length, pending, lag, entries_read, oldest waiting age ms, consumers}; -1: unknown.
+# KEYS: request streams of one slot. ARGV: the group, DEADLINE_SCAN_ENTRIES, DEADLINE_SCAN_PAGE,
+# DEADLINE_SCAN_BYTES, EARLIEST_DEADLINE, LATEST_DEADLINE. Returns the server time (ms), then
+# per stream {length, pending, lag, entries_read, oldest waiting age ms, consumers, ms until
+# the nearest deadline of a waiting job (false: none)}; -1: unknown.
 QUEUE_FACTS_LUA = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local scan_entries, scan_page, scan_bytes = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local earliest, latest = tonumber(ARGV[5]), tonumber(ARGV[6])
 local out = {now_ms}
-local function age_after(stream, start)
-  local rows = redis.call('XRANGE', stream, start, '+', 'COUNT', 1)
-  if not rows[1] then return -1 end
-  return now_ms - tonumber(string.match(rows[1][1], '^(%d+)'))
+-- The job's payload and its decoder: `data` (msgpack) or `json`, as clients/safe_payload.py reads.
+local function payload_of(fields)
+  local json
+  for j = 1, #fields - 1, 2 do
+    if fields[j] == 'data' then return fields[j + 1], cmsgpack.unpack_one end
+    if fields[j] == 'json' then json = fields[j + 1] end
+  end
+  return json, json and cjson.decode
+end
+-- The job's deadline (epoch s) when the payload is a map holding a plausible one. Producer
+-- input: junk, a list, a string, NaN or inf, nesting too deep to decode (an error that pcall
+-- catches) all read as none. unpack_one decodes the first msgpack value only.
+local function deadline_in(payload, decode)
+  local ok, first, second = pcall(decode, payload)
+  local job = decode == cjson.decode and first or second
+  if not ok or type(job) ~= 'table' then return nil end
+  local deadline = rawget(job, 'deadline')
+  if type(deadline) == 'number' and deadline >= earliest and deadline <= latest then return deadline end
+end
+-- The oldest waiting entry's age (ms), and ms until the nearest deadline (false: none) among
+-- the scan_entries oldest waiting entries, read a page at a time until their payloads reach
+-- scan_bytes; an entry is decoded while its payload fits in what is left of scan_bytes.
+local function waiting_after(stream, start)
+  local age_ms, nearest, read, read_bytes, decode_left = -1, nil, 0, 0, scan_bytes
+  while read < scan_entries and read_bytes < scan_bytes do
+    local rows = redis.call('XRANGE', stream, start, '+', 'COUNT', math.min(scan_page, scan_entries - read))
+    if not rows[1] then break end
+    if age_ms < 0 then age_ms = now_ms - tonumber(string.match(rows[1][1], '^(%d+)')) end
+    for _, row in ipairs(rows) do
+      local payload, decode = payload_of(row[2])
+      local size = type(payload) == 'string' and #payload or 0
+      read_bytes = read_bytes + size
+      if size > 0 and size <= decode_left then
+        decode_left = decode_left - size
+        local deadline = deadline_in(payload, decode)
+        if deadline and (nearest == nil or deadline < nearest) then nearest = deadline end
+      end
+    end
+    read = read + #rows
+    start = '(' .. rows[#rows][1]
+    if #rows < scan_page then break end
+  end
+  return age_ms, nearest ~= nil and math.floor(nearest * 1000) - now_ms
 end
 for _, stream in ipairs(KEYS) do
-  local row = {0, 0, -1, -1, -1, 0}
+  local row = {0, 0, -1, -1, -1, 0, false}
   local length = redis.pcall('XLEN', stream)
   local groups = type(length) == 'number' and redis.pcall('XINFO', 'GROUPS', stream) or {err = 'no stream'}
   if type(length) == 'number' then
@@ -54,11 +114,14 @@ for _, stream in ipairs(KEYS) do
         -- a group that never read has no entries-read: it has read none (the rate counts from 0)
         if row[4] < 0 and info['last-delivered-id'] == '0-0' then row[4] = 0 end
         local waiting = row[3] >= 0 and row[3] or length - row[2]
-        if waiting > 0 then row[5] = age_after(stream, '(' .. info['last-delivered-id']) end
+        if waiting > 0 then row[5], row[7] = waiting_after(stream, '(' .. info['last-delivered-id']) end
       end
     end
     if not found then row[4] = 0 end  -- no group yet: nothing delivered
-    if not found and length > 0 then row[3], row[5] = length, age_after(stream, '-') end
+    if not found and length > 0 then
+      row[3] = length
+      row[5], row[7] = waiting_after(stream, '-')
+    end
   end
   out[#out + 1] = row
 end
@@ -78,6 +141,9 @@ class StreamFacts:
     entries_read: int | None  # delivered so far, ever (Redis 7+); None when unknown
     oldest_age_s: float  # of the oldest waiting entry; 0 when nothing waits
     consumers: int
+    # seconds from the read to the nearest deadline among the oldest waiting jobs (at most
+    # DEADLINE_SCAN_ENTRIES), negative once it passed; None when none of them has one
+    deadline_in_s: float | None = None
 
     @property
     def seen(self) -> bool:
@@ -103,11 +169,21 @@ def stream_layout(keys: Keys, models: list[str]) -> list[list[tuple[str, str, st
     ]
 
 
+QUEUE_FACTS_ARGS = [
+    GROUP,
+    DEADLINE_SCAN_ENTRIES,
+    DEADLINE_SCAN_PAGE,
+    DEADLINE_SCAN_BYTES,
+    EARLIEST_DEADLINE,
+    LATEST_DEADLINE,
+]
+
+
 async def read_namespace_facts(redis: Any, keys: Keys) -> NamespaceFacts:
     members = await redis.srandmember(keys.models, MAX_MODELS)
     models = sorted({n for n in (m.decode("utf-8", "replace") for m in members or []) if 0 < len(n) <= 256})
     layout = stream_layout(keys, models)
-    calls = [(QUEUE_FACTS_LUA, [s for s, *_ in group], [GROUP]) for group in layout]
+    calls = [(QUEUE_FACTS_LUA, [s for s, *_ in group], QUEUE_FACTS_ARGS) for group in layout]
     calls.append((READ_REPLICAS_LUA, *read_args(keys)))
     replies = await _run_scripts(redis, calls, extra=("xlen", keys.dead))
     *facts, replicas, dead = replies
@@ -151,9 +227,11 @@ def _sha(text: str) -> str:
 
 def _stream_facts(where: tuple[str, str, str, int], row: Any) -> StreamFacts:
     stream, model, priority_class, partition = where
-    values = [v if isinstance(v, int) else -1 for v in row] if isinstance(row, list) and len(row) == 6 else [0] * 6
+    well_formed = isinstance(row, list) and len(row) == 7
+    values = [v if isinstance(v, int) else -1 for v in row[:6]] if well_formed else [0] * 6
     length, pending, lag, entries_read, oldest_ms, consumers = values
     length, pending = max(length, 0), max(pending, 0)
+    deadline_ms = row[6] if well_formed else None
     return StreamFacts(
         stream,
         model,
@@ -165,4 +243,5 @@ def _stream_facts(where: tuple[str, str, str, int], row: Any) -> StreamFacts:
         entries_read if entries_read >= 0 else None,
         max(oldest_ms, 0) / 1000,
         max(consumers, 0),
+        deadline_ms / 1000 if type(deadline_ms) is int else None,  # None (Lua false): no waiting deadline
     )

@@ -19,11 +19,13 @@ from conveyor.apps.openai_api.batch_store import BatchStore
 from conveyor.apps.openai_api.errors import OpenAIError, invalid
 from conveyor.clients.dead_letters import dead_page_args, dead_page_from, requeue_async
 from conveyor.clients.job_lookup import lookup_args, lookup_from, valid_job_id
+from conveyor.clients.queue_metrics import NamespaceFacts
 from conveyor.clients.usage import read_usage_async
+from conveyor.gateway import dashboard_jobs
 from conveyor.gateway.body_limit import read_json
 from conveyor.gateway.dashboard_access import Viewer, actor_of, viewer_of
+from conveyor.gateway.dashboard_replies import HEADERS, MAX_TEXT, bounded, reply  # noqa: F401  (re-exported)
 
-MAX_TEXT = 200  # characters of any string a reply carries
 DEAD_PAGE, MAX_DEAD_PAGE = 25, 100
 MAX_REQUEUE_IDS = 100
 BATCHES_SHOWN = 20
@@ -34,31 +36,8 @@ PAGES = {
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
-HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-    "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "X-Frame-Options": "DENY",
-    "Cache-Control": "no-store",
-}
-
 router = APIRouter(prefix="/dashboard")
-
-
-def bounded(value: Any) -> Any:
-    """`value` with every string (dict keys too) cut to MAX_TEXT characters."""
-    if isinstance(value, str):
-        return value if len(value) <= MAX_TEXT else value[: MAX_TEXT - 1] + "…"
-    if isinstance(value, dict):
-        return {bounded(str(k)): bounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [bounded(v) for v in value]
-    return value
-
-
-def reply(body: dict[str, Any], status: int = 200) -> JSONResponse:
-    return JSONResponse(bounded(body), status_code=status, headers=HEADERS)
+router.include_router(dashboard_jobs.router)  # the job page and the lists of jobs
 
 
 def _static(name: str) -> Response:
@@ -109,6 +88,7 @@ async def overview(request: Request, viewer: Viewer = Depends(viewer_of)) -> JSO
             "totals": {
                 "queued": sum(s.lag for s in facts.streams),
                 "in_flight": sum(s.pending for s in facts.streams),
+                **taken_apart(facts),
                 "dead_letters": facts.dead_letters,
                 "replicas_live": sum(r.live(facts.server_time) for r in facts.replicas),
             },
@@ -118,6 +98,17 @@ async def overview(request: Request, viewer: Viewer = Depends(viewer_of)) -> JSO
             "throughput": watch.series(),
         }
     )
+
+
+def taken_apart(facts: NamespaceFacts) -> dict[str, int]:
+    """The jobs replicas took (the `engines` groups' pending entries) as running (the live
+    replicas' own count of running sequences, at most all of them) and waiting (the rest:
+    read, not yet scheduled, or finished a moment ago and not yet acknowledged), so that
+    queued + waiting + running is every job on the request streams."""
+    pending = sum(s.pending for s in facts.streams)
+    reported = sum(max(r.number("running") or 0.0, 0.0) for r in facts.replicas if r.live(facts.server_time))
+    running = min(pending, int(reported))
+    return {"waiting": pending - running, "running": running}
 
 
 async def _tenants_today(request: Request, viewer: Viewer) -> list[dict[str, Any]]:

@@ -40,7 +40,8 @@ def compose():
 
 def container_text(value: str) -> str:
     """What a compose string is inside the container: `$$` is a literal `$`. A lone `$`
-    would be interpolated from the host's environment, which these files never rely on."""
+    would be interpolated from the host's environment, which no command or healthcheck relies
+    on (only the tracing endpoint does: test_only_the_tracing_endpoint_comes_from_the_host)."""
     held = value.replace("$$", "\0")
     assert "$" not in held, f"unescaped $ (host interpolation) in {value!r}"
     return held.replace("\0", "$")
@@ -674,6 +675,7 @@ def test_gateway_needs_api_keys_from_a_secret(compose):
 # --- Monitoring (the `monitoring` profile) -------------------------------------------------
 
 MONITORING = ("prometheus", "grafana")
+OPTIONAL_SERVICES = {"prometheus": ["monitoring"], "grafana": ["monitoring"], "jaeger": ["tracing"]}
 
 
 def exported_series() -> dict[str, set[str]]:
@@ -694,9 +696,9 @@ def exported_series() -> dict[str, set[str]]:
     return series
 
 
-def test_monitoring_is_off_by_default_and_mounts_files_that_exist(compose):
+def test_monitoring_and_tracing_are_off_by_default_and_mount_files_that_exist(compose):
     for name, service in compose["services"].items():
-        assert (service.get("profiles") == ["monitoring"]) == (name in MONITORING), name
+        assert service.get("profiles") == OPTIONAL_SERVICES.get(name), name
     for name in MONITORING:
         for volume in compose["services"][name]["volumes"]:
             source = volume.split(":")[0]
@@ -726,7 +728,7 @@ def test_the_grafana_board_queries_only_series_the_code_exports():
     series = exported_series()
     wanted = ("conveyor_queue_lag", "conveyor_queue_oldest_age_seconds", "conveyor_dead_letters")
     wanted += ("conveyor_time_to_first_token_seconds_bucket", "conveyor_inter_token_latency_seconds_bucket")
-    wanted += ("conveyor_kv_cache_usage_perc", "conveyor_generation_tokens_total")
+    wanted += ("conveyor_kv_cache_usage_perc", "conveyor_generation_tokens_total", "conveyor_queue_deadline_seconds")
     queried = set()
     for panel in board["panels"]:
         assert panel["datasource"]["uid"] == source["uid"], panel["title"]
@@ -738,3 +740,88 @@ def test_the_grafana_board_queries_only_series_the_code_exports():
                     assert all(label in series[name] for name in names), (panel["title"], label)
             queried |= names
     assert set(wanted) <= queried, set(wanted) - queried
+
+
+# --- Tracing (the `tracing` profile and compose/tracing.env) -------------------------------
+
+TRACED_SERVICES = {"engine": "conveyor-replica", "gateway": "conveyor-gateway"}
+TRACING_ENV = COMPOSE / "tracing.env"
+TRACING_UP = "--env-file compose/tracing.env --profile tracing up"
+HOST_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(:?-)([^}]*)\}|\$\{?[A-Za-z_]")
+
+
+def interpolate(value: str, host_env: dict[str, str]) -> str:
+    """Compose's interpolation of `${NAME:-default}` (the default when NAME is unset or empty)
+    and `${NAME-default}` (when unset) from the host; `$$` is a literal `$`."""
+
+    def substitute(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        assert match.group(1), f"only ${{NAME:-default}} is used here, not {match.group(0)!r}"
+        name, operator, default = match.groups()
+        value = host_env.get(name)
+        return default if value is None or (operator == ":-" and value == "") else value
+
+    return HOST_VARIABLE.sub(substitute, value)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines, as `docker compose --env-file` reads this one (no quotes, no spaces)."""
+    pairs = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, value = line.split("=", 1)
+            assert re.fullmatch(r"[A-Z_][A-Z0-9_]*", name) and value == value.strip(), line
+            pairs[name] = value
+    return pairs
+
+
+def container_port(port) -> int:
+    return int(str(port).split("/")[0].rsplit(":", 1)[-1])
+
+
+def test_tracing_is_off_unless_its_endpoint_is_set(compose):
+    """Without compose/tracing.env (OTEL_EXPORTER_OTLP_ENDPOINT unset or empty on the host) the engine and the
+    gateway get an empty OTLP endpoint, which the code treats as not configured: no exporter."""
+    for name, service_name in TRACED_SERVICES.items():
+        environment = compose["services"][name]["environment"]
+        assert environment["OTEL_SERVICE_NAME"] == service_name
+        for host_env in ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": ""}):
+            assert interpolate(environment["OTEL_EXPORTER_OTLP_ENDPOINT"], host_env) == "", name
+    for name, service in compose["services"].items():  # an optional service is never waited for
+        assert "jaeger" not in (service.get("depends_on") or {}), name
+
+
+def test_tracing_env_sends_the_engine_and_gateway_spans_to_jaeger_over_otlp_http(compose):
+    jaeger = compose["services"]["jaeger"]
+    assert re.fullmatch(r"jaegertracing/jaeger:2\.\d+\.\d+", jaeger["image"]), "Jaeger v2, pinned"
+    assert jaeger["environment"]["JAEGER_LISTEN_HOST"] == "0.0.0.0"  # else OTLP listens on its loopback
+    ports = {container_port(port) for port in jaeger["ports"]}
+    assert {16686, 4317, 4318} <= ports  # the UI, OTLP gRPC, OTLP HTTP (loopback: checked above)
+    host_env = read_env_file(TRACING_ENV)
+    for name in TRACED_SERVICES:
+        endpoint = interpolate(compose["services"][name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"], host_env)
+        url = urlsplit(endpoint)
+        assert (url.scheme, url.hostname, url.port, url.path) == ("http", "jaeger", 4318, ""), endpoint
+    for text in ((COMPOSE / "docker-compose.yml").read_text(), TRACING_ENV.read_text()):
+        assert TRACING_UP in text  # the documented command needs both the file and the profile
+    assert TRACING_UP in (REPO_ROOT / "docs/dashboard.md").read_text()
+
+
+def test_only_the_tracing_endpoint_comes_from_the_host():
+    """Every other `$` of the compose file is a `$$` for the container's shell."""
+    text = (COMPOSE / "docker-compose.yml").read_text()
+    used = {m.group(0) for m in HOST_VARIABLE.finditer(text) if m.group(0) != "$$"}
+    assert used == {"${OTEL_EXPORTER_OTLP_ENDPOINT:-}"}, used  # empty when unset: no exporter
+
+
+def test_the_image_installs_the_otlp_http_exporter():
+    """The image installs the wheel with [all]; `all` includes `otel`, which brings the OTLP/HTTP
+    exporter that port 4318 speaks."""
+    import tomllib
+
+    assert re.search(r'pip install [^\n]*"\$\{wheel\}\[all\]"', (COMPOSE / "Dockerfile").read_text())
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (everything,) = extras["all"]
+    assert "otel" in re.fullmatch(r"conveyor\[([a-z,]+)\]", everything).group(1).split(",")
+    assert any(r.startswith("opentelemetry-exporter-otlp-proto-http") for r in extras["otel"])

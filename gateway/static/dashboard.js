@@ -3,8 +3,11 @@
 "use strict";
 
 const KEY_STORE = "conveyor-dashboard-key";
-const OVERVIEW_MS = 1500, DEAD_MS = 3000, BATCHES_MS = 5000;
-const state = { ns: "", deadBefore: null, deadNext: null, mayAct: false, stopped: false };
+const OVERVIEW_MS = 1500, DEAD_MS = 3000, BATCHES_MS = 5000, JOB_MS = 2000;
+const state = {
+  ns: "", deadBefore: null, deadNext: null, mayAct: false, stopped: false,
+  list: "queued", listAt: null, listNext: null, jobId: null,
+};
 
 function $(id) { return document.getElementById(id); }
 
@@ -64,7 +67,8 @@ async function refreshOverview() {
   state.mayAct = data.may_act;
   showNamespaces(data.namespace, data.namespaces);
   $("queued-total").textContent = data.totals.queued;
-  $("inflight-total").textContent = data.totals.in_flight;
+  $("waiting-total").textContent = data.totals.waiting;
+  $("running-total").textContent = data.totals.running;
   $("dead-total").textContent = data.totals.dead_letters;
   $("replicas-live").textContent = data.totals.replicas_live;
   fill("queues", data.queues.map(q => row([
@@ -169,21 +173,136 @@ async function refreshBatches() {
   }), data.error || "no batches");
 }
 
-async function lookUpJob(event) {
+function lookUpJob(event) {
   event.preventDefault();
-  const id = $("job-input").value.trim(), out = $("job-result");
-  if (!id) return;
+  const id = $("job-input").value.trim();
+  if (id) location.hash = "#job/" + encodeURIComponent(id);
+}
+
+// ---------------------------------------------------------------- lists of jobs
+
+const LISTS = {  // tab -> its columns and where its pages come from
+  queued: { head: ["job", "status", "attempt", "updated"] },
+  running: { head: ["job", "status", "attempt", "updated"] },
+  done: { head: ["job", "status", "attempt", "updated"] },
+  failed: { head: ["job", "status", "attempt", "updated"] },
+  dead: { head: ["dead letter", "when", "job", "reason"] },
+  webhooks: { head: ["dead letter", "event", "type", "created", "data id", "detail"] },
+};
+
+function jobLink(id) {
+  const link = el("a", id);
+  link.href = "#job/" + encodeURIComponent(id);
+  return link;
+}
+
+function listPath(kind, at) {
+  if (kind === "dead") return "/dashboard/api/dead?count=50" + (at ? "&before=" + encodeURIComponent(at) : "");
+  if (kind === "webhooks") return "/dashboard/api/webhooks/dead" + (at ? "?before=" + encodeURIComponent(at) : "");
+  return "/dashboard/api/jobs?state=" + kind + (at ? "&cursor=" + encodeURIComponent(at) : "");
+}
+
+function listRows(kind, data) {
+  if (kind === "dead") return data.letters.map(d => row([
+    d.dead_id, when(d.at), d.job_id ? jobLink(d.job_id) : (d.raw_job_id ? "invalid id: " + d.raw_job_id : "?"), d.reason,
+  ]));
+  if (kind === "webhooks") return data.letters.map(w => row([
+    w.dead_id, w.event_id, w.type, when(w.created_at), w.job_id ? jobLink(w.job_id) : w.data_id, w.detail,
+  ]));
+  return data.jobs.map(j => row([jobLink(j.job_id), j.status, j.attempt, when(Number(j.updated) || 0)]));
+}
+
+async function showList(kind, at) {
+  state.list = kind;
+  state.listAt = at || null;
+  for (const tab of document.querySelectorAll("#job-tabs button")) tab.classList.toggle("chosen", tab.dataset.state === kind);
+  const head = document.createElement("tr");
+  for (const name of LISTS[kind].head) head.appendChild(el("th", name));
+  $("job-list-head").replaceChildren(head);
   try {
-    const job = await api("/dashboard/api/job/" + encodeURIComponent(id));
-    const table = el("table"), body = el("tbody");
-    for (const e of job.events) body.appendChild(row([e.id, e.type, e.attempt ?? "–", e.text ?? ""]));
-    table.appendChild(body);
-    const summary = el("p", `status ${job.status}, attempt ${job.attempt}, updated ${when(job.updated)}` +
-      (job.cancel_requested ? ", cancel requested" : "") + (job.more_events ? ` (first ${job.events.length} events)` : ""));
-    out.replaceChildren(summary, table);
+    const data = await api(listPath(kind, at));
+    state.listNext = data.next;
+    $("jobs-next").disabled = !data.next;
+    const rows = listRows(kind, data);
+    fill("job-list", rows, at ? "nothing more" : "none");
+    $("jobs-note").textContent = `${rows.length} shown` + (data.next ? ", more on the next page" : "");
   } catch (error) {
-    out.replaceChildren(el("p", error.message, "error"));
+    $("jobs-note").textContent = "error: " + error.message;
   }
+}
+
+// ---------------------------------------------------------------- one job
+
+function route() {
+  const match = location.hash.match(/^#job\/(.+)$/);
+  state.jobId = match ? decodeURIComponent(match[1]) : null;
+  $("overview").hidden = Boolean(state.jobId);
+  $("job-view").hidden = !state.jobId;
+  if (state.jobId) {
+    $("job-title").textContent = "Job " + state.jobId;
+    $("job-note").textContent = "";
+    refreshJob();
+  }
+}
+
+function fact(name, value) { return row([el("span", name, "muted"), value]); }
+
+async function refreshJob() {
+  const id = state.jobId;
+  if (!id) return;
+  let job;
+  try {
+    job = await api("/dashboard/api/jobs/" + encodeURIComponent(id));
+  } catch (error) {
+    if (id !== state.jobId) return;
+    $("job-error").textContent = error.message;
+    for (const part of ["job-facts", "job-attempts", "job-dead"]) $(part).replaceChildren();
+    for (const part of ["job-prompt", "job-output", "job-prompt-source"]) $(part).textContent = "";
+    $("job-cancel").hidden = $("job-retry").hidden = true;
+    return;
+  }
+  if (id !== state.jobId) return;  // the page moved on meanwhile
+  showJob(job);
+}
+
+function showJob(job) {
+  $("job-error").textContent = job.error || "";
+  const timings = job.timings || {}, usage = job.usage || {};
+  $("job-facts").replaceChildren(
+    fact("status", el("span", job.status, "status-" + job.status)),
+    fact("attempt", job.attempt ?? "–"),
+    fact("updated", when(job.updated)),
+    fact("cancel requested", job.cancel_requested ? "yes" : "no"),
+    fact("finish reason", job.finish_reason || "–"),
+    fact("timings", `queue ${seconds(timings.queue)}, ttft ${seconds(timings.ttft)}, ` +
+      `tpot ${seconds(timings.tpot)}, e2e ${seconds(timings.e2e)}`),
+    fact("usage", `prompt ${usage.prompt_tokens ?? "–"}, completion ${usage.completion_tokens ?? "–"}, ` +
+      `cached ${usage.cached_tokens ?? "–"}`),
+  );
+  $("job-prompt").textContent = job.prompt || (job.status === "queued" ? "(queued: prompt not found)" : "–");
+  $("job-prompt-source").textContent = job.prompt_source ? "(" + job.prompt_source + ")" : "";
+  $("job-output").textContent = job.result || "–";
+  fill("job-attempts", (job.attempts || []).map(a => row([
+    a.attempt, a.replica || "–", when(a.started), a.trace_id || "–",
+  ])), "no attempt yet");
+  fill("job-dead", (job.dead_letters || []).map(d => row([
+    d.dead_id, when(d.at), d.reason, d.requeueable ? "yes" : d.why_not,
+  ])), "none found");
+  $("job-cancel").hidden = !(job.may_act && job.cancellable);
+  $("job-retry").hidden = !(job.may_act && job.retryable);
+}
+
+async function act(what) {
+  const id = state.jobId;
+  try {
+    await api("/dashboard/api/jobs/" + encodeURIComponent(id) + "/" + what, {
+      method: "POST", body: "{}", headers: { "Content-Type": "application/json", "X-Conveyor-Dashboard": "1" },
+    });
+    $("job-note").textContent = what === "cancel" ? "cancel requested" : "requeued";
+  } catch (error) {
+    $("job-note").textContent = what + " failed: " + error.message;
+  }
+  await refreshJob();
 }
 
 // ---------------------------------------------------------------- loop
@@ -203,6 +322,9 @@ function start() {
   every(OVERVIEW_MS, refreshOverview);
   every(DEAD_MS, refreshDead);
   every(BATCHES_MS, refreshBatches);
+  every(JOB_MS, refreshJob);
+  showList(state.list, null);
+  route();
 }
 
 document.addEventListener("DOMContentLoaded", () => {
@@ -214,11 +336,19 @@ document.addEventListener("DOMContentLoaded", () => {
   $("ns").addEventListener("change", () => {
     state.ns = $("ns").value;
     state.deadBefore = null;
-    refreshOverview(); refreshDead(); refreshBatches();
+    refreshOverview(); refreshDead(); refreshBatches(); showList(state.list, null); refreshJob();
   });
   $("dead-newest").addEventListener("click", () => { state.deadBefore = null; refreshDead(); });
   $("dead-older").addEventListener("click", () => { state.deadBefore = state.deadNext; refreshDead(); });
   $("dead-requeue-all").addEventListener("click", () => requeue({ all: true }));
   $("job-form").addEventListener("submit", lookUpJob);
+  for (const tab of document.querySelectorAll("#job-tabs button")) {
+    tab.addEventListener("click", () => showList(tab.dataset.state, null));
+  }
+  $("jobs-first").addEventListener("click", () => showList(state.list, null));
+  $("jobs-next").addEventListener("click", () => showList(state.list, state.listNext));
+  $("job-cancel").addEventListener("click", () => act("cancel"));
+  $("job-retry").addEventListener("click", () => act("retry"));
+  window.addEventListener("hashchange", route);
   start();
 });
