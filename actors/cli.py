@@ -103,6 +103,13 @@ def _add_replica_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-s", type=float, default=None)
     parser.add_argument("--max-deliveries", type=int, default=None)
     parser.add_argument(
+        "--max-resumes",
+        type=int,
+        default=None,
+        help="times a reclaimed job may continue from the tokens it already published, rather than "
+        "rerun from the start (default 3; 0: always rerun)",
+    )
+    parser.add_argument(
         "--served-model-name",
         default=None,
         help="the model name jobs use to reach this replica (default: the model's basename)",
@@ -243,6 +250,7 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
         "lease_s",
         "grace_s",
         "max_deliveries",
+        "max_resumes",
         "metrics_port",
         "metrics_host",
         "served_model_name",

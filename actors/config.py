@@ -36,6 +36,9 @@ class ReplicaConfig:
     )
     lease_s: float = field(default_factory=lambda: _env_float("CONVEYOR_LEASE_S", 30.0))
     max_deliveries: int = field(default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_DELIVERIES", 3)))
+    # times one job may continue from the tokens earlier attempts published (actors/resume.py);
+    # 0: a reclaimed job always reruns from the start
+    max_resumes: int = field(default_factory=lambda: int(os.environ.get("CONVEYOR_MAX_RESUMES", 3)))
     grace_s: float = field(default_factory=lambda: _env_float("CONVEYOR_GRACE_S", 30.0))
     max_in_flight: int | None = None  # default: 2 x max_num_seqs (a queue ready in the scheduler)
     read_block_ms: int = 1000  # upper bound of the idle probe interval

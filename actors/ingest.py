@@ -21,6 +21,8 @@ from conveyor.actors.config import ReplicaConfig
 from conveyor.actors.engine_client import EngineCoreClient
 from conveyor.actors.ledger import JobLedger
 from conveyor.actors.messages import Delivery, EntryRefused, JobEnded, NewJob, ReadEntry, WantCredits, request_key
+from conveyor.actors.resume import MAX_EVENTS as MAX_RESUME_EVENTS
+from conveyor.actors.resume import Carried, Resumer
 from conveyor.actors.streams import CONFLICT, DUPLICATE, Streams
 from conveyor.clients.errors import ProtocolError
 from conveyor.clients.log_limits import RateLimitedLog, shown
@@ -77,6 +79,11 @@ class IngestActor(Actor):
         }
         # what the sampling fields a job leaves unset take: the served model's generation config
         self.sampling_defaults = sampling_defaults_of(engine)
+        facts = engine.facts
+        self.resumer = Resumer(
+            self.inputs.tokenizer, facts.eos_token_ids, facts.vocab_size, streams.model_identity, config.max_resumes
+        )
+        self.metrics = None  # the replica's ReplicaMetrics: tokens resumed and recomputed
 
     async def run(self) -> None:
         idle_s = FIRST_IDLE_POLL_S
@@ -252,7 +259,32 @@ class IngestActor(Actor):
         except InvalidRequest as exc:
             await self.publisher.send(JobEnded(delivery, "error", "invalid_request", str(exc)))
             return
+        if delivery.attempt > 1:  # taken over: continue from what earlier attempts published
+            carried = await self._carried(job, delivery, request.prompt_token_ids)
+            if carried.token_ids:
+                request = dataclasses.replace(request, resumed_token_ids=carried.token_ids, resumed_chars=carried.chars)
+                delivery = dataclasses.replace(delivery, resumed=(len(carried.token_ids), carried.chars))
         await self.engine_core.send(NewJob(delivery, job, request))
+
+    async def _carried(self, job: JobRequest, delivery: Delivery, prompt_ids) -> Carried:
+        """What a new attempt carries over (actors/resume.py), noted on the job's record."""
+        published = await self.streams.published(job.job_id, delivery.attempt, MAX_RESUME_EVENTS)
+        if published is None:
+            carried = Carried(reason="its out stream is longer than a job's or not a stream")
+        else:
+            earlier, entries = published
+            try:
+                carried = await asyncio.to_thread(
+                    self.resumer.check, job, list(prompt_ids), delivery.attempt, earlier, entries
+                )
+            except Exception as exc:  # noqa: BLE001 - a check that fails costs a rerun, never the replica
+                self.warnings.warning("resume", "cannot resume job %s: %s", job.job_id, shown(repr(exc), 200))
+                carried = Carried(reason=f"the check failed: {type(exc).__name__}")
+        if carried.num_published or carried.reason:
+            await self.streams.note_resume(job.job_id, delivery.attempt, carried.note())
+        if self.metrics is not None:
+            self.metrics.record_resume(len(carried.token_ids), carried.num_published - len(carried.token_ids))
+        return carried
 
     def _decode(self, entry: ReadEntry) -> JobRequest:
         if not entry.truncated:

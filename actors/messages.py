@@ -31,6 +31,8 @@ class Delivery:
     door: str = ""  # the namespace it came through, on a replica serving several ("": the only one)
     webhook: bool = False  # the job asked for job.completed / job.failed webhook events
     spans: Any = field(default=None, compare=False)  # its attempt's open span (actors/tracing.py), when traced
+    # a resumed attempt (actors/resume.py): (output tokens, characters of their text) carried over
+    resumed: tuple[int, int] | None = field(default=None, compare=False)
 
     @property
     def request_key(self) -> str:

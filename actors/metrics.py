@@ -28,6 +28,13 @@ class ReplicaMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.finished = counter("requests_finished", "Finished requests")
+        self.resumed_tokens = counter(
+            "resumed_tokens",
+            "Output tokens taken-over jobs carried over from their earlier attempts (not computed again)",
+        )
+        self.recomputed_tokens = counter(
+            "recomputed_tokens", "Output tokens earlier attempts published that taken-over jobs compute again (reruns)"
+        )
         # per namespace (tenant) and model: what `conveyor usage` bills, as it happens
         self.tenant_tokens = Counter(
             "conveyor_tenant_tokens",
@@ -76,6 +83,11 @@ class ReplicaMetrics:
             self._record_tokens(output, now)
             if output.finished:
                 self._record_finish(output)
+
+    def record_resume(self, carried: int, recomputed: int) -> None:
+        """A taken-over job's start: tokens it carries over, and published ones it computes again."""
+        self.resumed_tokens.inc(carried)
+        self.recomputed_tokens.inc(recomputed)
 
     def record_usage(self, namespace: str, model: str, usage) -> None:
         """A done job's usage (clients/events.py Usage)."""

@@ -180,6 +180,8 @@ class PublisherActor(Actor):
         if self.tracer is None or delivery.spans is None:
             return
         try:
+            if delivery.resumed:
+                delivery.spans.attempt.set_attribute("conveyor.resumed_tokens", delivery.resumed[0])
             self.tracer.end(delivery.spans, status, output, usage, error, **more)
         except Exception as exc:  # noqa: BLE001 - tracing never stops publishing, nor the replica
             self.warnings.warning(
@@ -224,6 +226,7 @@ class PublisherActor(Actor):
                 {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top, "rank": lp.rank}
                 for lp in output.new_logprobs
             ]
+        resumed = delivery.resumed if seq == 0 else None  # the first event of a resumed attempt says so
         return TokenEvent(
             attempt=delivery.attempt,
             seq=seq,
@@ -231,6 +234,8 @@ class PublisherActor(Actor):
             token_ids=output.new_token_ids,
             logprobs=logprobs,
             index=output.index,
+            resumed_tokens=resumed and resumed[0],
+            resumed_chars=resumed and resumed[1],
         )
 
     def _terminal(self, delivery: Delivery, output: RequestOutput, abort_reason: str | None):
@@ -277,6 +282,7 @@ class PublisherActor(Actor):
             timings=timings,
             metadata=delivery.metadata,
             outputs=choices,
+            resumed_tokens=delivery.resumed[0] if delivery.resumed else 0,
             **read[0],
         )
 

@@ -24,6 +24,7 @@ from conveyor.actors.metrics import ReplicaMetrics
 from conveyor.actors.model_announcer import ModelAnnouncer
 from conveyor.actors.partitions import PartitionKeeper
 from conveyor.actors.publisher import PublisherActor
+from conveyor.actors.resume import model_identity
 from conveyor.actors.streams import Streams
 from conveyor.actors.tracing import ChosenTraceIds, JobTracer, tracer_provider_from_env
 from conveyor.clients.limits import MAX_JSON_BYTES, MAX_MSGPACK_BYTES
@@ -48,11 +49,13 @@ class Door:
             replica.model_name,
             max_entry_bytes=MAX_ENTRY_BYTES,
         )
+        self.streams.model_identity = model_identity(replica.model_name, facts)  # a resumed job's check
         capacity = config.max_in_flight or 2 * facts.max_num_seqs
         self.ledger = JobLedger(self.streams, config, capacity)
         self.publisher = PublisherActor(self.streams, self.ledger, replica.metrics)
         replica.engine_core.publishers[name] = self.publisher
         self.ingest = IngestActor(self.streams, engine, self.ledger, replica.engine_core, self.publisher, config, name)
+        self.ingest.metrics = replica.metrics
         self.ledger.connect(self.ingest, replica.engine_core)
         self.partitions = None
         if config.partition_ownership:

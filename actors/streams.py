@@ -24,6 +24,7 @@ from conveyor.clients.job_record import (
     REJECT_LUA,
     START_LUA,
 )
+from conveyor.clients.job_record import Field as JobField
 from conveyor.clients.keys import GROUP, PRIORITY_CLASSES, Keys
 from conveyor.clients.model_info import ModelInfo, publish_model_info_async
 from conveyor.clients.protocol import JobRequest
@@ -94,6 +95,9 @@ return out
 )
 
 
+RESUME_READ_PAGE = 1024  # out-stream entries one read of a resumed job's published events takes
+
+
 class Streams:
     def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, model_name: str, max_entry_bytes: int):
         self.redis = client
@@ -101,6 +105,7 @@ class Streams:
         self.consumer = consumer
         self.max_entry_bytes = max_entry_bytes
         self.model_name = model_name  # what usage counters name
+        self.model_identity = ""  # what a job's attempt ran, on its record (actors/resume.py); set by the door
         # per read: groups of streams, each read by one script (so in one slot), in order
         self.read_groups = _read_groups(keys, model_name)
         self.request_streams = tuple(stream for group in self.read_groups for stream in group)
@@ -234,11 +239,39 @@ class Streams:
         requested). Raises ResponseError when the job's keys are unusable (e.g. not a hash)."""
         producer_trace = job.traceparent.split("-")[1] if job is not None and job.traceparent else ""
         args = [entry_id, ttl, repr(time.time()), digest, self.consumer, producer_trace, prompt_head(job), new_trace]
+        args.append(self.model_identity)
         attempt, cancel = await self.resilient(
             lambda: self.start_script(keys=[self.keys.job(job_id), self.keys.out(job_id)], args=args),
             "start job",
         )
         return int(attempt), cancel == b"1"
+
+    async def published(self, job_id: str, attempt: int, max_events: int) -> tuple[str | None, list[tuple]] | None:
+        """For a job's new attempt: the model identity its previous attempt recorded and its
+        out stream's entries (at most ``max_events``: None beyond, or when its keys are not
+        what they should be: a producer's clobbering costs a rerun, never an error)."""
+        field = JobField.MODEL_OF_ATTEMPT.format(attempt - 1)
+        try:
+            earlier = await self.resilient(lambda: self.redis.hget(self.keys.job(job_id), field), "read job record")
+            entries, after = [], "-"
+            while True:
+                page = await self.resilient(
+                    lambda: self.redis.xrange(self.keys.out(job_id), min=after, max="+", count=RESUME_READ_PAGE),
+                    "read published events",
+                )
+                entries += page
+                if len(page) < RESUME_READ_PAGE:
+                    break
+                if len(entries) >= max_events:
+                    return None
+                after = "(" + _text(page[-1][0])
+        except ResponseError:
+            return None
+        return (None if earlier is None else _text(earlier)), entries
+
+    async def note_resume(self, job_id: str, attempt: int, note: str) -> None:
+        field = JobField.RESUME_OF_ATTEMPT.format(attempt)
+        await self.resilient(lambda: self.redis.hset(self.keys.job(job_id), field, note[:500]), "note resume")
 
     async def queue_finish(
         self, pipe, delivery: Delivery, status: str, event: dict[str, bytes], usage: Usage | None = None

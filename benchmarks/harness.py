@@ -200,7 +200,11 @@ def spawned_replica(
             command,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
-            env={**os.environ, "CONVEYOR_LOG_LEVEL": "WARNING", **(env or {})},
+            env={
+                **os.environ,
+                "CONVEYOR_LOG_LEVEL": os.environ.get("CONVEYOR_BENCH_LOG_LEVEL", "WARNING"),
+                **(env or {}),
+            },
         )
         try:
             yield replica

@@ -183,6 +183,8 @@ def _print_stream(job: Job, args: argparse.Namespace) -> int:
         for event in job.stream(timeout=args.timeout):
             if event.reset:
                 print(f"\n[retry: attempt {event.attempt}, restarting output]", file=sys.stderr)
+            elif event.resumed_tokens is not None:  # what was printed stays: the output goes on from it
+                print(f"\n[attempt {event.attempt} resumed after {event.resumed_tokens} tokens]", file=sys.stderr)
             print(event.text, end="", flush=True)
         print()
         return EXIT_OK

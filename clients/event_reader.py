@@ -48,6 +48,7 @@ class JobResult(BaseModel):
     attempt: int = 1
     entry_id: str | None = None
     outputs: list[OutputChoice] = Field(default_factory=list)  # every output, index order (n of them)
+    resumed_tokens: int = 0  # output tokens carried over from an earlier attempt (a resumed job)
 
 
 class JobStatus(BaseModel):
@@ -105,7 +106,8 @@ class EventReader:
         if event.attempt == self.attempt and event.seq < self.next_seq:
             return None  # duplicate write
         new_attempt = event.attempt > self.attempt
-        event.reset = event.attempt > 1 and (event.seq == 0 or (new_attempt and self.attempt > 0))
+        restarts = event.attempt > 1 and (event.seq == 0 or (new_attempt and self.attempt > 0))
+        event.reset = restarts and event.resumed_tokens is None  # a resumed attempt continues
         self.attempt, self.next_seq = event.attempt, event.seq + 1
         return event
 

@@ -37,9 +37,24 @@ class TokenEvent(_Event):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: Any = None
     index: int = Field(default=0, ge=0)  # which of the job's n outputs this delta extends
-    # Set by the reading client: True on the first token of a retry (attempt > 1);
-    # discard the deltas of earlier attempts when you see it.
+    # On the first event of a resumed attempt (it continues the output earlier attempts
+    # published): keep that output's first `resumed_tokens` token ids (and their logprobs)
+    # and first `resumed_chars` characters, drop the rest, then append this delta.
+    resumed_tokens: int | None = Field(default=None, ge=0)
+    resumed_chars: int | None = Field(default=None, ge=0)
+    # Set by the reading client: True on the first token of a rerun (attempt > 1, not
+    # resumed); discard the deltas of earlier attempts when you see it.
     reset: bool = Field(default=False, exclude=True)
+
+    def carried_over(self, text: str, token_ids: list, logprobs: list | None = None):
+        """What a reader keeps of the output it holds when this event arrives: all of it,
+        none (a rerun), or the part a resumed attempt continues. (text, token_ids, logprobs)."""
+        logprobs = [] if logprobs is None else logprobs
+        if self.reset:
+            return "", [], []
+        if self.resumed_tokens is None:
+            return text, token_ids, logprobs
+        return text[: self.resumed_chars or 0], token_ids[: self.resumed_tokens], logprobs[: self.resumed_tokens]
 
 
 class Usage(BaseModel):
@@ -103,6 +118,7 @@ class DoneEvent(ToolOutput, _Event):
     timings: Timings = Field(default_factory=Timings)
     metadata: dict[str, Any] = Field(default_factory=dict)
     outputs: list[OutputChoice] | None = None  # n > 1: every output, in index order
+    resumed_tokens: int = 0  # output tokens carried over from earlier attempts (a resumed job)
 
     def all_outputs(self) -> list[OutputChoice]:
         """Every output in index order; an n = 1 job's one output from the flat fields."""

@@ -23,6 +23,8 @@ class Field:
     REPLICA_OF_ATTEMPT = "replica:{}"
     STARTED_OF_ATTEMPT = "started:{}"
     TRACE_OF_ATTEMPT = "trace:{}"
+    MODEL_OF_ATTEMPT = "model:{}"  # what it ran (actors/resume.py model_identity)
+    RESUME_OF_ATTEMPT = "resume:{}"  # how it started: resumed after K tokens, or why it reran
 
 
 PROMPT_HEAD_CHARS = 500
@@ -129,9 +131,10 @@ return 1
 # A refusal record (status 'rejected', left by an unreadable entry) is no claim: replaced.
 # A digest that is not 64 hex digits (the 32-digit form before 0.2, or junk) is not compared.
 # KEYS: job hash, out stream. ARGV: entry id, ttl, now, payload digest[, replica, producer's
-# trace id, prompt head, new trace id] (for the dashboard's job page: where and when each of
-# the first 32 attempts ran, the prompt cut, and the attempt's trace: the producer's for a first
-# attempt, else the one a tracing replica starts, '' when none). Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
+# trace id, prompt head, new trace id, model identity] (for the dashboard's job page: where and
+# when each of the first 32 attempts ran, the prompt cut, and the attempt's trace: the producer's
+# for a first attempt, else the one a tracing replica starts, '' when none; and what model it
+# ran, which a later attempt must match to resume from its tokens: actors/resume.py). Returns {attempt, cancel flag} or {-1 duplicate | -2 conflict, ''}.
 START_LUA = """
 local state = redis.call('HMGET', KEYS[1], 'entry', 'digest', 'cancel', 'finished_attempt', 'status', 'attempt')
 if state[5] == 'rejected' then
@@ -151,6 +154,7 @@ if ARGV[5] and attempt <= 32 then
   local trace = ARGV[6]
   if attempt > 1 or trace == '' then trace = ARGV[8] or '' end
   if trace ~= '' then redis.call('HSET', KEYS[1], 'trace:' .. attempt, trace) end
+  if ARGV[9] then redis.call('HSET', KEYS[1], 'model:' .. attempt, ARGV[9]) end
 end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return {attempt, state[3] or ''}

@@ -21,9 +21,13 @@ class EngineCoreRequest:
     lora_request: object | None = None  # engine.LoRARequest: the adapter it runs with (None: the base model)
     cache_salt: str | None = None  # prefix-cache entries are shared only within one salt (a replica: its namespace's)
     tenant: str | None = None  # whose fair share it is served from (engine/fair_share.py)
+    # a resumed job (actors/resume.py): output tokens an earlier attempt already published,
+    # prefilled with the prompt, and the characters of their text its readers already have
+    resumed_token_ids: tuple[int, ...] = ()
+    resumed_chars: int = 0
 
     def to_sequence(self) -> Sequence:
-        return Sequence(
+        seq = Sequence(
             self.request_id,
             list(self.prompt_token_ids),
             self.params,
@@ -36,3 +40,7 @@ class EngineCoreRequest:
             cache_salt=self.cache_salt,
             tenant=self.tenant,
         )
+        if self.resumed_token_ids:  # its outputs so far: the prompt stays the prompt
+            seq.token_ids.extend(self.resumed_token_ids)
+            seq.num_resumed_tokens, seq.resumed_chars = len(self.resumed_token_ids), self.resumed_chars
+        return seq

@@ -27,6 +27,16 @@ class GrammarState:
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.done = False  # accepted a stop token, or failed: nothing more to constrain
 
+    def resume(self, token_ids: list[int]) -> None:
+        """Accept the outputs an earlier attempt sampled under this grammar (a resumed request).
+        The replica checked them as that attempt's; one the matcher refuses ends constraining
+        (the output then follows the model alone) rather than the request."""
+        for token in token_ids:
+            if not self.matcher.accept_token(token):
+                self.done = True
+                return
+        self.done = self.matcher.is_terminated()
+
 
 class GrammarMasks:
     """The step's bitmask pass, for the rows (RunnerSeq) whose grammar is live."""

@@ -310,18 +310,7 @@ class ModelRunner:
         for seq_id in plan.finished_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
-            generator = None
-            if new.params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
-            self.seqs[new.seq_id] = RunnerSeq(
-                new.params,
-                list(new.token_ids),
-                len(new.token_ids),
-                new.min_tokens_stop_ids,
-                generator,
-                grammar=GrammarState(new.grammar) if new.grammar else None,
-                lora_request=new.lora_request,
-            )
+            self.seqs[new.seq_id] = self._runner_seq(new)
         for seq_id in plan.preempted_ids:
             self.seqs[seq_id].block_table = []
         for seq_id, num_blocks in plan.trimmed_tables.items():
@@ -329,6 +318,30 @@ class ModelRunner:
         for item in plan.scheduled:
             self.seqs[item.seq_id].block_table.extend(item.new_block_ids)
             self.seqs[item.seq_id].token_ids.extend(item.draft_token_ids)  # verify() keeps the right ones
+
+    def _runner_seq(self, new) -> RunnerSeq:
+        """The runner's copy of a new sequence. A resumed one (outputs an earlier attempt
+        published) has its seeded generator and its grammar where they would be after those
+        outputs: one draw per sampled token (as speculation rewinds), each token accepted."""
+        num_prompt = len(new.token_ids) if new.num_prompt_tokens is None else new.num_prompt_tokens
+        carried = new.token_ids[num_prompt:]
+        generator = None
+        if new.params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
+            if carried:
+                self.sampler.advance(generator, len(carried), self.grammar_masks.vocab_size)
+        grammar = GrammarState(new.grammar) if new.grammar else None
+        if grammar is not None and carried:
+            grammar.resume(carried)
+        return RunnerSeq(
+            new.params,
+            list(new.token_ids),
+            num_prompt,
+            new.min_tokens_stop_ids,
+            generator,
+            grammar=grammar,
+            lora_request=new.lora_request,
+        )
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> InputBatch:
         # decodes (one new token, or one and its drafts) first: they share one batched attention call

@@ -40,7 +40,7 @@ class OutputProcessor:
             params.spaces_between_special_tokens,
         )
         wants_logprobs = params.logprobs is not None
-        self.states[seq] = RequestState(
+        state = self.states[seq] = RequestState(
             detokenizer,
             prompt,
             [] if wants_logprobs else None,
@@ -48,6 +48,22 @@ class OutputProcessor:
             [None] if params.prompt_logprobs is not None else None,
             0.0 if wants_logprobs else None,
         )
+        if seq.num_resumed_tokens:
+            self._resume(seq, state)
+
+    @staticmethod
+    def _resume(seq: Sequence, state: RequestState) -> None:
+        """A resumed request's carried outputs: decoded (stop strings see their text), not
+        reported again; its deltas start after the text its readers already have. Their
+        logprobs are in the events that published them (placeholders here keep positions)."""
+        for token_id in seq.output_token_ids:
+            if state.detokenizer.stop_string is None:  # the replica trims carried outputs before one
+                state.detokenizer.add(token_id)
+        state.detokenizer.emitted = min(seq.resumed_chars, len(state.detokenizer.text))
+        state.num_seen_tokens = state.num_reported_tokens = seq.num_output_tokens
+        if state.logprobs is not None:
+            state.logprobs.extend([None] * seq.num_output_tokens)
+            state.sample_logprobs.extend([None] * seq.num_output_tokens)
 
     def feed(self, seq: Sequence, logprobs: TokenLogprobs | None = None, hold_last: bool = False) -> str | None:
         """Decode the sequence's new tokens; returns the stop string if one just completed.

@@ -17,6 +17,7 @@ class NewSeqData:
     min_tokens_stop_ids: tuple[int, ...] = ()  # token ids banned until min_tokens is reached
     grammar: object | None = None  # structured outputs: the compiled grammar (engine/grammar_compiler.py)
     lora_request: object | None = None  # engine.LoRARequest (None: the base model)
+    num_prompt_tokens: int | None = None  # of token_ids (None: all; a resumed one also holds carried outputs)
 
 
 @dataclass

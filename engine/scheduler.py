@@ -272,6 +272,7 @@ class Scheduler:
                     self.stop_rules.min_tokens_stop_ids(seq),
                     seq.grammar,
                     seq.lora_request,
+                    seq.num_prompt_tokens,
                 )
             )
             seq.known_to_runner = True

@@ -470,6 +470,8 @@ async def _collect(events: AsyncIterator[Event], want_logprobs: bool) -> tuple[E
             return event, logprobs
         if event.reset:
             logprobs = {}
+        elif event.resumed_tokens is not None:  # a resumed attempt continues the output its readers hold
+            logprobs = {index: kept[: event.resumed_tokens] for index, kept in logprobs.items()}
         logprobs.setdefault(event.index, []).extend(checked_logprobs(event) if want_logprobs else [])
     raise AssertionError("events() ended without a terminal event")
 

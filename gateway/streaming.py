@@ -75,8 +75,8 @@ class Relay:
 
     def feed(self, event: TokenEvent) -> tuple[str, list[dict]]:
         """The text and logprob entries of `event` the client has not seen yet."""
-        if event.reset:
-            self.restart()
+        # a rerun starts over, a resumed attempt continues what its readers hold
+        self.text, self.ids, self.logprobs = event.carried_over(self.text, self.ids, self.logprobs)
         self.text += event.text
         self.ids += event.token_ids
         self.logprobs += checked_logprobs(event)

@@ -102,18 +102,24 @@ def test_kill9_mid_generation_reclaimed_after_lease_and_completed_once(spawn, ti
     assert max(entry_key(e) for e in first) < min(entry_key(e) for e in second), "attempt 1 wrote after attempt 2"
     assert len(result.token_ids) == 900
     attempt1_ids = [t for e in first for t in e.token_ids]
-    assert result.token_ids[: len(attempt1_ids)] == attempt1_ids  # greedy: the rerun repeats the prefix
+    assert result.token_ids[: len(attempt1_ids)] == attempt1_ids  # greedy: the same prefix, resumed
     assert survivor.reclaimed_entries() == [entry_id]
     assert survivor.alive()
     today = datetime.datetime.now(datetime.timezone.utc).date()
     [used], _ = read_usage(raw, client.keys, today - datetime.timedelta(days=1), today)
     assert (used.jobs, used.completion_tokens, used.prompt_tokens) == (1, 900, result.usage.prompt_tokens), "once"
 
-    # what a streaming client sees: attempt 1's deltas, then a reset, then attempt 2 from seq 0
+    # what a streaming client sees: attempt 1's deltas, then attempt 2 resuming after what it
+    # published (actors/resume.py): no reset, every token once (tests/test_resume.py has more)
     streamed = list(client.job(job.job_id).stream(timeout=10))
-    resets = [i for i, e in enumerate(streamed) if e.reset]
-    assert len(resets) == 1 and streamed[resets[0]].attempt == 2 and streamed[resets[0]].seq == 0
-    assert "".join(e.text for e in streamed[resets[0] :]) == result.text
+    assert not any(e.reset for e in streamed)
+    [resumed] = [e for e in streamed if e.resumed_tokens is not None]
+    assert resumed.attempt == 2 and resumed.seq == 0 and resumed.resumed_tokens == result.resumed_tokens > 0
+    text, ids = "", []
+    for event in streamed:
+        text, ids, _ = event.carried_over(text, ids)
+        text, ids = text + event.text, ids + event.token_ids
+    assert (text, ids) == (result.text, result.token_ids)
     restarted_after_s = (entry_key(second[0])[0] - killed_ms) / 1000  # both on the server's clock
     record(
         "kill -9 of the replica running the job",

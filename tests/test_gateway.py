@@ -159,6 +159,21 @@ def test_relay_passes_on_only_what_a_rerun_adds_beyond_what_was_sent():
         diverged.feed(token(2, 0, "Help", [1, 9], reset=True))
 
 
+def test_relay_continues_a_resumed_attempt_from_what_it_carried_over():
+    relay = Relay()
+    relay.feed(token(1, 0, "Hel", [1, 2]))
+    relay.feed(token(1, 1, "lo", [3]))
+    resumed = TokenEvent(attempt=2, seq=0, text=", w", token_ids=[4], resumed_tokens=3, resumed_chars=5)
+    assert relay.feed(resumed) == (", w", [])  # nothing sent again, nothing lost
+    assert (relay.sent_text, relay.sent_ids) == ("Hello, w", [1, 2, 3, 4])
+    cut = Relay()  # a resumed attempt that samples the last carried token again (it had ended the job)
+    cut.feed(token(1, 0, "Hello", [1, 2, 3]))
+    assert cut.feed(TokenEvent(attempt=2, seq=0, text="lo!", token_ids=[3, 5], resumed_tokens=2, resumed_chars=3)) == (
+        "!",
+        [],
+    )
+
+
 def test_api_keys_from_file_and_env_are_compared_by_digest(tmp_path):
     (tmp_path / "keys.yaml").write_text("k1: {namespace: team-a}\nk2: team-b:batch\n")
     grants = load_grants(str(tmp_path / "keys.yaml"), "k3=team-c, k2=team-b")
