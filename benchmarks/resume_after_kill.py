@@ -3,8 +3,8 @@
     python benchmarks/resume_after_kill.py [--model smollm2] [--jobs 8] [--max-tokens 384]
                                            [--at 25,50,75] [--lease-s 2] [--plot docs/resume.png]
 
-Two ``conveyor serve`` replicas (engine on a thread, lease ``--lease-s``) share one embedded
-Valkey. For each kill point p and each mode (``resume``: the default ``--max-resumes 3``;
+Two ``conveyor serve`` replicas (engine on a thread, one compute thread each, lease
+``--lease-s``) share one embedded Valkey. For each kill point p and each mode (``resume``: the default ``--max-resumes 3``;
 ``rerun``: ``--max-resumes 0``), a batch of greedy jobs is submitted, the replica holding
 the most of them is SIGKILLed once p% of the batch's tokens are published, and the batch is
 waited for on the survivor. Printed per run: decode tokens spent (every token event of
@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import describe_cpu, embedded_valkey, spawned_replica, write_json  # noqa: E402
 
 MODES = {"resume": ["--max-resumes", "3"], "rerun": ["--max-resumes", "0"]}
+# one compute thread each: two replicas' thread pools on one small box would oversubscribe
+# its cores whenever the batch happens to split between them (a 5x slowdown measured)
+REPLICA_ENV = {"OMP_NUM_THREADS": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": ""}
 
 
 def run_once(args, url: str, mode: str, percent: int, run: int) -> dict:
@@ -35,8 +38,7 @@ def run_once(args, url: str, mode: str, percent: int, run: int) -> dict:
     flags = ["--namespace", namespace, "--lease-s", str(args.lease_s), "--engine-process", "false", *MODES[mode]]
     names = [f"{namespace}-a", f"{namespace}-b"]
     replicas = [
-        spawned_replica(args.model, url, flags, env={"CONVEYOR_CONSUMER": name, "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
-        for name in names
+        spawned_replica(args.model, url, flags, env={"CONVEYOR_CONSUMER": name, **REPLICA_ENV}) for name in names
     ]
     processes = [replica.__enter__() for replica in replicas]
     try:

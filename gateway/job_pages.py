@@ -38,7 +38,7 @@ BASE_FIELDS = ("status", "attempt", "updated", "cancel", "entry", "prompt_head",
 
 # KEYS: job hash. ARGV: bytes per field, attempts shown, largest result read, BASE_FIELDS...
 # Returns {0, type} when the key is not a hash, else {1, {base values}, {{n, replica, started,
-# trace}, ...}, result size, result or ''}. `attempt` is coerced as START_LUA does.
+# trace, resume note}, ...}, result size, result or ''}. `attempt` is coerced as START_LUA does.
 JOB_PAGE_LUA = """
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind ~= 'hash' then return {0, kind} end
@@ -53,8 +53,9 @@ attempt = math.floor(math.min(attempt, 1e9))
 local attempts = {}
 for n = 1, math.min(attempt, most) do
   local name = string.format('%d', n)
-  local v = redis.call('HMGET', KEYS[1], 'replica:' .. name, 'started:' .. name, 'trace:' .. name)
-  attempts[#attempts + 1] = {n, short(v[1]), short(v[2]), short(v[3])}
+  local v = redis.call('HMGET', KEYS[1], 'replica:' .. name, 'started:' .. name, 'trace:' .. name,
+                       'resume:' .. name)
+  attempts[#attempts + 1] = {n, short(v[1]), short(v[2]), short(v[3]), short(v[4])}
 end
 local size = redis.call('HSTRLEN', KEYS[1], 'result')
 local result = ''
@@ -148,13 +149,14 @@ async def read_job(redis: Any, keys: Keys, job_id: str) -> dict[str, Any] | None
 
 
 def _attempt(row: list) -> dict[str, Any]:
-    number, replica, started, trace = row
+    number, replica, started, trace, resume = row
     trace_id = _text(trace)
     return {
         "attempt": int(number),
         "replica": cut(_text(replica), FIELD_CHARS),
         "started": _epoch(_text(started)),
         "trace_id": trace_id if TRACE_ID.fullmatch(trace_id) else "",
+        "resume": cut(_text(resume), FIELD_CHARS),  # how a taken-over attempt began (actors/resume.py)
     }
 
 

@@ -660,6 +660,7 @@ def test_stream_survives_kill9_of_the_replica_running_its_job(stack):
     assert result.attempt == 2 and len(result.token_ids) == 900
     assert 0 < len(first_attempt) < 900, "the job must be cut short by the kill"
     assert result.token_ids[: len(first_attempt)] == first_attempt  # the same seed: the same tokens
+    assert result.resumed_tokens == len(first_attempt)  # attempt 2 continued them (actors/resume.py)
     assert text == result.text  # nothing duplicated, nothing missing
     assert time.monotonic() - killed_at < 60
 

@@ -106,3 +106,26 @@ def test_a_resumed_json_job_still_validates_and_stop_strings_hold(llm):
         assert output.token_ids == full.token_ids and output.text == full.text
         if check is not None:
             check(output.text)
+
+
+def test_a_resumed_request_under_speculation_ends_as_without_it(tiny_model, llm):
+    """n-gram speculation over prompt + carried tokens: drafts come from the resumed history
+    too, and the verified output is the one the plain engine gives (greedy and seeded)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(tiny_model, num_kv_blocks=256, speculative_config=ngram) as speculative:
+        for params in (
+            SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=3, max_tokens=64, ignore_eos=True),
+        ):
+            request = llm.llm_engine.inputs.request_for("plain", [5, 6, 5, 6, 5, 6], params)
+            plain, _ = run(llm, request)
+            cut = len(plain.token_ids) // 2
+            carried = tuple(plain.token_ids[:cut])
+            resumed = dataclasses.replace(
+                request,
+                request_id="speculative-resumed",
+                resumed_token_ids=carried,
+                resumed_chars=published_chars(llm, request, carried),
+            )
+            output, _ = run(speculative, resumed)
+            assert output.token_ids == plain.token_ids and output.text == plain.text

@@ -283,7 +283,7 @@ function showJob(job) {
   $("job-prompt-source").textContent = job.prompt_source ? "(" + job.prompt_source + ")" : "";
   $("job-output").textContent = job.result || "–";
   fill("job-attempts", (job.attempts || []).map(a => row([
-    a.attempt, a.replica || "–", when(a.started), a.trace_id || "–",
+    a.attempt, a.replica || "–", when(a.started), a.trace_id || "–", a.resume || "–",
   ])), "no attempt yet");
   fill("job-dead", (job.dead_letters || []).map(d => row([
     d.dead_id, when(d.at), d.reason, d.requeueable ? "yes" : d.why_not,
