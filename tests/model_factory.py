@@ -29,11 +29,17 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -56,6 +62,7 @@ NORM_JITTER = 0.2
 BIAS_STD = 0.1
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")  # mixtures of experts (tests/test_moe.py)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -140,10 +147,28 @@ def _config(arch: str, tokenizer: PreTrainedTokenizerFast, overrides: dict):
     if arch == "qwen3":
         cfg = dict(common, head_dim=32)
         return Qwen3Config(**{**cfg, **overrides}), Qwen3ForCausalLM
+    if arch in MOE_ARCHS:
+        return _moe_config(arch, common, overrides)
     if arch == "gpt2":
         cfg = dict(ids, n_embd=64, n_layer=2, n_head=4, n_inner=160, n_positions=MAX_POSITIONS)
         return GPT2Config(**{**cfg, **overrides}), GPT2LMHeadModel
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+
+
+def _moe_config(arch: str, common: dict, overrides: dict):
+    """4 experts, 2 per token, on the dense tiny shapes; Qwen2-MoE with its shared expert and
+    its q/k/v bias, Qwen3-MoE with norm_topk_prob as its real checkpoints set it, and one
+    dense layer (mlp_only_layers) where the family has them."""
+    moe = dict(common, num_experts_per_tok=2)
+    if arch == "mixtral":
+        cfg = dict(moe, num_local_experts=4, intermediate_size=96, sliding_window=None)
+        return MixtralConfig(**{**cfg, **overrides}), MixtralForCausalLM
+    qwen = dict(moe, num_experts=4, moe_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1])
+    if arch == "qwen2_moe":
+        cfg = dict(qwen, shared_expert_intermediate_size=80, num_hidden_layers=3, use_sliding_window=False)
+        return Qwen2MoeConfig(**{**cfg, **overrides}), Qwen2MoeForCausalLM
+    cfg = dict(qwen, head_dim=32, norm_topk_prob=True)
+    return Qwen3MoeConfig(**{**cfg, **overrides}), Qwen3MoeForCausalLM
 
 
 @torch.no_grad()

@@ -31,6 +31,11 @@ def check_shardable(model_class, hf_config, size: int, quantization: str) -> Non
             f"tensor_parallel_size={size}: only the Llama family (Llama, Mistral, Qwen2, "
             f"Qwen3) can be split; run this model with tensor_parallel_size=1"
         )
+    if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
+        raise ModelLoadError(
+            f"tensor_parallel_size={size}: mixture-of-experts models are not split yet (expert "
+            f"parallel is not built); run this model with tensor_parallel_size=1"
+        )
     if quantization == "gguf":
         raise ModelLoadError(
             f"tensor_parallel_size={size}: GGUF blocks are not split; use quantization='auto' "

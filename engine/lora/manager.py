@@ -18,6 +18,8 @@ class LoRAManager:
     def __init__(self, model, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         if not isinstance(model, LlamaForCausalLM):
             raise ValueError(f"enable_lora: adapters are served for the Llama family only, not {type(model).__name__}")
+        if model.arch.moe is not None:
+            raise ValueError("enable_lora: adapters are not served for mixture-of-experts models yet")
         self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, device
         self.batch = LoRABatch()
         self.layers = [self._wrap(model.arch, layer) for layer in model.model.layers]

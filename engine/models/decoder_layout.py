@@ -8,9 +8,10 @@ from conveyor.kernels.backend import DecoderLayout
 
 
 def decoder_layout(model: nn.Module) -> DecoderLayout | None:
-    """The Llama family's layout (except Qwen3's per-head q/k norms, which it lacks); None for
-    any other model. Read once the KV cache is bound (the layout holds each layer's cache)."""
-    if not isinstance(model, LlamaForCausalLM) or model.arch.qk_norm:
+    """The Llama family's layout (except Qwen3's per-head q/k norms and mixtures of experts,
+    which it lacks); None for any other model. Read once the KV cache is bound (the layout
+    holds each layer's cache)."""
+    if not isinstance(model, LlamaForCausalLM) or model.arch.qk_norm or model.arch.moe is not None:
         return None
     layers = [
         (

@@ -1,5 +1,8 @@
 """The Llama family on paged attention: Llama 2/3 (incl. llama3 rope scaling), SmolLM2,
-Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm)."""
+Mistral, Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm), and its mixture-of-experts
+members Mixtral, Qwen2-MoE and Qwen3-MoE (engine/models/moe.py)."""
+
+from __future__ import annotations
 
 from dataclasses import dataclass
 
@@ -9,6 +12,7 @@ from torch import nn
 from conveyor.engine.attention_metadata import AttentionMetadata
 from conveyor.engine.errors import ModelLoadError
 from conveyor.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, TiedHead
+from conveyor.engine.models.moe import SparseMoe
 from conveyor.engine.models.weights import WeightLoader
 from conveyor.kernels.layer_ops import silu_and_mul
 
@@ -18,7 +22,11 @@ FAMILIES = {  # architecture -> (qkv bias rule, per-head q/k norm)
     "MistralForCausalLM": ("none", False),
     "Qwen2ForCausalLM": ("qkv_only", False),
     "Qwen3ForCausalLM": ("attention_bias", True),
+    "MixtralForCausalLM": ("none", False),
+    "Qwen2MoeForCausalLM": ("qkv_config", False),  # q/k/v bias as config.qkv_bias says (default on)
+    "Qwen3MoeForCausalLM": ("attention_bias", True),
 }
+MOE_FAMILIES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass
@@ -37,6 +45,10 @@ class LlamaArch:
     mlp_bias: bool
     qk_norm: bool
     max_positions: int
+    moe: MoeArch | None = None  # a mixture-of-experts model's experts (None: dense)
+
+    def sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
 
     @classmethod
     def from_hf(cls, config, architecture: str) -> "LlamaArch":
@@ -54,11 +66,46 @@ class LlamaArch:
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias={"attention_bias": attention_bias, "none": False, "qkv_only": True}[bias_rule],
+            qkv_bias={
+                "attention_bias": attention_bias,
+                "none": False,
+                "qkv_only": True,
+                "qkv_config": bool(getattr(config, "qkv_bias", True)),
+            }[bias_rule],
             o_bias=attention_bias and bias_rule == "attention_bias",
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qk_norm,
             max_positions=max_context(config),
+            moe=MoeArch.from_hf(config, architecture) if architecture in MOE_FAMILIES else None,
+        )
+
+
+@dataclass(frozen=True)
+class MoeArch:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights scaled to sum 1 (Mixtral always; Qwen: norm_topk_prob)
+    shared_intermediate_size: int  # Qwen2-MoE's shared expert (0: none)
+    sparse_layers: frozenset[int]
+
+    @classmethod
+    def from_hf(cls, config, architecture: str) -> "MoeArch":
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+        top_k = config.num_experts_per_tok
+        if not 0 < top_k <= experts:
+            raise ModelLoadError(f"config: num_experts_per_tok {top_k} must be 1..{experts} (the experts)")
+        if architecture == "MixtralForCausalLM":
+            return cls(experts, top_k, config.intermediate_size, True, 0, frozenset(range(config.num_hidden_layers)))
+        step, dense = getattr(config, "decoder_sparse_step", 1) or 1, set(getattr(config, "mlp_only_layers", []) or [])
+        sparse = frozenset(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(
+            experts,
+            top_k,
+            config.moe_intermediate_size,
+            bool(getattr(config, "norm_topk_prob", False)),
+            getattr(config, "shared_expert_intermediate_size", 0) if architecture == "Qwen2MoeForCausalLM" else 0,
+            sparse,
         )
 
 
@@ -150,10 +197,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch):
+    def __init__(self, arch: LlamaArch, index: int = 0):
         super().__init__()
         self.self_attn = LlamaAttention(arch)
-        self.mlp = LlamaMLP(arch)
+        self.mlp = sparse_moe(arch) if arch.sparse(index) else LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -169,11 +216,23 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def sparse_moe(arch: LlamaArch) -> SparseMoe:
+    moe = arch.moe
+    return SparseMoe(
+        arch.hidden_size,
+        moe.num_experts,
+        moe.top_k,
+        moe.intermediate_size,
+        moe.renormalize,
+        moe.shared_intermediate_size,
+    )
+
+
 class LlamaModel(nn.Module):
     def __init__(self, arch: LlamaArch):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, index) for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -207,10 +266,58 @@ class LlamaForCausalLM(nn.Module):
             "q_proj": ("qkv_proj", 0, q),
             "k_proj": ("qkv_proj", q, kv),
             "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
+            **moe_packing(a.moe),  # before gate_proj/up_proj: their names hold those too
+            "gate_proj": ("gate_up_proj", 0, inter, _dense),
+            "up_proj": ("gate_up_proj", inter, inter, _dense),
         }
         loader = WeightLoader(self, packed, ignored=("rotary_emb.inv_freq",))
         skip_head = a.tie_word_embeddings
-        loader.load(weights, rename=lambda n: None if skip_head and n.startswith("lm_head") else n)
+
+        def rename(name: str) -> str | None:
+            if skip_head and name.startswith("lm_head"):
+                return None
+            return moe_name(name) if a.moe is not None else name
+
+        loader.load(weights, rename=rename)
         loader.check_complete()
+
+
+MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def moe_name(name: str) -> str:
+    """A MoE checkpoint name in our modules' terms: Mixtral's ``block_sparse_moe`` and w1/w3/w2
+    as ``mlp`` and gate/up/down, and each expert's (and the shared expert's) gate/up given a
+    name of its own (their widths differ from a dense layer's: moe_packing)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    for old, new in MIXTRAL_EXPERT.items():
+        name = name.replace(f".{old}.weight", f".{new}.weight") if ".experts." in name else name
+    for kind in ("experts", "shared_expert"):
+        for part in ("gate_proj", "up_proj"):
+            if f".{kind}." in name and f".{part}." in name:
+                return name.replace(f".{part}.", f".{kind}_{part}.")
+    return name
+
+
+def moe_packing(moe: MoeArch | None) -> dict[str, tuple[str, int, int]]:
+    if moe is None:
+        return {}
+    inter, shared = moe.intermediate_size, moe.shared_intermediate_size
+    return {
+        "experts_gate_proj": ("gate_up_proj", 0, inter, _in_experts),
+        "experts_up_proj": ("gate_up_proj", inter, inter, _in_experts),
+        "shared_expert_gate_proj": ("gate_up_proj", 0, shared, _in_shared_expert),
+        "shared_expert_up_proj": ("gate_up_proj", shared, shared, _in_shared_expert),
+    }
+
+
+def _in_experts(name: str) -> bool:
+    return ".experts." in name
+
+
+def _in_shared_expert(name: str) -> bool:
+    return ".shared_expert." in name
+
+
+def _dense(name: str) -> bool:
+    return not (_in_experts(name) or _in_shared_expert(name))

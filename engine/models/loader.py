@@ -31,9 +31,13 @@ ARCHITECTURES = {  # model_type -> (our class, the transformers architecture it 
     "mistral": (LlamaForCausalLM, "MistralForCausalLM"),
     "qwen2": (LlamaForCausalLM, "Qwen2ForCausalLM"),
     "qwen3": (LlamaForCausalLM, "Qwen3ForCausalLM"),
+    "mixtral": (LlamaForCausalLM, "MixtralForCausalLM"),
+    "qwen2_moe": (LlamaForCausalLM, "Qwen2MoeForCausalLM"),
+    "qwen3_moe": (LlamaForCausalLM, "Qwen3MoeForCausalLM"),
     "gpt2": (GPT2LMHeadModel, "GPT2LMHeadModel"),
 }
-SUPPORTED = "Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, GPT-2"
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = "Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2"
 GENERATION_CONFIG_FILE = "generation_config.json"
 # The default model's generation config states no sampling field (SmolLM2-135M-Instruct's own
 # says none, nor does its GGUF), so it would sample at temperature 1.0: its answers would be
@@ -87,6 +91,8 @@ def load_spec(model: str) -> ModelSpec:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ModelLoadError(f"model: architecture {model_type!r} is not supported; supported: {SUPPORTED}")
+    if gguf_path is not None and model_type in MOE_MODEL_TYPES:
+        raise ModelLoadError(f"model: a .gguf {model_type} (mixture of experts) is not supported; use its safetensors")
     context = max_context(hf_config) if model_type != "gpt2" else hf_config.n_positions
     return ModelSpec(model, model_dir, hf_config, model_type, _eos_ids(model_dir, hf_config), context, gguf_path)
 

@@ -36,7 +36,9 @@ class WeightLoader:
     """Copies named tensors into a module's parameters.
 
     ``packed`` maps a checkpoint name fragment to (our fragment, row offset, rows) so that
-    e.g. q/k/v projections land in one fused ``qkv_proj`` matrix.
+    e.g. q/k/v projections land in one fused ``qkv_proj`` matrix; an optional fourth item,
+    a predicate of our parameter names, says which fused parameters that fragment fills
+    (a MoE model's experts have fused projections of other widths than its dense layers).
     """
 
     def __init__(
@@ -63,7 +65,7 @@ class WeightLoader:
             self._copy(name, tensor)
 
     def _copy(self, name: str, tensor: torch.Tensor) -> None:
-        for fragment, (fused, offset, rows) in self.packed.items():
+        for fragment, (fused, offset, rows, *_) in self.packed.items():
             if fragment in name:
                 target = name.replace(fragment, fused)
                 self._fill(self._param(target, name).data[offset : offset + rows], tensor, name)
@@ -82,7 +84,9 @@ class WeightLoader:
         required = set()
         for name in self.params:
             parts = [
-                f"{name}#{fragment}" for fragment, (fused, _, _) in self.packed.items() if f".{fused}." in f".{name}"
+                f"{name}#{fragment}"
+                for fragment, (fused, _, _, *applies) in self.packed.items()
+                if f".{fused}." in f".{name}" and all(test(name) for test in applies)
             ]
             required.update(parts or [name])
         return required

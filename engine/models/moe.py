@@ -1,0 +1,77 @@
+"""Mixture-of-experts feed-forward blocks of the Llama family's MoE members: Mixtral,
+Qwen2-MoE (with its sigmoid-gated shared expert) and Qwen3-MoE.
+
+Routing as transformers does it in all three: a softmax in float32 over every expert's
+router logit, the top-k of those probabilities, renormalized to sum 1 where the family
+says so (Mixtral always, Qwen with ``norm_topk_prob``). A step's tokens are grouped by
+expert, so each active expert runs one GEMM over its tokens (not a loop over tokens), and
+the weighted outputs are added back in ascending expert order, as transformers' eager path
+adds them (tests/test_moe.py: greedy ids equal transformers' in float32).
+
+Each expert is an ``nn.Linear`` pair (gate/up fused, then down), so the CPU backend packs
+and runs them like any dense projection (kernels/cpu/linear.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.kernels.layer_ops import silu_and_mul
+
+
+class ExpertMLP(nn.Module):
+    """One expert: SiLU-gated feed-forward of width ``intermediate_size``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoe(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+    ):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_expert = None
+        if shared_intermediate_size:  # Qwen2-MoE: every token also goes through it, gated by a sigmoid
+            self.shared_expert = ExpertMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        slots = chosen.reshape(-1)  # slot j belongs to token j // top_k
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                out.index_add_(0, rows, expert(x[rows]) * slot_weights[start : start + count, None])
+                start += count
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` expert weights (x's dtype) and expert indices."""
+        probs = torch.softmax(F.linear(x, self.gate.weight).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
