@@ -34,6 +34,9 @@ class EngineConfig:
     # ranks the model is split over (attention heads and MLP, Megatron-style), one process
     # each, rank 0 in this one (docs/architecture.md "Tensor parallel"); 1: no split
     tensor_parallel_size: int = 1
+    # vLLM's name: a mixture-of-experts model's experts split over the tensor_parallel_size
+    # ranks (each holds 1/N of them; attention stays split by heads); needed for such models at N > 1
+    enable_expert_parallel: bool = False
     block_size: int = 16
     # vLLM's name. auto: the model's dtype, but bfloat16 on CPU where dtype=auto took a .gguf
     # model's bfloat16 copy (half the bytes every decode step reads); bfloat16 under float32
@@ -90,6 +93,8 @@ class EngineConfig:
         assert self.block_size > 0 and self.max_num_seqs > 0 and self.max_num_batched_tokens > 0
         if isinstance(self.async_scheduling, (str, int)) and not isinstance(self.async_scheduling, bool):
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
+        if isinstance(self.enable_expert_parallel, (str, int)) and not isinstance(self.enable_expert_parallel, bool):
+            self.enable_expert_parallel = str(self.enable_expert_parallel).lower() in ("1", "true", "yes", "on")
         if (
             isinstance(self.tensor_parallel_size, bool)
             or not isinstance(self.tensor_parallel_size, int)

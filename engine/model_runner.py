@@ -185,7 +185,13 @@ class ModelRunner:
         size = self.config.tensor_parallel_size
         if size == 1:
             return None
-        check_shardable(ARCHITECTURES[spec.model_type][0], spec.hf_config, size, self.config.quantization)
+        check_shardable(
+            ARCHITECTURES[spec.model_type][0],
+            spec.hf_config,
+            size,
+            self.config.quantization,
+            self.config.enable_expert_parallel,
+        )
         self.workers = Workers(self.config, self.max_model_len, rank_device(self.device, 0))
         return self.workers.group
 

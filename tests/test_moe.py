@@ -1,7 +1,7 @@
 """Mixture-of-experts models (engine/models/moe.py): tiny random Mixtral, Qwen2-MoE (shared
 expert, q/k/v bias) and Qwen3-MoE (q/k norm, renormalized top-k), built at test time, give
 greedy ids identical to transformers' own generate in float32, with ample KV, under forced
-preemption and with chunked prefill."""
+preemption and with chunked prefill; and the same with expert parallel over two gloo ranks."""
 
 import pytest
 from model_factory import MOE_ARCHS, build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
@@ -62,7 +62,33 @@ def test_the_families_route_and_share_as_their_configs_say(tmp_path):
 def test_what_is_not_built_for_experts_fails_at_load_naming_the_option(moe_model):
     from conveyor.engine.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="tensor_parallel_size=2: mixture-of-experts models are not split yet"):
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size=2: .* pass enable_expert_parallel=True"):
         LLM(moe_model, tensor_parallel_size=2)
+    from transformers import AutoConfig
+
+    from conveyor.engine.distributed.shard import check_shardable
+    from conveyor.engine.models.llama import LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(moe_model)
+    config.num_experts = config.num_local_experts = 3
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size=2: the model's experts \\(3\\) is not a multiple"):
+        check_shardable(LlamaForCausalLM, config, 2, "none", expert_parallel=True)
     with pytest.raises(Exception, match="enable_lora: adapters are not served for mixture-of-experts models"):
         LLM(moe_model, enable_lora=True)
+
+
+@pytest.mark.usefixtures("one_torch_thread")  # each rank one thread: two ranks, two cores
+def test_expert_parallel_over_two_ranks_matches_transformers(moe_model, workload):
+    """Each rank holds 2 of the 4 experts (and half of Qwen2-MoE's shared expert and dense
+    layer), routes every token, and one all-reduce sums the layer's parts."""
+    prompts, max_tokens, expected = workload
+    llm = LLM(moe_model, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        layers = llm.engine.runner.model.model.layers
+        sparse = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoe)]
+        assert sparse and all(len(moe.experts) == 2 and moe.first_expert == 0 for moe in sparse)
+        params = [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outputs] == expected
+    finally:
+        llm.close()

@@ -2,13 +2,15 @@
 its linears: attention heads and the MLP's intermediate columns are split over the ranks
 (qkv and gate_up column-parallel, o and down row-parallel, each followed by one
 all-reduce), norms, the embedding and the output head stay whole on every rank (a
-replicated head: only rank 0 computes logits). Each rank's KV cache holds its own heads."""
+replicated head: only rank 0 computes logits). Each rank's KV cache holds its own heads.
+A mixture-of-experts layer is split by experts instead (expert parallel: _shard_experts)."""
 
 import torch
 from torch import nn
 
 from conveyor.engine.errors import ModelLoadError
 from conveyor.engine.models.llama import LlamaForCausalLM
+from conveyor.engine.models.moe import SparseMoe
 
 
 class RowParallelLinear(nn.Module):
@@ -24,17 +26,18 @@ class RowParallelLinear(nn.Module):
         return self.group.all_reduce(self.linear(x))
 
 
-def check_shardable(model_class, hf_config, size: int, quantization: str) -> None:
+def check_shardable(model_class, hf_config, size: int, quantization: str, expert_parallel: bool = False) -> None:
     """ModelLoadError naming what cannot be split ``size`` ways."""
     if model_class is not LlamaForCausalLM:
         raise ModelLoadError(
             f"tensor_parallel_size={size}: only the Llama family (Llama, Mistral, Qwen2, "
             f"Qwen3) can be split; run this model with tensor_parallel_size=1"
         )
-    if getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None):
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if experts and not expert_parallel:
         raise ModelLoadError(
-            f"tensor_parallel_size={size}: mixture-of-experts models are not split yet (expert "
-            f"parallel is not built); run this model with tensor_parallel_size=1"
+            f"tensor_parallel_size={size}: a mixture-of-experts model splits its experts over the "
+            f"ranks: pass enable_expert_parallel=True (--enable-expert-parallel true)"
         )
     if quantization == "gguf":
         raise ModelLoadError(
@@ -45,8 +48,15 @@ def check_shardable(model_class, hf_config, size: int, quantization: str) -> Non
     counts = {
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
-        "intermediate_size": hf_config.intermediate_size,
     }
+    if experts:  # each rank holds whole experts; Qwen2-MoE's shared expert and dense layers are split
+        counts["experts"] = experts
+        if getattr(hf_config, "model_type", "") != "mixtral":  # Mixtral's intermediate_size is an expert's
+            counts["intermediate_size"] = hf_config.intermediate_size
+        if getattr(hf_config, "shared_expert_intermediate_size", 0):
+            counts["shared_expert_intermediate_size"] = hf_config.shared_expert_intermediate_size
+    else:
+        counts["intermediate_size"] = hf_config.intermediate_size
     for name, count in counts.items():
         if count % size:
             raise ModelLoadError(f"tensor_parallel_size={size}: the model's {name} ({count}) is not a multiple of it")
@@ -56,7 +66,10 @@ def check_shardable(model_class, hf_config, size: int, quantization: str) -> Non
 def shard_model(model: LlamaForCausalLM, rank: int, size: int, group) -> None:
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, rank, size, group)
-        _shard_mlp(layer.mlp, rank, size, group)
+        if isinstance(layer.mlp, SparseMoe):
+            _shard_experts(layer.mlp, rank, size, group)
+        else:
+            _shard_mlp(layer.mlp, rank, size, group)
 
 
 def _shard_attention(attn, rank: int, size: int, group) -> None:
@@ -73,14 +86,29 @@ def _shard_attention(attn, rank: int, size: int, group) -> None:
     attn.attn.num_heads, attn.attn.num_kv_heads = heads, kv_heads
 
 
-def _shard_mlp(mlp, rank: int, size: int, group) -> None:
+def _shard_mlp(mlp, rank: int, size: int, group, reduce: bool = True) -> None:
+    """This rank's intermediate columns; ``reduce``: its down projection sums over the ranks
+    (else its output is this rank's part, summed by whoever reads it)."""
     inter = mlp.down_proj.in_features
     part = inter // size
     gate_up = torch.cat(
         [torch.arange(rank * part, (rank + 1) * part), torch.arange(inter + rank * part, inter + (rank + 1) * part)]
     )
     mlp.gate_up_proj = _rows(mlp.gate_up_proj, gate_up)
-    mlp.down_proj = RowParallelLinear(_columns(mlp.down_proj, rank * part, part, rank), group)
+    down = _columns(mlp.down_proj, rank * part, part, rank)
+    mlp.down_proj = RowParallelLinear(down, group) if reduce else down
+
+
+def _shard_experts(moe: SparseMoe, rank: int, size: int, group) -> None:
+    """Expert parallel: this rank keeps experts [rank * E/N, (rank + 1) * E/N) whole, every rank
+    routes every token (the hidden states are the same on all), and the layer's output is its
+    experts' part (and its part of a shared expert) summed over the ranks in one all-reduce."""
+    per_rank = moe.num_experts // size
+    moe.first_expert = rank * per_rank
+    moe.experts = nn.ModuleList(list(moe.experts)[rank * per_rank : (rank + 1) * per_rank])
+    if moe.shared_expert is not None:
+        _shard_mlp(moe.shared_expert, rank, size, group, reduce=False)
+    moe.group = group
 
 
 def _rows(linear: nn.Linear, index: torch.Tensor) -> nn.Linear:

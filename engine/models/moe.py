@@ -43,7 +43,9 @@ class SparseMoe(nn.Module):
         shared_intermediate_size: int = 0,
     ):
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
+        self.top_k, self.renormalize, self.num_experts = top_k, renormalize, num_experts
+        self.first_expert = 0  # experts[i] is expert first_expert + i (expert parallel: a rank's share)
+        self.group = None  # expert parallel: the ranks this layer's partial outputs are summed over
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size) for _ in range(num_experts))
         self.shared_expert = None
@@ -56,17 +58,17 @@ class SparseMoe(nn.Module):
         out = torch.zeros_like(x)
         slots = chosen.reshape(-1)  # slot j belongs to token j // top_k
         order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(slots, minlength=self.num_experts).tolist()
         tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]
-        start = 0
-        for expert, count in zip(self.experts, counts):
+        start = sum(counts[: self.first_expert])  # the slots of the experts before this rank's
+        for expert, count in zip(self.experts, counts[self.first_expert :]):
             if count:
                 rows = tokens[start : start + count]
                 out.index_add_(0, rows, expert(x[rows]) * slot_weights[start : start + count, None])
                 start += count
-        if self.shared_expert is not None:
+        if self.shared_expert is not None:  # expert parallel: this rank's part of it
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.group is None else self.group.all_reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` expert weights (x's dtype) and expert indices."""
