@@ -222,7 +222,21 @@ def kernel_errors(device, tokens: int, group: int, head_dim: int, dtype) -> dict
     heads = rand(tokens, kv_heads * group, head_dim)
     want, _ = layer_ops.apply_rotary(f32(heads), f32(heads), (f32(cos)[:, None], f32(sin)[:, None]))
     errors["rotary"] = rel(fused.rotary_(heads.clone(), cos, sin), want)
+    errors["fused moe"] = moe_error(device, tokens, rand, f32, rel)
     return errors
+
+
+def moe_error(device, tokens: int, rand, f32, rel) -> float:
+    """kernels/triton/moe.py's grouped GEMMs (8 experts, top-2) against one GEMM per expert."""
+    import torch
+
+    from conveyor.kernels.moe import experts_reference
+    from conveyor.kernels.triton.moe import fused_experts
+
+    x, gate_up, down = rand(tokens, 256), rand(8, 2 * 512, 256) * 0.1, rand(8, 256, 512) * 0.1
+    weights, ids = torch.topk(torch.randn(tokens, 8, device=device).softmax(-1), 2, dim=-1)
+    want = experts_reference(f32(x), f32(gate_up), f32(down), weights, ids)
+    return rel(fused_experts(x, gate_up, down, weights.to(x.dtype), ids), want)
 
 
 def sampling_check(device) -> dict:

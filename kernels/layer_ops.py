@@ -29,6 +29,12 @@ def _fused(x: torch.Tensor) -> bool:
     return _triton is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
 
 
+def fused_moe_ready(x: torch.Tensor) -> bool:
+    """Whether a mixture-of-experts layer's experts on ``x`` run as kernels/triton/moe.py's
+    grouped GEMMs (CUDA with the Triton backend), rather than one linear per expert."""
+    return _fused(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _fused(x):
         return _triton.rms_norm(x, weight, eps)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels.layer_ops import silu_and_mul
+from conveyor.kernels.layer_ops import fused_moe_ready, silu_and_mul
 
 
 class ExpertMLP(nn.Module):
@@ -55,6 +55,13 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        out = self.fused_experts(x, weights, chosen) if fused_moe_ready(x) else self._experts(x, weights, chosen)
+        if self.shared_expert is not None:  # expert parallel: this rank's part of it
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.group is None else self.group.all_reduce(out)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """One linear pair per expert (this rank's) over its tokens, added back in expert order."""
         out = torch.zeros_like(x)
         slots = chosen.reshape(-1)  # slot j belongs to token j // top_k
         order = torch.argsort(slots, stable=True)
@@ -66,9 +73,30 @@ class SparseMoe(nn.Module):
                 rows = tokens[start : start + count]
                 out.index_add_(0, rows, expert(x[rows]) * slot_weights[start : start + count, None])
                 start += count
-        if self.shared_expert is not None:  # expert parallel: this rank's part of it
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if self.group is None else self.group.all_reduce(out)
+        return out
+
+    def fused_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """This rank's experts as two grouped GEMMs (kernels/triton/moe.py); other ranks'
+        experts' slots get weight 0 (expert parallel)."""
+        from conveyor.kernels.triton.moe import fused_experts
+
+        gate_up, down = self.stacked_weights()
+        local = chosen - self.first_expert
+        elsewhere = (local < 0) | (local >= len(self.experts))
+        weights = weights.masked_fill(elsewhere, 0.0)
+        return fused_experts(x, gate_up, down, weights, local.masked_fill(elsewhere, 0))
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' weights as [E, 2I, H] and [E, H, I], made once; each expert's linears
+        then hold views of them (no second copy)."""
+        if getattr(self, "_stacked", None) is None:
+            gate_up = torch.stack([e.gate_up_proj.weight.detach() for e in self.experts])
+            down = torch.stack([e.down_proj.weight.detach() for e in self.experts])
+            for index, expert in enumerate(self.experts):
+                expert.gate_up_proj.weight = nn.Parameter(gate_up[index], requires_grad=False)
+                expert.down_proj.weight = nn.Parameter(down[index], requires_grad=False)
+            self._stacked = (gate_up, down)
+        return self._stacked
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` expert weights (x's dtype) and expert indices."""
