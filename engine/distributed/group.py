@@ -4,6 +4,7 @@ replica is idle. Built on a TCPStore that rank 0 hosts, not on torch.distributed
 default group, so several engines (and tests) can live in one process."""
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -32,12 +33,15 @@ class TPGroup:
         store.set_timeout(timedelta(seconds=STORE_RUNTIME_TIMEOUT_S))
         self.bytes_all_reduced = 0  # this rank's tensors summed over the group (payload, not wire bytes)
         self.num_all_reduces = 0
+        self.seconds_all_reducing = 0.0  # wall time rank 0 spent in them (waiting for the others too)
         self.plan_bytes = 0  # step messages, length headers included
         self.num_plans = 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks in place (every rank gets the same sum)."""
+        started = time.perf_counter()
         self.compute.allreduce([tensor]).wait()
+        self.seconds_all_reducing += time.perf_counter() - started
         self.bytes_all_reduced += tensor.numel() * tensor.element_size()
         self.num_all_reduces += 1
         return tensor
@@ -78,6 +82,7 @@ class TPGroup:
         return {
             "tp_bytes_all_reduced": self.bytes_all_reduced,
             "tp_num_all_reduces": self.num_all_reduces,
+            "tp_all_reduce_s": self.seconds_all_reducing,
             "tp_plan_bytes": self.plan_bytes,
             "tp_num_plans": self.num_plans,
         }
