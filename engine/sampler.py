@@ -6,7 +6,7 @@ import torch
 
 from conveyor.engine.plan import TokenLogprobs
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, sample_with_noise
+from conveyor.kernels.sampling import apply_penalties, apply_top_k_top_p_min_p, greedy_tokens, sample_with_noise
 
 
 @dataclass
@@ -44,12 +44,12 @@ class Sampler:
             logits = self._penalize(logits, rows)
         self._ban_until_min_tokens(logits, rows)
         if all(r.params.greedy for r in rows):  # decided on the host: no device sync
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         elif self.fused is not None:  # the kernel takes greedy rows itself
             tokens = self._sample_fused(logits, rows)
         else:
             greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
-            tokens = torch.where(greedy, logits.argmax(dim=-1), self._sample(logits, rows))
+            tokens = torch.where(greedy, greedy_tokens(logits), self._sample(logits, rows))
         token_list = tokens.tolist()
         return token_list, self._logprobs(raw_logprobs, rows, token_list)
 

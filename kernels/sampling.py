@@ -43,4 +43,11 @@ def apply_top_k_top_p_min_p(
 def sample_with_noise(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
     """Draw one token per row: argmax(p / E) with E ~ Exp(1) is an exact sample from ``p``
     (the exponential race), and lets each row bring noise from its own generator."""
-    return (probs / exp_noise).argmax(dim=-1)
+    return greedy_tokens(probs / exp_noise)
+
+
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the first of equal maxima, as ``argmax`` picks. ``max(dim)`` finds
+    the same index 2.4x faster on CPU (64 x 49,152 float32 logits: 0.95 ms against 2.3 ms on
+    2 AVX-512 cores; the argmax was 4% of a 64-sequence decode step: docs/performance.md)."""
+    return scores.max(dim=-1).indices
