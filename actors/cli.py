@@ -241,7 +241,7 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
     from conveyor.actors.config import ReplicaConfig
 
     config = ReplicaConfig(redis=redis_settings)
-    if args.namespace:
+    if getattr(args, "namespace", None):  # `conveyor demo` has no --namespace
         config.namespace, *more = args.namespace
         config.more_namespaces = tuple(more)
     config.namespace_users = namespace_users(getattr(args, "namespace_user", None) or [])
