@@ -687,9 +687,9 @@ def test_usage_reports_cached_prompt_tokens_within_one_cache_salt(stack):
 def test_usage_api_reports_the_replicas_counters_per_project_and_model(stack):
     """OpenAI's usage API shape over the counters `conveyor usage` reads: a tenant key sees
     its own project, an admin key every configured one."""
-    today = datetime.datetime.now(datetime.timezone.utc).date()
     with openai_client(stack.gateway, MAIN_KEY) as sdk:
         sdk.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    today = datetime.datetime.now(datetime.timezone.utc).date()  # the job's billing day (taken after it)
     [want], _ = read_usage(stack.raw, stack.keys, today, today)
     midnight = int(datetime.datetime(today.year, today.month, today.day, tzinfo=datetime.timezone.utc).timestamp())
     url = f"{stack.gateway.url}/v1/organization/usage/completions"

@@ -9,11 +9,11 @@ import pytest
 from fault_harness import wait_until
 from model_factory import MAX_POSITIONS
 from replica_harness import ReplicaThread
+from usage_days import usage_since
 
 from conveyor.actors.cli import namespace_users, served_shares
 from conveyor.actors.config import ReplicaConfig
 from conveyor.clients import Client
-from conveyor.clients.usage import read_usage
 
 TODAY = datetime.datetime.now(datetime.timezone.utc).date()
 LONG = MAX_POSITIONS - 8  # as long as the tiny model takes: still running when the grace period ends
@@ -32,7 +32,7 @@ def test_each_namespace_keeps_its_own_jobs_records_and_usage(tiny_model, redis_u
             ra, rb = same_a.result(timeout=60), same_b.result(timeout=60)
             assert (ra.usage.completion_tokens, rb.usage.completion_tokens) == (3, 5)
             assert rb.token_ids[:3] == ra.token_ids
-            usage = {ns: read_usage(c.redis, c.keys, TODAY, TODAY)[0] for ns, c in clients.items()}
+            usage = {ns: usage_since(c.redis, c.keys, TODAY)[0] for ns, c in clients.items()}
             assert [(r.jobs, r.completion_tokens) for r in usage[a]] == [(1, 3)]
             assert [(r.jobs, r.completion_tokens) for r in usage[b]] == [(1, 5)]
             assert clients[a].queue_status()["namespace"] == a
