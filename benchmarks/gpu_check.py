@@ -233,8 +233,10 @@ def moe_error(device, tokens: int, rand, f32, rel) -> float:
     from conveyor.kernels.moe import experts_reference
     from conveyor.kernels.triton.moe import fused_experts
 
-    x, gate_up, down = rand(tokens, 256), rand(8, 2 * 512, 256) * 0.1, rand(8, 256, 512) * 0.1
-    weights, ids = torch.topk(torch.randn(tokens, 8, device=device).softmax(-1), 2, dim=-1)
+    # seeded like the other inputs; small weights: the intermediate is rounded to the dtype, as a
+    # GPU's would be (bfloat16's worst here was 3e-3 of its 3e-2 tolerance over 6 seeds)
+    x, gate_up, down = rand(tokens, 128), rand(8, 2 * 128, 128) * 0.05, rand(8, 128, 128) * 0.05
+    weights, ids = torch.topk(rand(tokens, 8).float().softmax(-1), 2, dim=-1)
     want = experts_reference(f32(x), f32(gate_up), f32(down), weights, ids)
     return rel(fused_experts(x, gate_up, down, weights.to(x.dtype), ids), want)
 
