@@ -121,7 +121,7 @@ class JobTracer:
                 start_time=_ns(queued_at),
                 attributes=messaging,
             )
-            queued.end()
+            queued.end(end_time=span.start_time)  # the wait ends where the attempt begins
         return JobSpans(span, format(span.get_span_context().trace_id, "032x"), new_trace=own_trace)
 
     def _attempt_span(self, job, parent, links: list, messaging: dict, attempt: int):

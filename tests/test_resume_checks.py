@@ -109,3 +109,34 @@ def test_junk_entries_cost_a_rerun_or_nothing_never_an_error(tokenizer):
     carried = resumer(tokenizer).check(job(), PROMPT, 2, IDENTITY, junk)
     assert carried.token_ids == () and carried.reason.startswith("an event cannot be read")
     assert resumer(tokenizer).check(job(), PROMPT, 2, IDENTITY, []).note() == "resumed after 0 of 0 published tokens"
+
+
+def test_a_clobbered_or_flooded_out_stream_is_read_as_nothing_to_trust(redis_url, namespace, raw):
+    """Streams.published, the resume's one read of Redis: a key of another type, or more events
+    than the bound, gives None (the job reruns), never an error or an unbounded read."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from conveyor.actors.streams import RESUME_READ_PAGE, Streams
+    from conveyor.clients.keys import Keys
+
+    keys = Keys(namespace)
+
+    async def published(job_id: str, max_events: int):
+        client = aioredis.from_url(redis_url)
+        try:
+            return await Streams(client, keys, "reader", "m", max_entry_bytes=1 << 20).published(job_id, 2, max_events)
+        finally:
+            await client.aclose()
+
+    raw.set(keys.out("clobbered"), "not a stream")
+    raw.hset(keys.job("clobbered"), "model:1", IDENTITY)
+    assert asyncio.run(published("clobbered", 100)) is None
+    pipe = raw.pipeline(transaction=False)
+    for seq in range(RESUME_READ_PAGE + 10):
+        pipe.xadd(keys.out("flooded"), encode_event(token(1, seq, [30], "x")))
+    pipe.execute()
+    assert asyncio.run(published("flooded", RESUME_READ_PAGE)) is None
+    earlier, entries = asyncio.run(published("flooded", 4 * RESUME_READ_PAGE))
+    assert earlier is None and len(entries) == RESUME_READ_PAGE + 10

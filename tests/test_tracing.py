@@ -82,7 +82,7 @@ def test_one_trace_holds_the_producer_span_and_the_replica_phases(
         assert span.attributes["messaging.system"] == "redis"
         assert span.attributes["messaging.destination.name"] == stream
         assert span.attributes["messaging.message.id"] == raw.hget(Keys(namespace).job(handle.job_id), "entry").decode()
-    assert queued.end_ns <= attempt.start_ns + 1_000_000  # the queue hop ends as the attempt starts
+    assert queued.end_ns == attempt.start_ns  # the queue hop ends where the attempt starts
     a = attempt.attributes
     assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.max_tokens"] == 12
     assert a["gen_ai.request.model"] == Path(tiny_model).name
@@ -201,6 +201,16 @@ def test_the_gateway_continues_the_callers_trace_and_the_replica_joins_it(
                 timeout=60,
             )
         assert answer.status_code == 200, answer.text
+        # hostile trace headers: malformed ids, a long tracestate; ignored (a new trace), never an error
+        forged = {"traceparent": "00-" + "z" * 32 + "-" + "0" * 16 + "-01", "tracestate": "k=" + "v" * 8000}
+        hostile = httpx.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": Path(tiny_model).name, "prompt": [5, 6], "max_tokens": 2, "temperature": 0},
+            headers=forged,
+            timeout=60,
+        )
+        assert hostile.status_code == 200, hostile.text
+        hostile_job = hostile.headers["x-conveyor-job-id"]
         batch_id = run_batch(gateway, Path(tiny_model).name)
     trace_id, caller_span_id = span_hex(span)
     wait_until(lambda: receiver.named(trace_id, "text_completion "), 30, "the replica's span in the caller's trace")
@@ -210,6 +220,12 @@ def test_the_gateway_continues_the_callers_trace_and_the_replica_joins_it(
     assert server.attributes["http.response.status_code"] == 200
     [attempt] = receiver.named(trace_id, "text_completion ")
     assert attempt.parent_id == server.span_id and attempt.attributes["gen_ai.usage.output_tokens"] == 5
+
+    # the hostile request's job: in a trace of its own, rooted at the gateway's span
+    wait_until(lambda: replica_span_of(receiver, hostile_job), 30, "the hostile request's job span")
+    job_span = replica_span_of(receiver, hostile_job)
+    [root] = [s for s in receiver.of_trace(job_span.trace_id) if s.span_id == job_span.parent_id]
+    assert root.name == "POST /v1/completions" and root.parent_id == "" and job_span.trace_id != trace_id
 
     # a batch: one trace per line, each rooted at its "batch line" span, the replica's under it
     def line_spans():
@@ -229,6 +245,11 @@ def test_the_gateway_continues_the_callers_trace_and_the_replica_joins_it(
             job_span.parent_id == line.span_id
             and job_span.attributes["conveyor.job_id"] == line.attributes["conveyor.job_id"]
         )
+
+
+def replica_span_of(receiver, job_id: str):
+    with receiver.lock:
+        return next((s for s in receiver.spans if s.attributes.get("conveyor.job_id") == job_id and s.kind == 5), None)
 
 
 def run_batch(gateway, model: str) -> str:
