@@ -44,6 +44,7 @@ class Sequence:
     cache_salt: str | None = None  # prefix-cache entries are shared only between requests of one salt
     tenant: str | None = None  # whose fair share it is served from (engine/fair_share.py; a replica: its namespace)
     num_preemptions: int = 0
+    num_resumed_tokens: int = 0  # a resumed request: output tokens carried over (token_ids holds them)
     resumed_chars: int = 0  # a resumed request: characters of its carried output's text already published
     known_to_runner: bool = False
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first admitted
@@ -55,7 +56,6 @@ class Sequence:
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
-        self.num_resumed_tokens = 0  # set by to_sequence
         assert self.priority_class in PRIORITY_CLASSES, self.priority_class
 
     @property

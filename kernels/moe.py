@@ -6,6 +6,16 @@ import torch
 import torch.nn.functional as F
 
 
+def slots_by_expert(weights: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """A step's (token, choice) slots grouped by expert, in ascending expert order: each
+    slot's token row and routing weight, and how many slots each expert has."""
+    top_k = expert_ids.shape[1]
+    slots = expert_ids.reshape(-1)  # slot j belongs to token j // top_k
+    order = torch.argsort(slots, stable=True)
+    counts = torch.bincount(slots, minlength=num_experts).tolist()
+    return order // top_k, weights.reshape(-1)[order], counts
+
+
 def experts_reference(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -15,11 +25,7 @@ def experts_reference(
 ) -> torch.Tensor:
     """``x`` [T, H]; ``gate_up`` [E, 2I, H] (gate rows first); ``down`` [E, H, I]; routing
     weights and expert ids [T, k]. Float32 arithmetic, the result in x's dtype."""
-    top_k = expert_ids.shape[1]
-    slots = expert_ids.reshape(-1)
-    order = torch.argsort(slots, stable=True)
-    tokens, weights = order // top_k, routing_weights.reshape(-1)[order].float()
-    counts = torch.bincount(slots, minlength=gate_up.shape[0]).tolist()
+    tokens, weights, counts = slots_by_expert(routing_weights.float(), expert_ids, gate_up.shape[0])
     out, start = torch.zeros(x.shape, dtype=torch.float32, device=x.device), 0
     for expert, count in enumerate(counts):
         if count:

@@ -36,6 +36,14 @@ def run(llm, request):
     return final.outputs[0], final
 
 
+def resumed_after(llm, request, token_ids, request_id: str):
+    """``request`` as a new attempt resumes it after ``token_ids`` (with the text readers hold)."""
+    carried = tuple(token_ids)
+    return dataclasses.replace(
+        request, request_id=request_id, resumed_token_ids=carried, resumed_chars=published_chars(llm, request, carried)
+    )
+
+
 def published_chars(llm, request, token_ids) -> int:
     """What readers hold of the text of `token_ids` (the engine's own detokenizer, as it emits)."""
     detok = IncrementalDetokenizer(llm.llm_engine.tokenizer, list(request.prompt_token_ids), list(request.params.stop))
@@ -68,13 +76,7 @@ def test_a_resumed_request_ends_as_the_uninterrupted_one(llm, case):
     full, _ = run(llm, request)
     assert len(full.token_ids) > 20
     for cut in (1, len(full.token_ids) * 2 // 5, len(full.token_ids) - 1):
-        carried = tuple(full.token_ids[:cut])
-        resumed = dataclasses.replace(
-            request,
-            request_id=f"resumed-{case}-{cut}",
-            resumed_token_ids=carried,
-            resumed_chars=published_chars(llm, request, carried),
-        )
+        resumed = resumed_after(llm, request, full.token_ids[:cut], f"resumed-{case}-{cut}")
         output, whole = run(llm, resumed)
         assert output.token_ids == full.token_ids, (case, cut)
         assert output.text == full.text and output.finish_reason == full.finish_reason
@@ -95,13 +97,7 @@ def test_a_resumed_json_job_still_validates_and_stop_strings_hold(llm):
         request = llm.llm_engine.inputs.request_for("full-structured", PROMPT, params)
         full, _ = run(llm, request)
         cut = max(1, len(full.token_ids) // 2)
-        carried = tuple(full.token_ids[:cut])
-        resumed = dataclasses.replace(
-            request,
-            request_id="resumed-structured",
-            resumed_token_ids=carried,
-            resumed_chars=published_chars(llm, request, carried),
-        )
+        resumed = resumed_after(llm, request, full.token_ids[:cut], "resumed-structured")
         output, _ = run(llm, resumed)
         assert output.token_ids == full.token_ids and output.text == full.text
         if check is not None:
@@ -120,12 +116,6 @@ def test_a_resumed_request_under_speculation_ends_as_without_it(tiny_model, llm)
             request = llm.llm_engine.inputs.request_for("plain", [5, 6, 5, 6, 5, 6], params)
             plain, _ = run(llm, request)
             cut = len(plain.token_ids) // 2
-            carried = tuple(plain.token_ids[:cut])
-            resumed = dataclasses.replace(
-                request,
-                request_id="speculative-resumed",
-                resumed_token_ids=carried,
-                resumed_chars=published_chars(llm, request, carried),
-            )
+            resumed = resumed_after(llm, request, plain.token_ids[:cut], "speculative-resumed")
             output, _ = run(speculative, resumed)
             assert output.token_ids == plain.token_ids and output.text == plain.text

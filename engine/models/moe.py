@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.kernels.layer_ops import fused_moe_ready, silu_and_mul
+from conveyor.kernels.moe import slots_by_expert
 
 
 class ExpertMLP(nn.Module):
@@ -63,10 +64,7 @@ class SparseMoe(nn.Module):
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """One linear pair per expert (this rank's) over its tokens, added back in expert order."""
         out = torch.zeros_like(x)
-        slots = chosen.reshape(-1)  # slot j belongs to token j // top_k
-        order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots, minlength=self.num_experts).tolist()
-        tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]
+        tokens, slot_weights, counts = slots_by_expert(weights, chosen, self.num_experts)
         start = sum(counts[: self.first_expert])  # the slots of the experts before this rank's
         for expert, count in zip(self.experts, counts[self.first_expert :]):
             if count:
