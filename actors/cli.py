@@ -27,6 +27,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser("demo", help="embedded Valkey + one replica + a few prompts, streamed")
     _add_engine_options(demo)
     demo.set_defaults(func=run_demo)
+    rank = subparsers.add_parser(
+        "rank", help="one tensor/pipeline-parallel rank on this host, joining a replica's engine on another"
+    )
+    rank.add_argument("--master-addr", required=True, help="the host of rank 0 (the replica started with --nnodes)")
+    rank.add_argument("--master-port", type=int, required=True, help="its rendezvous port (--master-port there)")
+    rank.add_argument("--rank", type=int, required=True, help="this rank's number in [1, world size)")
+    rank.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    rank.set_defaults(func=run_rank)
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -265,6 +273,16 @@ def replica_config(args: argparse.Namespace, redis_settings: connection.RedisSet
         if getattr(args, name, None) is not None:
             setattr(config, name, getattr(args, name))
     return config
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """Joins rank 0's rendezvous and serves as rank ``--rank`` until rank 0 stops (or dies:
+    then this exits 1, as a rank of rank 0's own host does)."""
+    from conveyor.engine.tp_worker import join
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    join(args.master_addr, args.master_port, args.rank, args.threads)
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:

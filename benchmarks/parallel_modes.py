@@ -1,17 +1,22 @@
-"""Tokens/s of a tiny dense model under tensor parallel and a tiny mixture of experts under
-expert parallel, at 1, 2 (and 4) ranks, with the time rank 0 spends in all-reduces.
+"""Tokens/s of a tiny dense model and a tiny mixture of experts in each parallel mode the
+engine has (tensor, expert, pipeline, and pipeline x tensor/expert) at 1, 2 (and 4) ranks,
+with the time rank 0 spends communicating per step.
 
-    python benchmarks/parallel_modes.py [--ranks 1,2] [--requests 16] [--max-tokens 64] [--hidden 256]
+    python benchmarks/parallel_modes.py [--ranks 1,2,4] [--requests 16] [--max-tokens 64] [--hidden 256]
 
 Both models are random, built here from transformers' config classes (a Llama and a
 Qwen3-MoE of the same width and depth, 8 experts, top-2), run in float32 by the offline
 ``LLM`` with gloo ranks on this machine. Each configuration runs the same greedy batch
-twice (the first warms up) and reports the second: output tokens/s, the all-reduces and the
-seconds rank 0 spent in them, and their share of the wall time. On a box with fewer cores than ranks
-the ranks share cores: read the communication column, not the speed-up.
+twice (the first warms up) and reports the second: output tokens/s, the steps, the
+all-reduces and the seconds rank 0 spent in them, and under pipeline parallel the bytes
+handed from stage to stage and the seconds rank 0 waited for the last stage (the other
+stages' compute and the hand-offs: with P steps in flight, only what stage 0's own work did
+not cover). On a box with fewer cores than ranks the ranks share cores: read the
+communication columns, not the speed-up.
 """
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -72,11 +77,27 @@ def build_models(folder: Path, hidden: int, layers: int) -> dict[str, str]:
     return built
 
 
-def measure(model: str, ranks: int, expert_parallel: bool, args) -> dict:
+# (model, mode, tensor ranks, pipeline stages); expert parallel is the MoE's tensor split
+MODES = [
+    ("dense", "one rank", 1, 1),
+    ("dense", "tensor", 2, 1),
+    ("dense", "pipeline", 1, 2),
+    ("dense", "tensor", 4, 1),
+    ("dense", "pipeline", 1, 4),
+    ("dense", "pipeline x tensor", 2, 2),
+    ("moe", "one rank", 1, 1),
+    ("moe", "expert", 2, 1),
+    ("moe", "pipeline", 1, 2),
+    ("moe", "expert", 4, 1),
+    ("moe", "pipeline x expert", 2, 2),
+]
+
+
+def measure(model: str, tp: int, pp: int, args) -> dict:
     from conveyor.engine import LLM, SamplingParams
 
-    options = dict(tensor_parallel_size=ranks, dtype="float32")
-    if expert_parallel and ranks > 1:
+    options = dict(tensor_parallel_size=tp, pipeline_parallel_size=pp, dtype="float32")
+    if "moe" in model and tp > 1:
         options["enable_expert_parallel"] = True
     llm = LLM(model, **options)
     try:
@@ -91,39 +112,75 @@ def measure(model: str, ranks: int, expert_parallel: bool, args) -> dict:
     finally:
         llm.close()
     tokens = sum(len(o.token_ids) for o in outputs)
-    reduces = after.get("tp_num_all_reduces", 0) - before.get("tp_num_all_reduces", 0)
-    reduce_s = after.get("tp_all_reduce_s", 0.0) - before.get("tp_all_reduce_s", 0.0)
-    return {"tokens_per_s": tokens / wall, "wall_s": wall, "all_reduces": reduces, "all_reduce_s": reduce_s}
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    return {
+        "tokens_per_s": tokens / wall,
+        "wall_s": wall,
+        "steps": delta("num_steps"),
+        "all_reduces": delta("tp_num_all_reduces"),
+        "all_reduce_s": delta("tp_all_reduce_s"),
+        "bytes_handed_on": delta("pp_bytes_handed_on"),
+        "stage_wait_s": delta("pp_wait_s"),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--ranks", default="1,2", help="world sizes to run (tensor x pipeline ranks)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None, help="a PNG of tokens/s by mode and ranks (matplotlib)")
     args = parser.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="conveyor-parallel-") as folder:
         models = build_models(Path(folder), args.hidden, args.layers)
-        for name, expert_parallel in (("dense", False), ("moe", True)):
-            for n in ranks:
-                row = {"model": name, "ranks": n, "mode": "expert" if expert_parallel else "tensor"}
-                row.update(measure(models[name], n, expert_parallel, args))
-                rows.append(row)
-                print(
-                    f"{name:>5} {row['mode']:>6} parallel x{n}: {row['tokens_per_s']:7.1f} tok/s, "
-                    f"{row['all_reduces']} all-reduces, {row['all_reduce_s']:.2f} s in them "
-                    f"({100 * row['all_reduce_s'] / row['wall_s']:.0f}% of {row['wall_s']:.1f} s)",
-                    flush=True,
-                )
+        for name, mode, tp, pp in MODES:
+            if tp * pp not in ranks:
+                continue
+            row = {"model": name, "mode": mode, "tensor": tp, "stages": pp, "ranks": tp * pp}
+            row.update(measure(models[name], tp, pp, args))
+            rows.append(row)
+            steps = max(row["steps"], 1)
+            print(
+                f"{name:>5} {mode:>17} x{tp * pp} (tp {tp}, pp {pp}): {row['tokens_per_s']:7.1f} tok/s, "
+                f"{row['steps']} steps; per step: {row['all_reduces'] / steps:.0f} all-reduces "
+                f"{1e3 * row['all_reduce_s'] / steps:.2f} ms, {row['bytes_handed_on'] / steps / 1024:.0f} KiB handed on, "
+                f"{1e3 * row['stage_wait_s'] / steps:.2f} ms waiting on later stages",
+                flush=True,
+            )
     print(
-        f"\n{describe_cpu()}\n{args.requests} requests x {args.max_tokens} tokens, hidden {args.hidden}, {args.layers} layers"
+        f"\n{describe_cpu()}, {os.cpu_count()} cores\n{args.requests} requests x {args.max_tokens} tokens, hidden {args.hidden}, {args.layers} layers"
     )
     write_json(args.json, {"cpu": describe_cpu(), "rows": rows})
+    if args.plot:
+        plot(rows, f"{describe_cpu()}\nhidden {args.hidden}, {args.layers} layers", args.plot)
+
+
+def plot(rows: list[dict], title: str, path: str) -> None:
+    """Bars of tokens/s, one per configuration, each model beside the other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
+    for ax, model in zip(axes, ("dense", "moe")):
+        mine = [row for row in rows if row["model"] == model]
+        labels = [f"{row['mode']}\nx{row['ranks']}" for row in mine]
+        ax.bar(range(len(mine)), [row["tokens_per_s"] for row in mine], color="tab:blue")
+        ax.set_xticks(range(len(mine)), labels, fontsize=7)
+        ax.set_title(f"{model}: output tokens/s", fontsize=9)
+    figure.suptitle(title, fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

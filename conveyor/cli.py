@@ -48,7 +48,11 @@ PROGRAMS = (
     Program(
         "conveyor.actors.cli",
         "serve",
-        {"serve": "run one engine replica", "demo": "embedded Valkey + one replica + a few prompts, streamed"},
+        {
+            "serve": "run one engine replica",
+            "demo": "embedded Valkey + one replica + a few prompts, streamed",
+            "rank": "one parallel rank of a replica's engine whose ranks span hosts (--nnodes)",
+        },
     ),
     Program(
         "conveyor.gateway.cli",

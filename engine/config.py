@@ -37,6 +37,15 @@ class EngineConfig:
     # vLLM's name: a mixture-of-experts model's experts split over the tensor_parallel_size
     # ranks (each holds 1/N of them; attention stays split by heads); needed for such models at N > 1
     enable_expert_parallel: bool = False
+    # vLLM's name: the decoder layers split into this many stages, one rank group each, up to
+    # this many steps in flight so the stages overlap (docs/architecture.md "Pipeline parallel")
+    pipeline_parallel_size: int = 1
+    # ranks on several hosts (vLLM's names): tensor x pipeline ranks split evenly over nnodes
+    # hosts; this one (rank 0) hosts the rendezvous at master_addr:master_port (0: a free port)
+    # and starts its share, the others run `conveyor rank --rank R` on theirs
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
     block_size: int = 16
     # vLLM's name. auto: the model's dtype, but bfloat16 on CPU where dtype=auto took a .gguf
     # model's bfloat16 copy (half the bytes every decode step reads); bfloat16 under float32
@@ -95,18 +104,18 @@ class EngineConfig:
             self.async_scheduling = str(self.async_scheduling).lower() in ("1", "true", "yes", "on")
         if isinstance(self.enable_expert_parallel, (str, int)) and not isinstance(self.enable_expert_parallel, bool):
             self.enable_expert_parallel = str(self.enable_expert_parallel).lower() in ("1", "true", "yes", "on")
-        if (
-            isinstance(self.tensor_parallel_size, bool)
-            or not isinstance(self.tensor_parallel_size, int)
-            or self.tensor_parallel_size < 1
-        ):
-            raise ValueError(f"tensor_parallel_size: must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         if self.max_batch_size is None:
             self.max_batch_size = self.max_num_seqs
         if self.gpu_memory_utilization is not None:
             self.gpu_memory_utilization = _fraction("gpu_memory_utilization", self.gpu_memory_utilization)
-        if self.enable_lora and (self.tensor_parallel_size > 1 or self.max_loras < 1 or self.max_lora_rank < 1):
-            raise ValueError("enable_lora: needs tensor_parallel_size 1, max_loras >= 1 and max_lora_rank >= 1")
+        if self.enable_lora and (self.world_size > 1 or self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError(
+                "enable_lora: needs tensor_parallel_size 1, pipeline_parallel_size 1, max_loras >= 1 and max_lora_rank >= 1"
+            )
         self.tenant_shares = check_shares(self.tenant_shares)
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None:
@@ -116,6 +125,32 @@ class EngineConfig:
                     "(the drafts need each step's tokens); leave async_scheduling unset or false"
                 )
             self.async_scheduling = False  # one step at a time: the drafter sees the latest tokens
+        self._check_parallel()
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        """The split options agree (the model's own limits are checked at load)."""
+        stages = self.pipeline_parallel_size
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"nnodes: {self.world_size} ranks (tensor_parallel_size x pipeline_parallel_size) "
+                f"do not split evenly over {self.nnodes} hosts"
+            )
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port: must be a port number in [0, 65535], got {self.master_port!r}")
+        if stages > 1 and self.speculative_config is not None:
+            raise ValueError(
+                f"pipeline_parallel_size={stages}: speculative_config is not supported with it "
+                "(drafts need each step's tokens before the next)"
+            )
+        if stages > 1 and self.async_scheduling:
+            raise ValueError(
+                f"pipeline_parallel_size={stages}: async_scheduling is implied (its {stages} steps "
+                "are in flight together); leave async_scheduling unset or false"
+            )
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -61,6 +61,9 @@ class LLMEngine:
         self._ended: list[Sequence] = []  # aborted or failed outside a step: reported next step
         self._in_flight: deque[tuple[StepPlan, Future]] = deque()  # overlapped steps, oldest first
         self._model_thread: ThreadPoolExecutor | None = None
+        self._pipelined: deque[StepPlan] = deque()  # pipeline parallel: steps launched, oldest first
+        self.max_steps_in_flight = 0
+        self.num_steps = 0  # plans that scheduled work
 
     # ---- requests --------------------------------------------------------------------
     def add_request(
@@ -133,6 +136,8 @@ class LLMEngine:
         plan = self.schedule()
         if not plan.scheduled:
             self._idle()
+        if self.runner.link is not None:
+            return self._pipelined_step(plan)
         if not self.overlaps_steps:
             return self.postprocess(plan, self.runner.execute(plan))
         if self._model_thread is None:
@@ -143,9 +148,22 @@ class LLMEngine:
         plan, future = self._in_flight.popleft()
         return self.postprocess(plan, future.result())
 
+    def _pipelined_step(self, plan: StepPlan) -> list[RequestOutput]:
+        """Pipeline parallel: launch the step (stage 0 runs it now); while fewer steps than
+        stages are in flight and this one had work, return at once, else finish the oldest."""
+        self.runner.launch(plan)
+        self._pipelined.append(plan)
+        self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._pipelined))
+        if plan.scheduled and len(self._pipelined) < self.config.pipeline_parallel_size:
+            return []
+        oldest = self._pipelined.popleft()
+        return self.postprocess(oldest, self.runner.finish(oldest))
+
     def schedule(self) -> StepPlan:
         """First half of a step (the actors run the model in between, elsewhere)."""
-        return self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        self.num_steps += bool(plan.scheduled)
+        return plan
 
     def postprocess(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Second half: apply sampled tokens, detokenize, end the sequences that a stop
@@ -217,13 +235,30 @@ class LLMEngine:
             time.sleep(wait)
 
     def stats(self) -> dict:
-        return {**self.scheduler.kv_stats(), **spec_stats(self.scheduler.drafter), **self.runner.tp_stats()}
+        pipeline = {"pp_max_steps_in_flight": self.max_steps_in_flight} if self.runner.link is not None else {}
+        return {
+            "num_steps": self.num_steps,
+            **self.scheduler.kv_stats(),
+            **spec_stats(self.scheduler.drafter),
+            **self.runner.tp_stats(),
+            **pipeline,
+        }
 
     def close(self) -> None:
         """Stops the model thread and the other tensor-parallel ranks, if any."""
         if self._model_thread is not None:
             self._model_thread.shutdown(wait=True)
+        self._drain_pipeline()
         self.runner.close()
+
+    def _drain_pipeline(self) -> None:
+        """Takes the results of the steps still in flight (dropped), so no stage is left
+        sending to a rank 0 that no longer listens; a failed rank ends the drain."""
+        try:
+            while self._pipelined:
+                self.runner.finish(self._pipelined.popleft())
+        except RuntimeError as exc:  # RankFailed, or a collective of a dead group
+            log.info("pipeline parallel: steps in flight dropped at close (%s)", exc)
 
 
 def prompt_text_of(tokenizer, prompt, messages, seq: Sequence) -> str | None:

@@ -4,7 +4,10 @@ It mirrors just enough per-sequence state (tokens, block table, sampling params)
 the scheduler's compact plan into flat, unpadded batch tensors.
 """
 
+import collections
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -12,8 +15,9 @@ import torch
 from conveyor.engine.attention_metadata import AttentionMetadata, PrefillSpan, pack_prefills
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from conveyor.engine.distributed.group import TPGroup, rank_device
+from conveyor.engine.distributed.group import RankGroup, rank_device
 from conveyor.engine.distributed.launcher import Workers
+from conveyor.engine.distributed.pipeline import StageLink, check_pipelinable, keep_stage, run_stage
 from conveyor.engine.distributed.shard import check_shardable, shard_model
 from conveyor.engine.distributed.step_message import Tail, encode_step, sampled_tails
 from conveyor.engine.grammar_masks import GrammarMasks, GrammarState
@@ -107,19 +111,19 @@ def resolve_kv_cache_dtype(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int, tp: TPGroup | None = None):
-        """``tp``: a follower rank's group (engine/tp_worker.py); rank 0 starts the
-        other ranks itself when ``config.tensor_parallel_size`` > 1."""
+    def __init__(self, config: EngineConfig, spec: ModelSpec, max_model_len: int, tp: RankGroup | None = None):
+        """``tp``: a follower rank's group (engine/tp_worker.py); rank 0 starts the other
+        ranks itself when ``config.tensor_parallel_size`` or ``pipeline_parallel_size`` > 1."""
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
-        self.workers: Workers | None = None  # rank 0 of a tensor-parallel group: the other ranks
+        self.workers: Workers | None = None  # rank 0 of a parallel group: the other ranks
         self.tp = tp or self._start_workers(spec)
         if self.tp is not None:
-            self.device = rank_device(self.device, self.tp.rank)
+            self.device = rank_device(self.device, self.tp.global_rank % (config.world_size // config.nnodes))
         # how CPU layers run GGUF blocks (a CUDA model ignores it, so nothing is refused there)
         gguf_mode = gguf_kernel_mode(config.quantization, config.dtype) if self.device.type == "cpu" else "blocks"
         approximate_matmuls = (
@@ -134,8 +138,7 @@ class ModelRunner:
             layout = decoder_layout if self.attention_backend == "torch" else None
             self.backend = prepare(self.model, self.device, layout, gguf_mode=gguf_mode)
         else:  # float shards on the layers' path (the compiled decoder has no all-reduce)
-            self.model = build_model(spec, max_model_len, self.dtype, self.device, "none")
-            shard_model(self.model, self.tp.rank, self.tp.size, self.tp)
+            self.model = self._build_share(spec)
             self.backend = prepare(self.model, self.device)
         self.lora = (
             LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
@@ -143,6 +146,9 @@ class ModelRunner:
             else None
         )  # after prepare: it wraps the backend's projections
         self._tails: list[Tail] = []  # rank 0: what the last step sampled, sent with the next plan
+        # pipeline parallel: this rank's hand-offs, and (rank 0) its steps in flight, oldest first
+        self.link = self._stage_link(spec)
+        self._launched: collections.deque = collections.deque()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self._bind_triton_kernels()
         self.num_blocks = self._allocate_kv_cache()
@@ -181,24 +187,41 @@ class ModelRunner:
         log.info("CUDA graphs captured for decode batches %s", graphs.buckets)
         return graphs
 
-    def _start_workers(self, spec: ModelSpec) -> TPGroup | None:
-        size = self.config.tensor_parallel_size
-        if size == 1:
+    def _start_workers(self, spec: ModelSpec) -> RankGroup | None:
+        size, stages = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if size * stages == 1:
             return None
-        check_shardable(
-            ARCHITECTURES[spec.model_type][0],
-            spec.hf_config,
-            size,
-            self.config.quantization,
-            self.config.enable_expert_parallel,
-        )
-        self.workers = Workers(self.config, self.max_model_len, rank_device(self.device, 0))
+        model_class = ARCHITECTURES[spec.model_type][0]
+        if stages > 1:
+            check_pipelinable(model_class, spec.hf_config, stages, self.config.quantization)
+        if size > 1:
+            check_shardable(
+                model_class, spec.hf_config, size, self.config.quantization, self.config.enable_expert_parallel
+            )
+        # every rank computes in rank 0's dtype, whatever "auto" would pick on its own host
+        same_dtype = dataclasses.replace(self.config, dtype=str(self.dtype).removeprefix("torch."))
+        self.workers = Workers(same_dtype, self.max_model_len, rank_device(self.device, 0))
         return self.workers.group
 
+    def _build_share(self, spec: ModelSpec):
+        """This rank's layers (its pipeline stage's), split by heads and columns (its tensor
+        shard), built on the CPU so a device never holds more than its share."""
+        model = build_model(spec, self.max_model_len, self.dtype, torch.device("cpu"), "none")
+        if self.tp.num_stages > 1:
+            keep_stage(model, self.tp.stage, self.tp.num_stages)
+        if self.tp.size > 1:
+            shard_model(model, self.tp.rank, self.tp.size, self.tp)
+        return model.to(self.device)
+
+    def _stage_link(self, spec: ModelSpec) -> StageLink | None:
+        if self.tp is None or self.tp.num_stages == 1:
+            return None
+        return StageLink(self.tp, spec.hf_config.hidden_size, self.dtype)
+
     def close(self) -> None:
-        """Stops the other tensor-parallel ranks (nothing to do without them)."""
+        """Stops the other parallel ranks (nothing to do without them)."""
         if self.workers is not None:
-            self.workers.close()
+            self.workers.close(self.link)
 
     # ---- KV cache --------------------------------------------------------------------
     def _allocate_kv_cache(self) -> int:
@@ -245,6 +268,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         if self.workers is None:
             return self._execute(plan)
+        if self.link is not None:  # one step through the whole pipeline
+            self.launch(plan)
+            return self.finish(plan)
         with self.workers.watch():  # rank 0: the plan to the others first, who run the same forward
             self.tp.send_step(encode_step(plan, self._tails))
             result = self._execute(plan)
@@ -252,15 +278,56 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def follow(self, plan: StepPlan, tails: list[Tail]) -> None:
+    def launch(self, plan: StepPlan) -> None:
+        """Rank 0 under pipeline parallel: the plan to stage 0's other ranks, stage 0's layers,
+        then the plan and its activations on to stage 1; ``finish`` takes the step's result
+        once the last stage is done (several steps may be in flight meanwhile)."""
+        with self.workers.watch():
+            message = encode_step(plan, self._tails)
+            self._tails = []
+            if self.tp.size > 1:
+                self.tp.send_step(message)
+            self._apply_deltas(plan)
+            pending = activations = None
+            if plan.scheduled:
+                batch = self._prepare(plan.scheduled)
+                activations = run_stage(self.model, batch, None, first=True, last=False)
+                pending = (batch, self._rows(batch))
+            self.link.send_on(message, activations)
+        self._launched.append((plan.step_id, pending))
+
+    @torch.inference_mode()
+    def finish(self, plan: StepPlan) -> StepResult:
+        """The oldest launched step's result: the last stage's hidden states, logits, sampling."""
+        step_id, pending = self._launched.popleft()
+        assert step_id == plan.step_id, (step_id, plan.step_id)
+        if pending is None:
+            return StepResult()
+        batch, rows = pending
+        with self.workers.watch():
+            started = time.perf_counter()
+            hidden = self.link.receive_final(batch.input_ids.shape[0])
+            self.tp.seconds_waiting_on_stages += time.perf_counter() - started
+        result = self._sample(plan, batch, hidden, rows)
+        self._tails += sampled_tails(plan, [*result.seq_ids, *result.errors], self.seqs)
+        return result
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, tails: list[Tail], activations=None):
         """A follower rank's step: rank 0's sampled tokens, the plan's deltas, the forward
-        (its all-reduces are the only result); no logits, no sampling."""
+        (its all-reduces are the only result under tensor parallel; a pipeline stage's
+        output goes on to the next); no logits, no sampling."""
         for seq_id, start, token_ids in tails:
             del self.seqs[seq_id].token_ids[start:]
             self.seqs[seq_id].token_ids.extend(token_ids)
         self._apply_deltas(plan)
-        if plan.scheduled:
-            self._forward(self._prepare(plan.scheduled))
+        if not plan.scheduled:
+            return None
+        batch = self._prepare(plan.scheduled)
+        if self.link is None:
+            return self._forward(batch)
+        last = self.tp.stage == self.tp.num_stages - 1
+        return run_stage(self.model, batch, activations, first=self.tp.stage == 0, last=last)
 
     def tp_stats(self) -> dict:
         return self.tp.stats() if self.tp is not None else {}
@@ -271,13 +338,20 @@ class ModelRunner:
         if not plan.scheduled:
             return StepResult()
         batch = self._prepare(plan.scheduled)
-        hidden = self._forward(batch)
+        return self._sample(plan, batch, self._forward(batch), self._rows(batch))
+
+    def _rows(self, batch: InputBatch) -> dict[str, RunnerSeq]:
+        """The sequences a step samples or scores (held by the step: one aborted while it is
+        in flight leaves the runner before the step ends)."""
+        return {seq_id: self.seqs[seq_id] for seq_id in [*batch.sampling_ids, *(s.seq_id for s in batch.prompt_spans)]}
+
+    def _sample(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, rows_by_id: dict) -> StepResult:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        rows = [self.seqs[seq_id] for seq_id in batch.sampling_ids]
+        rows = [rows_by_id[seq_id] for seq_id in batch.sampling_ids]
         drafts = {item.seq_id: item.draft_token_ids for item in plan.scheduled if item.draft_token_ids}
         if drafts:  # speculative: a token at every verified position, the agreeing drafts kept
             result = verify(self.sampler, logits, batch.sampling_ids, rows, drafts, self.grammar_masks)
-            result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+            result.prompt_logprobs = self._prompt_logprobs(batch, hidden, rows_by_id)
             return result
         masked = self.grammar_masks.apply(logits, rows)
         token_ids, logprobs = self.sampler(logits, rows)
@@ -285,13 +359,13 @@ class ModelRunner:
         for row, token_id in zip(rows, token_ids):
             row.token_ids.append(token_id)  # also a failed row's: a step already planned counts on it
         result = _result(batch.sampling_ids, token_ids, logprobs, failed)
-        result.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        result.prompt_logprobs = self._prompt_logprobs(batch, hidden, rows_by_id)
         return result
 
-    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict:
+    def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor, rows_by_id: dict) -> dict:
         scored = {}
         for span in batch.prompt_spans:
-            seq = self.seqs[span.seq_id]
+            seq = rows_by_id[span.seq_id]
             scored[span.seq_id] = (
                 span.start + 1,
                 score_prompt(hidden, self.model.compute_logits, span, seq.token_ids, seq.params.prompt_logprobs),

@@ -13,7 +13,9 @@ Steps may overlap (``EngineConfig.async_scheduling``): the next step is planned 
 is still in flight, counting the token each of its sequences will sample (its
 ``num_pending_samples``) without knowing it; the runner feeds those tokens in itself. A
 sequence that step in flight will certainly end is not scheduled again, and a sequence in
-flight is never preempted: where room runs out the plan is simply smaller. Ranks: priority class (batch work ages into interactive), then the
+flight is never preempted: where room runs out the plan is simply smaller. Under pipeline
+parallel a sequence in flight is not scheduled at all (its next input is not known before
+the step ends), so the steps in flight hold different sequences. Ranks: priority class (batch work ages into interactive), then the
 integer priority (lower first), then arrival (admission, for running sequences). Waiting
 sequences of several tenants are admitted by token-weighted fair share (engine/fair_share.py),
 each tenant's in its own rank order.
@@ -61,6 +63,9 @@ class Scheduler:
         self.in_flight: dict[int, list[Sequence]] = {}  # step id -> the sequences it scheduled
         self.drafter = make_drafter(config.speculative_config, stop_rules.max_model_len)
         self.trimmed_tables: dict[str, int] = {}  # for the next plan: block tables shortened since
+        # pipeline parallel: a sequence waits out its step in flight (the steps in flight hold
+        # different sequences, as vLLM's virtual engines do)
+        self.pipelined = config.pipeline_parallel_size > 1
 
     # ---- requests in and out -------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -101,11 +106,14 @@ class Scheduler:
         self.running.sort(key=lambda s: self._running_rank(s, now))  # preemption takes the last
         prompt_budget = self._prompt_chunk_cap(bool(self.waiting))  # running prompts' chunks, together
         out_of_room = False
+        max_seqs = self._pipeline_share()
         for seq in sorted(self.running, key=lambda s: s.num_unscheduled_tokens > 1):  # decodes first
-            if budget == 0:
+            if budget == 0 or len(plan.scheduled) == max_seqs:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted by _make_room for a sequence ranked above it
+            if self.pipelined and seq.num_inflight_tokens:
+                continue  # pipeline parallel: its next input is the token a step in flight samples
             is_prompt = seq.num_unscheduled_tokens > 1
             num_new = min(seq.num_unscheduled_tokens, budget, prompt_budget if is_prompt else budget)
             if num_new == 0 or self.stop_rules.ends_after_pending(seq):
@@ -117,7 +125,7 @@ class Scheduler:
             budget -= num_new
             prompt_budget -= num_new if is_prompt else 0
         if not (out_of_room or plan.preempted_ids):
-            budget = self._admit_waiting(budget, plan, now)
+            budget = self._admit_waiting(budget, plan, now, max_seqs)
         if self.drafter is not None:
             self._schedule_drafts(plan, budget)
         plan.finished_ids, self.finished_ids = self.finished_ids, []
@@ -218,13 +226,22 @@ class Scheduler:
         contended = others_wait and len(self.running) < self.config.max_num_seqs
         return threshold if threshold and contended else self.config.max_num_batched_tokens
 
-    def _admit_waiting(self, budget: int, plan: StepPlan, now: float) -> int:
+    def _pipeline_share(self) -> int | None:
+        """Pipeline parallel: at most 1/P of the sequences per step, so the P steps in flight
+        each carry a share (sequences that all become free together would otherwise all go
+        into one step, and the next would find none); None: no cap."""
+        stages = self.config.pipeline_parallel_size
+        if stages == 1:
+            return None
+        return max(1, -(-(len(self.running) + len(self.waiting)) // stages))
+
+    def _admit_waiting(self, budget: int, plan: StepPlan, now: float, max_seqs: int | None = None) -> int:
         """Admit waiting sequences in rank order, tenants taking turns by fair share, while budget
         and blocks last; the budget left."""
         ranked = self.fair.admission_order(sorted(self.waiting, key=lambda s: self._waiting_rank(s, now)))
         admissible = list(self.policy.admissible(ranked, now))
         for index, seq in enumerate(admissible):
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs or len(plan.scheduled) == max_seqs:
                 return budget
             if waits_for_leader(seq):
                 continue  # n > 1: it will share its leader's prompt blocks once they are computed

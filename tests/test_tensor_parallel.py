@@ -207,7 +207,7 @@ def spawn(request, tmp_path, redis_url, namespace):
 
 def rank_pid(replica) -> int:
     match = wait_until(
-        lambda: re.search(r"tensor-parallel rank 1 of 2: pid (\d+)", replica.log_text()),
+        lambda: re.search(r"parallel rank 1 of 2: pid (\d+)", replica.log_text()),
         60,
         "the replica to log its worker rank",
     )
@@ -218,10 +218,13 @@ def long_job(index: int) -> dict:
     return {"prompt_token_ids": [5, 6, 7, 8 + index], "max_tokens": 900, "ignore_eos": True, "temperature": 0}
 
 
-def test_replica_with_a_killed_rank_exits_and_its_jobs_are_reclaimed(spawn, redis_url, namespace, raw, tmp_path):
+@pytest.mark.parametrize("split", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_replica_with_a_killed_rank_exits_and_its_jobs_are_reclaimed(spawn, redis_url, namespace, raw, tmp_path, split):
+    """Tensor parallel, and pipeline parallel (rank 1 is the second stage): the replica's
+    jobs equal transformers' greedy ids (the offline result), and a killed rank makes it exit."""
     model = build_tiny_model("llama", tmp_path / "llama")
     one_seq = ["--max-num-seqs", "1"]  # each replica holds two jobs (credits: 2 x max_num_seqs)
-    tp = spawn(namespace, "tp", model, lease_s=2.0, args=["--tensor-parallel-size", "2", *one_seq])
+    tp = spawn(namespace, "tp", model, lease_s=2.0, args=[split, "2", *one_seq])
     tp.start().wait_ready()
     client, ledger = Client(redis_url, namespace=namespace), JobLedger(raw, namespace)
     prompts = mixed_prompts(768, n=3, seed=9, min_len=5, max_len=40)

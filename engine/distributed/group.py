@@ -1,7 +1,12 @@
-"""The ranks' communication: one gloo (or NCCL) process group for the forward's
-all-reduces, with a timeout, and one for step plans, which may wait as long as the
-replica is idle. Built on a TCPStore that rank 0 hosts, not on torch.distributed's global
-default group, so several engines (and tests) can live in one process."""
+"""The ranks' communication. ``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks:
+global rank g is tensor rank g % N of pipeline stage g // N. Each stage has one gloo (or NCCL)
+process group for its forward's all-reduces, with a timeout, and one for step plans, which
+may wait as long as the replica is idle (only stage 0's carries plans: rank 0 broadcasts
+them); with more than one stage, one group of every rank carries the stages' hand-offs
+(point to point: a plan and its activations from each rank to the same tensor rank of the
+next stage, the last stage's hidden states back to rank 0). Built on a TCPStore that rank 0
+hosts, not on torch.distributed's global default group, so several engines (and tests) can
+live in one process."""
 
 import os
 import time
@@ -17,17 +22,34 @@ IDLE_TIMEOUT = timedelta(days=3650)  # a follower waits for the next plan as lon
 STOP = -1  # a plan length that means: no more steps
 
 
-class TPGroup:
-    """One rank's end of the group: ``all_reduce`` (the forward), ``send_step`` (rank 0) and
-    ``receive_step`` (the others); counts the bytes each moves."""
+class RankGroup:
+    """One rank's end of the groups: ``all_reduce`` (the forward, within its stage),
+    ``send_step`` (rank 0) and ``receive_step`` (stage 0's other ranks), ``pipe`` (the stages'
+    hand-offs, engine/distributed/pipeline.py); counts the bytes each moves. ``rank`` and
+    ``size`` are the tensor rank and size within the stage (what a shard needs)."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device):
-        self.rank, self.size, self.device = rank, size, device
+    def __init__(self, store: dist.Store, global_rank: int, tp_size: int, pp_size: int, device: torch.device):
+        self.global_rank, self.world_size = global_rank, tp_size * pp_size
+        self.rank, self.size = global_rank % tp_size, tp_size
+        self.stage, self.num_stages = global_rank // tp_size, pp_size
+        self.device = device
         self.store = store  # rank 0's hosts the rendezvous: kept alive as long as the group
         self.compute = _process_group(
-            dist.PrefixStore("compute", store), rank, size, device, timedelta(seconds=compute_timeout_s())
+            dist.PrefixStore(f"compute/{self.stage}", store),
+            self.rank,
+            tp_size,
+            device,
+            timedelta(seconds=compute_timeout_s()),
         )
-        self.plans = _process_group(dist.PrefixStore("plans", store), rank, size, torch.device("cpu"), IDLE_TIMEOUT)
+        self.plans = _process_group(
+            dist.PrefixStore(f"plans/{self.stage}", store), self.rank, tp_size, torch.device("cpu"), IDLE_TIMEOUT
+        )
+        # every rank (idle stages wait on it for the next plan): the stages' hand-offs
+        self.pipe = (
+            _process_group(dist.PrefixStore("pipe", store), global_rank, self.world_size, device, IDLE_TIMEOUT)
+            if pp_size > 1
+            else None
+        )
         # set up: a failed collective's error path also waits on the store (measured: a 3 s
         # all-reduce timeout raised after ~300 s under the setup timeout)
         store.set_timeout(timedelta(seconds=STORE_RUNTIME_TIMEOUT_S))
@@ -36,6 +58,8 @@ class TPGroup:
         self.seconds_all_reducing = 0.0  # wall time rank 0 spent in them (waiting for the others too)
         self.plan_bytes = 0  # step messages, length headers included
         self.num_plans = 0
+        self.bytes_handed_on = 0  # activations sent to the next stage (or back to rank 0)
+        self.seconds_waiting_on_stages = 0.0  # rank 0: waiting for the last stage's hidden states
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks in place (every rank gets the same sum)."""
@@ -47,11 +71,15 @@ class TPGroup:
         return tensor
 
     def agree_min(self, value: int) -> int:
-        """The smallest of every rank's ``value`` (on the plan group: ranks may arrive far apart)."""
+        """The smallest of every rank's ``value`` (on an idle-timeout group: ranks may arrive far apart)."""
         tensor = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.plans.allreduce([tensor], opts).wait()
+        if self.pipe is not None:  # every rank of every stage
+            tensor = tensor.to(self.device)
+            self.pipe.allreduce([tensor], opts).wait()
+        else:
+            self.plans.allreduce([tensor], opts).wait()
         return int(tensor.item())
 
     def send_step(self, message: bytes | None) -> None:
@@ -85,6 +113,11 @@ class TPGroup:
             "tp_all_reduce_s": self.seconds_all_reducing,
             "tp_plan_bytes": self.plan_bytes,
             "tp_num_plans": self.num_plans,
+            **(
+                {"pp_bytes_handed_on": self.bytes_handed_on, "pp_wait_s": self.seconds_waiting_on_stages}
+                if self.pipe is not None
+                else {}
+            ),
         }
 
 
@@ -94,24 +127,24 @@ def compute_timeout_s() -> float:
     return float(os.environ.get("CONVEYOR_TP_TIMEOUT_S", DEFAULT_COMPUTE_TIMEOUT_S))
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """One CUDA device per rank (cuda:rank); the CPU is shared."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """One CUDA device per rank of a host (cuda:local_rank); the CPU is shared."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
 
-def host_store(size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous on a free loopback port (``.port``): host it before the other
-    ranks start, then build the group (which waits for all of them)."""
-    return _store(0, size, is_host=True)
+def host_store(address: str, port: int, size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous at ``address``:``port`` (0: a free port, ``.port``): host it before
+    the other ranks start, then build the group (which waits for all of them)."""
+    return _store(address, port, size, is_host=True)
 
 
-def join_store(port: int, size: int) -> dist.TCPStore:
-    return _store(port, size, is_host=False)
+def join_store(address: str, port: int, size: int) -> dist.TCPStore:
+    return _store(address, port, size, is_host=False)
 
 
-def _store(port: int, size: int, is_host: bool) -> dist.TCPStore:
+def _store(address: str, port: int, size: int, is_host: bool) -> dist.TCPStore:
     return dist.TCPStore(
-        "127.0.0.1", port, size, is_host, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
+        address, port, size, is_host, timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False
     )
 
 

@@ -41,11 +41,12 @@ def decode_step(message: bytes) -> tuple[StepPlan, list[Tail]]:
 
 def sampled_tails(plan: StepPlan, sampled_ids, seqs: dict) -> list[Tail]:
     """Every sampled sequence's tokens from its first draft (or its new token) on: what
-    sampling appended, and verification kept of its drafts."""
+    sampling appended, and verification kept of its drafts. A sequence the runner forgot
+    meanwhile (aborted while its pipelined step was in flight) has none: the ranks forget it too."""
     sampled = set(sampled_ids)
     tails = []
     for item in plan.scheduled:
-        if item.seq_id in sampled:
+        if item.seq_id in sampled and item.seq_id in seqs:
             start = item.num_computed + item.num_new - len(item.draft_token_ids)
             tails.append((item.seq_id, start, seqs[item.seq_id].token_ids[start:]))
     return tails
