@@ -105,7 +105,7 @@ class LLMEngine:
             return None
         if not self.config.enable_lora:
             raise InvalidRequest("lora_request", "this engine serves no adapters (start it with enable_lora=True)")
-        check_adapter(request, self.config.max_lora_rank)
+        check_adapter(request, self.config.max_lora_rank, self.runner.lora.targets)
         return request
 
     def own_input_processor(self) -> InputProcessor:

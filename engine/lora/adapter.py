@@ -1,8 +1,9 @@
 """PEFT adapters on disk: checked when a request names one, read when it becomes resident.
 
 Supported: plain LoRA (`peft_type` LORA, no bias, no DoRA, no per-module ranks or alphas,
-no modules_to_save) on the decoder's projections (q, k, v, o, gate, up, down), rank up to
-the engine's `max_lora_rank`. Scaling is `lora_alpha / r` (`/ sqrt(r)` with rslora), folded
+no modules_to_save) on the decoder's projections (q, k, v, o, gate, up, down; on a
+mixture-of-experts model the attention's q, k, v, o only), rank up to the engine's
+`max_lora_rank`. Scaling is `lora_alpha / r` (`/ sqrt(r)` with rslora), folded
 into B when read.
 """
 
@@ -19,6 +20,7 @@ from conveyor.engine.errors import InvalidRequest
 from conveyor.engine.lora.request import LoRARequest
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_TARGETS = TARGETS[:4]  # what a mixture-of-experts model serves (its experts have none)
 UNSUPPORTED_KEYS = ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform")
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")  # as a job's `lora` (clients/protocol.py)
@@ -31,8 +33,9 @@ class AdapterConfig:
     targets: tuple[str, ...]
 
 
-def check_adapter(request: LoRARequest, max_rank: int) -> AdapterConfig:
-    """The adapter's config, or InvalidRequest naming what cannot be served."""
+def check_adapter(request: LoRARequest, max_rank: int, targets: tuple[str, ...] = TARGETS) -> AdapterConfig:
+    """The adapter's config, or InvalidRequest naming what cannot be served (``targets``:
+    the modules the model serves adapters on)."""
     if not isinstance(request, LoRARequest):
         raise InvalidRequest("lora_request", f"must be a LoRARequest, got {type(request).__name__}")
     if isinstance(request.lora_int_id, bool) or not isinstance(request.lora_int_id, int) or request.lora_int_id < 1:
@@ -44,10 +47,10 @@ def check_adapter(request: LoRARequest, max_rank: int) -> AdapterConfig:
         raise InvalidRequest("lora_request.lora_path", f"no readable adapter_config.json in {folder}: {exc}") from None
     if not (folder / WEIGHTS_FILE).is_file():
         raise InvalidRequest("lora_request.lora_path", f"{folder} has no {WEIGHTS_FILE}")
-    return _parsed(config, max_rank)
+    return _parsed(config, max_rank, targets)
 
 
-def _parsed(config: dict, max_rank: int) -> AdapterConfig:
+def _parsed(config: dict, max_rank: int, served: tuple[str, ...]) -> AdapterConfig:
     if config.get("peft_type", "LORA") != "LORA" or config.get("bias", "none") != "none":
         raise InvalidRequest("lora_request", "only plain LoRA adapters without bias are supported")
     given = [key for key in UNSUPPORTED_KEYS if config.get(key)]
@@ -58,9 +61,10 @@ def _parsed(config: dict, max_rank: int) -> AdapterConfig:
         raise InvalidRequest("lora_request", f"adapter rank {rank!r} is over max_lora_rank ({max_rank})")
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
-    unknown = sorted(set(targets) - set(TARGETS))
+    unknown = sorted(set(targets) - set(served))
     if unknown:
-        raise InvalidRequest("lora_request", f"target module {unknown[0]!r} is not supported (only {TARGETS})")
+        where = "" if served == TARGETS else " on this mixture-of-experts model"
+        raise InvalidRequest("lora_request", f"target module {unknown[0]!r} is not supported{where} (only {served})")
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     return AdapterConfig(rank, scaling, tuple(targets))
 

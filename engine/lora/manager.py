@@ -2,13 +2,14 @@
 reused least-recently-used first; before each forward, which rows use which slot.
 
 Llama family only (engine/models/llama.py): the decoder's qkv, o, gate_up and down
-projections of every layer are wrapped; embeddings and the LM head are not."""
+projections of every layer are wrapped; embeddings and the LM head are not. On a mixture of
+experts (Mixtral, Qwen-MoE) only the attention's qkv and o are: its experts take no adapter."""
 
 from collections import OrderedDict
 
 import torch
 
-from conveyor.engine.lora.adapter import check_adapter, read_adapter
+from conveyor.engine.lora.adapter import ATTENTION_TARGETS, TARGETS, check_adapter, read_adapter
 from conveyor.engine.lora.layers import LoRABatch, LoRALinear
 from conveyor.engine.lora.request import LoRARequest
 from conveyor.engine.models.llama import LlamaForCausalLM
@@ -18,8 +19,7 @@ class LoRAManager:
     def __init__(self, model, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         if not isinstance(model, LlamaForCausalLM):
             raise ValueError(f"enable_lora: adapters are served for the Llama family only, not {type(model).__name__}")
-        if model.arch.moe is not None:
-            raise ValueError("enable_lora: adapters are not served for mixture-of-experts models yet")
+        self.targets = TARGETS if model.arch.moe is None else ATTENTION_TARGETS  # what adapters may target
         self.max_loras, self.max_rank, self.dtype, self.device = max_loras, max_rank, dtype, device
         self.batch = LoRABatch()
         self.layers = [self._wrap(model.arch, layer) for layer in model.model.layers]
@@ -40,6 +40,8 @@ class LoRAManager:
             "gate_up": (mlp, "gate_up_proj", [("gate_proj", 0, inter), ("up_proj", inter, inter)], hidden),
             "down": (mlp, "down_proj", [("down_proj", 0, hidden)], inter),
         }
+        if self.targets == ATTENTION_TARGETS:
+            del wrapped["gate_up"], wrapped["down"]
         out = {}
         for key, (owner, name, parts, in_features) in wrapped.items():
             lora = LoRALinear(
@@ -83,7 +85,7 @@ class LoRAManager:
         return self.slots.pop(victim)
 
     def _load(self, slot: int, request: LoRARequest) -> None:
-        weights = read_adapter(request, check_adapter(request, self.max_rank), self.dtype)
+        weights = read_adapter(request, check_adapter(request, self.max_rank, self.targets), self.dtype)
         for index, layer in enumerate(self.layers):
             mine = {target: pair for (at, target), pair in weights.items() if at == index}
             for lora in layer.values():
