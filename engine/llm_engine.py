@@ -153,7 +153,8 @@ class LLMEngine:
         stages are in flight and this one had work, return at once, else finish the oldest."""
         self.runner.launch(plan)
         self._pipelined.append(plan)
-        self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._pipelined))
+        working = sum(1 for launched in self._pipelined if launched.scheduled)
+        self.max_steps_in_flight = max(self.max_steps_in_flight, working)
         if plan.scheduled and len(self._pipelined) < self.config.pipeline_parallel_size:
             return []
         oldest = self._pipelined.popleft()
@@ -169,8 +170,9 @@ class LLMEngine:
         """Second half: apply sampled tokens, detokenize, end the sequences that a stop
         condition ended; outputs of the step."""
         failed = self._failed(plan, result)  # before update: it forgets which sequences the step had
+        scheduled = {seq.seq_id: seq for seq in self.scheduler.in_flight[plan.step_id]}
         updated = self.scheduler.update(plan, result)
-        self._feed_prompt_logprobs(result)
+        self._feed_prompt_logprobs(result, scheduled)
         for seq in updated:
             self._feed_and_finish(seq, result.logprobs.get(seq.seq_id))
             for token_id in result.extra_token_ids.get(seq.seq_id, ()):  # accepted drafts: one by one
@@ -183,10 +185,12 @@ class LLMEngine:
         ended, self._ended = self._ended, []
         return self.samples.fan_in([(seq, self.outputs.output(seq)) for seq in ended + updated])
 
-    def _feed_prompt_logprobs(self, result: StepResult) -> None:
+    def _feed_prompt_logprobs(self, result: StepResult, scheduled: dict[str, Sequence]) -> None:
+        """To the step's own sequences (by object: one aborted while the step ran, and a new
+        request that took its id, get none)."""
         for seq_id, (start, entries) in result.prompt_logprobs.items():
-            seq = self.scheduler.seqs.get(seq_id)
-            if seq is not None:
+            seq = scheduled.get(seq_id)
+            if seq is not None and not seq.is_finished:
                 self.outputs.feed_prompt_logprobs(seq, start, entries)
 
     def _feed_and_finish(self, seq: Sequence, logprobs) -> None:

@@ -5,6 +5,7 @@ the scheduler's compact plan into flat, unpadded batch tensors.
 """
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -238,7 +239,8 @@ class ModelRunner:
         useful = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
         num_blocks = self.config.num_kv_blocks or max(1, min(useful, self._kv_budget_bytes() // per_block))
         if self.tp is not None:  # every rank's pool has the same block ids
-            num_blocks = self.tp.agree_min(num_blocks)
+            with self.workers.failures() if self.workers else contextlib.nullcontext():
+                num_blocks = self.tp.agree_min(num_blocks)
         shape = (len(self.attention_layers), first.num_kv_heads, num_blocks, self.block_size, first.head_dim)
         # zeros, not empty: padded decode slots are masked, but 0 * NaN would still be NaN
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)

@@ -15,7 +15,8 @@ is still in flight, counting the token each of its sequences will sample (its
 sequence that step in flight will certainly end is not scheduled again, and a sequence in
 flight is never preempted: where room runs out the plan is simply smaller. Under pipeline
 parallel a sequence in flight is not scheduled at all (its next input is not known before
-the step ends), so the steps in flight hold different sequences. Ranks: priority class (batch work ages into interactive), then the
+the step ends), so the steps in flight hold different sequences, each step at most 1/P of
+the batch. Ranks: priority class (batch work ages into interactive), then the
 integer priority (lower first), then arrival (admission, for running sequences). Waiting
 sequences of several tenants are admitted by token-weighted fair share (engine/fair_share.py),
 each tenant's in its own rank order.
@@ -233,7 +234,8 @@ class Scheduler:
         stages = self.config.pipeline_parallel_size
         if stages == 1:
             return None
-        return max(1, -(-(len(self.running) + len(self.waiting)) // stages))
+        sequences = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)  # a queue beyond waits
+        return max(1, -(-sequences // stages))
 
     def _admit_waiting(self, budget: int, plan: StepPlan, now: float, max_seqs: int | None = None) -> int:
         """Admit waiting sequences in rank order, tenants taking turns by fair share, while budget

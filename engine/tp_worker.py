@@ -61,8 +61,12 @@ def join(address: str, port: int, rank: int, num_threads: int | None = None) -> 
     store = join_store(address, port, None)
     options = json.loads(store.get("config"))
     config = EngineConfig(**options["config"])
-    if not 0 < rank < config.world_size:
-        raise SystemExit(f"conveyor rank: --rank must be in [1, {config.world_size - 1}] for this group, got {rank}")
+    first = config.world_size // config.nnodes  # rank 0's host starts the ranks below this one
+    if not first <= rank < config.world_size:
+        raise SystemExit(
+            f"conveyor rank: --rank must be in [{first}, {config.world_size - 1}] for this group "
+            f"(rank 0's host runs ranks 0..{first - 1}), got {rank}"
+        )
     run_worker(config, rank, address, port, options["max_model_len"], num_threads or torch.get_num_threads(), store)
 
 

@@ -26,7 +26,7 @@ NUM_PROMPTS = 10
 LAYERS = 3  # splits unevenly over 2 stages
 TIGHT = dict(num_kv_blocks=48, block_size=4, max_num_batched_tokens=32)  # preempts, chunks prompts
 CASES = {
-    "pp2": dict(pipeline_parallel_size=2),
+    "pp2": dict(pipeline_parallel_size=2, max_num_seqs=4),  # requests queue beyond the batch
     "pp2_preemption_chunked": dict(pipeline_parallel_size=2, **TIGHT),
     "pp2_tp2_preemption_chunked": dict(pipeline_parallel_size=2, tensor_parallel_size=2, **TIGHT),
 }
@@ -77,22 +77,27 @@ def test_pipeline_greedy_matches_transformers(llama, workload, case):
 
 def check_abort_in_flight(engine, prompts, expected) -> None:
     """A request aborted while its step is in flight ends 'abort'; the others, whose steps
-    reuse its blocks, keep transformers' ids (on the case's engine, once idle)."""
+    reuse its blocks, keep transformers' ids, and a new request taking its id gets none of
+    its prompt logprobs (on the case's engine, once idle)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=0)
     for index in range(4):
-        engine.add_request(f"a{index}", prompts[index], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    engine.step()  # launches the first step (half the requests), returns before it ends
-    assert engine.stats()["pp_max_steps_in_flight"] >= 1 and engine._pipelined
-    in_flight = {item.seq_id for item in engine._pipelined[0].scheduled}
-    aborted = sorted(in_flight)[0]
+        engine.add_request(f"a{index}", prompts[index], params)
+    engine.step()  # launches a step with half the requests, returns before it ends
+    engine.step()  # launches one with the other half, then finishes the first
+    [in_flight] = engine._pipelined
+    aborted = in_flight.scheduled[0].seq_id
     engine.abort_request(aborted)
-    finished = {}
+    engine.add_request(aborted, [7, 8, 9], params)  # its id again, while its step is in flight
+    finished = []
     while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished[aborted].outputs[0].finish_reason == "abort"
+        finished += [o for o in engine.step() if o.finished]
+    by_id = {o.request_id: o for o in finished if o.outputs[0].finish_reason != "abort"}
+    assert [o.request_id for o in finished if o.outputs[0].finish_reason == "abort"] == [aborted]
+    assert len(by_id[aborted].prompt_logprobs) == 3  # its own prompt's, not the aborted one's
     for index in range(4):
         if f"a{index}" != aborted:
             reference = hf_greedy(engine.config.model, prompts[index], 30, ignore_eos=True)
-            assert finished[f"a{index}"].outputs[0].token_ids == reference
+            assert by_id[f"a{index}"].outputs[0].token_ids == reference
 
 
 def test_unservable_splits_are_refused_before_any_rank_starts(llama, tmp_path):
@@ -154,7 +159,7 @@ def test_a_rank_of_another_host_stops_with_rank_0_and_refuses_a_rank_out_of_rang
             llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert remote.wait(RANK_EXIT_BOUND_S) == 0  # told to stop by rank 0's close()
         assert wrong.wait(RANK_EXIT_BOUND_S) != 0
-        assert "--rank must be in [1, 1] for this group, got 5" in wrong.stderr.read()
+        assert "--rank must be in [1, 1] for this group (rank 0's host runs ranks 0..0), got 5" in wrong.stderr.read()
     finally:
         for process in (wrong, remote):
             process.kill()

@@ -44,9 +44,14 @@ class RankGroup:
         self.plans = _process_group(
             dist.PrefixStore(f"plans/{self.stage}", store), self.rank, tp_size, torch.device("cpu"), IDLE_TIMEOUT
         )
-        # every rank (idle stages wait on it for the next plan): the stages' hand-offs
+        # every rank (idle stages wait on it for the next plan): the stages' hand-offs. gloo
+        # through host memory even on CUDA: with two steps in flight, rank 0 sends step k+1
+        # before it takes step k's result while the last stage sends that result before it
+        # takes step k+1, which NCCL's one ordered stream per pair of ranks could deadlock
         self.pipe = (
-            _process_group(dist.PrefixStore("pipe", store), global_rank, self.world_size, device, IDLE_TIMEOUT)
+            _process_group(
+                dist.PrefixStore("pipe", store), global_rank, self.world_size, torch.device("cpu"), IDLE_TIMEOUT
+            )
             if pp_size > 1
             else None
         )
@@ -76,7 +81,6 @@ class RankGroup:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         if self.pipe is not None:  # every rank of every stage
-            tensor = tensor.to(self.device)
             self.pipe.allreduce([tensor], opts).wait()
         else:
             self.plans.allreduce([tensor], opts).wait()

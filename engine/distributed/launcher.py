@@ -49,6 +49,7 @@ class Workers:
                 store.port,
             )
         self._finalizer = weakref.finalize(self, _terminate, list(self.processes))
+        self.failed = False  # a collective failed: the group cannot be used any more
         self.watchdog = StepWatchdog(self.processes, compute_timeout_s(), remote_ranks=local < world)
         try:
             self._wait_joined(store, world)
@@ -91,6 +92,15 @@ class Workers:
         self.check_alive()
         self.watchdog.start_step()
         try:
+            with self.failures():
+                yield
+        finally:
+            self.watchdog.end_step()
+
+    @contextlib.contextmanager
+    def failures(self):
+        """A collective that failed (a rank died, here or on another host) as RankFailed."""
+        try:
             yield
         except RuntimeError as exc:
             ends = time.monotonic() + DEATH_NOTICE_S
@@ -98,25 +108,25 @@ class Workers:
                 time.sleep(0.02)
             dead = self._dead()
             if dead or "gloo" in str(exc).lower() or "nccl" in str(exc).lower():
+                self.failed = True
                 raise RankFailed(
                     f"parallel ranks: {dead or 'a collective failed'} ({str(exc)[:300]}); "
                     f"this engine stops (its jobs go back to the queue)"
                 ) from exc
             raise
-        finally:
-            self.watchdog.end_step()
 
     def close(self, link=None) -> None:
-        """Ask the ranks to stop (when all still live; ``link``: stage 1 too), then make sure they have."""
+        """Ask the ranks to stop, then make sure they have; after a failure (a rank is dead,
+        the others may wait on it for ever) end them at once."""
         self.watchdog.close()
-        if not self._dead():
+        if not (self.failed or self._dead()):
             with contextlib.suppress(RuntimeError):
                 self.group.send_step(None)
                 if link is not None:
                     link.send_on(None)
-        for process in self.processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(STOP_GRACE_S)
+            for process in self.processes:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(STOP_GRACE_S)
         self._finalizer()
 
 

@@ -73,8 +73,8 @@ def run_stage(model: LlamaForCausalLM, batch, inputs, first: bool, last: bool):
 class StageLink:
     """One rank's hand-offs on the pipe group: what it receives from the previous stage and
     sends to the next (and, at the last stage's tensor rank 0, back to rank 0). Sends do not
-    wait for the receiver (a stage may still be busy with an earlier step); their tensors are
-    kept until they are taken."""
+    wait for the receiver (a stage may still be busy with an earlier step) until
+    MAX_SENDS_IN_FLIGHT are queued; their tensors are kept until they are taken."""
 
     def __init__(self, group, hidden_size: int, dtype: torch.dtype):
         self.group, self.pipe = group, group.pipe
@@ -124,13 +124,12 @@ class StageLink:
         return self._receive(torch.empty(num_tokens, self.hidden_size, dtype=self.dtype), last_stage, FINAL_TAG)
 
     def _send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
-        tensor = tensor.to(self.group.device)
+        tensor = tensor.cpu()  # the pipe group is gloo, through host memory (group.py)
         self.sends.append((self.pipe.send([tensor], to, tag), tensor))
         self.group.bytes_handed_on += tensor.numel() * tensor.element_size()
         while self.sends and (len(self.sends) > MAX_SENDS_IN_FLIGHT or self.sends[0][0].is_completed()):
             self.sends.popleft()[0].wait()
 
     def _receive(self, tensor: torch.Tensor, source: int, tag: int) -> torch.Tensor:
-        tensor = tensor.to(self.group.device)
         self.pipe.recv([tensor], source, tag).wait()
-        return tensor
+        return tensor.to(self.group.device)
