@@ -30,7 +30,10 @@ never in the project's virtual environment, and reused afterwards:
 
 Reports, per engine and workload: median and min-max over the rounds, ours / peer
 (median and min-max of the per-round ratios), load time, peak RSS (VmHWM summed over the
-worker's process tree), and the CPU's ISA flags. A peer that cannot be installed or
+worker's process tree), and the CPU's ISA flags. Single-stream decode is also given as a
+fraction of the bandwidth bound: the read bandwidth measured just before each round
+(benchmarks/limits.py, every worker idle) over the GGUF's tensor bytes, each read once per
+token (the tied head reads the whole embedding). A peer that cannot be installed or
 started is skipped with the reason, and the others still run.
 """
 
@@ -51,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import cpu_flags, cpu_info, describe_cpu, format_table, isa_flags, random_prompt, write_json  # noqa: E402
+from limits import memory_read_gbps  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PEERS_HOME = Path(os.environ.get("CONVEYOR_PEERS_HOME", "~/.cache/conveyor-peers")).expanduser()
@@ -82,6 +86,20 @@ def make_requests(workload: str, shape: tuple, round_index: int, vocab: int) -> 
     rng = random.Random(f"{workload}-{round_index}")
     prompts = [random_prompt(rng, rng.randint(prompt_lo, prompt_hi), vocab) for _ in range(count)]
     return prompts, [rng.randint(out_lo, out_hi) for _ in range(count)]
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    """Bytes of a GGUF file's tensor data: what a decode step reads at least, once each."""
+    from conveyor.engine.models.gguf_weights import read_header
+
+    size = Path(path).stat().st_size
+    with open(path, "rb") as file:
+        import mmap
+
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            _, tensors = read_header(data)
+    offsets = sorted(offset for _, _, offset in tensors.values())
+    return size - offsets[0]
 
 
 def tokens_per_s(result: dict, single: bool) -> float:
@@ -489,15 +507,21 @@ def parse_option(text: str) -> tuple[str, object]:
         return key.strip(), value
 
 
+def gguf_of(args) -> str | None:
+    """The GGUF file llama.cpp runs (and whose bytes bound a decode step), if any."""
+    from conveyor.engine.models.gguf_import import smollm2_gguf
+
+    if args.gguf:
+        return args.gguf
+    return str(smollm2_gguf()) if args.model == "smollm2" else args.model if str(args.model).endswith(".gguf") else None
+
+
 def plan_engines(args, skipped: dict) -> tuple[list[dict], int]:
     """The engine variants to run; peers that cannot be set up go to ``skipped`` with why."""
-    from conveyor.engine.models.gguf_import import smollm2_gguf
     from conveyor.engine.models.loader import load_spec
 
     spec = load_spec(args.model)
-    gguf = args.gguf or (
-        smollm2_gguf() if args.model == "smollm2" else args.model if str(args.model).endswith(".gguf") else None
-    )
+    gguf = gguf_of(args)
     max_seqs = max(WORKLOADS[w][0] for w in args.workloads)
     engines = []
     for kind in args.engines:
@@ -602,6 +626,7 @@ def measure(args) -> dict:
         for round_index in range(args.rounds):
             for workload in args.workloads:
                 prompts, output_lens = make_requests(workload, shapes[workload], round_index, vocab)
+                read_gbps = memory_read_gbps(repeats=3) if workload == "single" else None
                 shift = round_index % max(len(names), 1)
                 for name in names[shift:] + names[:shift]:  # A B C, B C A, ...
                     if name in skipped:
@@ -618,6 +643,8 @@ def measure(args) -> dict:
                             flush=True,
                         )
                     result["tokens_per_s"] = tokens_per_s(result, workload == "single")
+                    if read_gbps is not None:
+                        result["read_gbps"] = read_gbps
                     runs[name][workload].append(result)
                     print(
                         f"round {round_index + 1}/{args.rounds} {workload:>11} {name:>16}: "
@@ -670,7 +697,19 @@ def summarize_runs(results: dict) -> dict:
                         "min": min(pairs),
                         "max": max(pairs),
                     }
-    return {"tokens_per_s": summary, "ratios": ratios}
+    return {"tokens_per_s": summary, "ratios": ratios, "of_bound": _fractions_of_bound(results)}
+
+
+def _fractions_of_bound(results: dict) -> dict:
+    """Per engine: single-stream decode over each round's bandwidth bound, median (min-max)."""
+    model_bytes = results.get("model_bytes")
+    fractions = {}
+    for name, by_workload in results["runs"].items():
+        rounds = [r for r in by_workload.get("single", []) if r.get("read_gbps")]
+        if model_bytes and rounds:
+            values = [r["tokens_per_s"] / (r["read_gbps"] * 1e9 / model_bytes) for r in rounds]
+            fractions[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return fractions
 
 
 def _spread(stat: dict | None, digits: int | None = None) -> str:
@@ -747,6 +786,17 @@ def report(results: dict) -> str:
             "\nours / peer, per-round paired ratios, median (min-max):",
             format_table(ratio_rows, list(ratio_rows[0])),
         ]
+    of_bound = results["summary"].get("of_bound")
+    if of_bound:
+        reads = [
+            r["read_gbps"] for runs in results["runs"].values() for r in runs.get("single", []) if "read_gbps" in r
+        ]
+        parts.append(
+            f"\nsingle-stream decode as a fraction of the bandwidth bound ({results['model_bytes'] / 1e6:.1f} MB "
+            f"of GGUF tensors per token; read {min(reads):.1f}-{max(reads):.1f} GB/s: bound "
+            f"{min(reads) * 1e9 / results['model_bytes']:.0f}-{max(reads) * 1e9 / results['model_bytes']:.0f} tok/s):"
+        )
+        parts += [f"  {name}: {_spread(stat, 2)}" for name, stat in of_bound.items()]
     for name, why in results["skipped"].items():
         parts.append(f"\nSKIPPED {name}: {why}")
     return "\n".join(parts)
@@ -897,6 +947,8 @@ def main():
         "isa": flags,
         "isa_line": isa_line,
     }
+    gguf = gguf_of(args)
+    results["model_bytes"] = gguf_tensor_bytes(gguf) if gguf else None
     results.update(measure(args))
     results["summary"] = summarize_runs(results)
     print(report(results))

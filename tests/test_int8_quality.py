@@ -137,3 +137,19 @@ def test_int8_chat_answers_agree_with_float32(engines):
     prefixes = [common_prefix(a, b) for a, b in zip(ours, want)]
     print(f"\nchat, 16 questions x {TOKENS} tokens: {sum(p == TOKENS for p in prefixes)} identical, {prefixes}")
     assert sum(p == TOKENS for p in prefixes) >= 3 and sum(prefixes) / len(prefixes) >= 12
+
+
+def test_int8_weights_are_held_once(engines):
+    """Every projection the repacked GEMM serves keeps only that copy (its GGUF blocks are
+    released: shape and dtype on the meta device), in huge-page arenas where the kernel
+    allows; the tied head's blocks stay (they are the embedding table too)."""
+    from conveyor.kernels.cpu.linear import CpuLinear
+
+    int8, _ = engines
+    model = int8.engine.runner.model
+    repacked = [m for m in model.modules() if isinstance(m, CpuLinear) and m.int8_gemm is not None]
+    projections = [m for m in repacked if m.owns_weight]
+    assert len(projections) == 4 * len(model.model.layers)  # qkv, o, gate_up, down
+    assert all(m.weight.is_meta and m.fast_path[0] is m.weight for m in projections)
+    assert not model.lm_head.owns_weight and not model.lm_head.weight.is_meta
+    assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -20,8 +20,8 @@ def prepare(
     ``gguf_mode``: how GGUF-block layers run (``CpuLinear.pack``)."""
     kernels = extension.load()
     swap_linears(model)
+    pack_linears(model, kernels, gguf_mode)  # first: the weights it releases are never moved
     move_weights_to_huge_pages(model)
-    pack_linears(model, kernels, gguf_mode)
     release_freed_memory()
     return CpuBackend(model, kernels, layout_of)
 

@@ -47,7 +47,9 @@ class CpuLinear(nn.Module):
     runs the hardware's bf16 dot products into float32 results (1.7-2x the float32 copy
     from 16 rows up on an AVX512-BF16 EPYC); the rest of the model stays float32.
 
-    Shares the weight it wraps (a tied head shares the embedding table)."""
+    Shares the weight it wraps (a tied head shares the embedding table). A weight it alone
+    holds and every step reads from the int8 GEMM's copy is released once that copy exists
+    (``owns_weight``; its shape and dtype stay, on the meta device): nothing is held twice."""
 
     FEW_ROWS = 2  # crossover measured on a 2-core AVX-512 machine (benchmarks/cpu_speed.py)
     PACK_BATCH_HINT = 64  # rows oneDNN tunes the blocked layout for
@@ -58,9 +60,12 @@ class CpuLinear(nn.Module):
     # decoder's too); with a copy the crossover is the CPU's (dispatch.gguf_blocks_max_rows)
     QUANT_MAX_ROWS = 12
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bf16_output: bool = False):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, bf16_output: bool = False, owns_weight: bool = True
+    ):
         super().__init__()
         self.weight, self.bias = weight, bias
+        self.owns_weight = owns_weight  # False: shared (a tied head's embedding table), never released
         # a bf16 copy's product may stay bf16 (its reader takes it: SiLU-and-mul, add_rms_norm)
         self.bf16_output = bf16_output and bias is None
         self.kernels = None  # the compiled extension, from pack()
@@ -89,11 +94,13 @@ class CpuLinear(nn.Module):
                     dense = dequantize(self.weight.detach()).to(copy_dtype)
                     packed = onednn_packed(dense, self.PACK_BATCH_HINT)
                     self.blocks_max_rows = gguf_blocks_max_rows(cpu_flags(), gguf_mode)
-                self.fast_path = (self.weight, self.bias, packed)
                 self.activations = "int8" if gguf_mode == "int8" else "float32"
                 gemm_isa = int8_gemm_isa(cpu_flags())
                 if gguf_mode == "int8" and gemm_isa in kernels.int8_gemm_isas() and self.weight.shape[0] % 16 == 0:
                     self.int8_gemm = (*repack_for_int8_gemm(self.weight.detach()), gemm_isa)
+                    if self.owns_weight:  # every step reads the repacked copy
+                        self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+                self.fast_path = (self.weight, self.bias, packed)
             return
         if self.weight.dtype != torch.float32:
             return
@@ -103,6 +110,8 @@ class CpuLinear(nn.Module):
         self.fast_path = (few_rows_weight, self.bias, onednn_packed(self.weight.detach(), self.PACK_BATCH_HINT))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 2:  # the paths below take rows
+            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         fast = self.fast_path is not None and x.dim() == 2
         # GGUF blocks take bf16 x too: a bf16_output product read by this layer
         if fast and self.fast_path[0].dtype is not torch.float32 and x.dtype in ACTIVATION_DTYPES:
@@ -181,7 +190,7 @@ def swap_linears(model: nn.Module) -> None:
         if isinstance(child, (nn.Linear, QuantLinear)):
             setattr(model, name, CpuLinear(child.weight, child.bias, bf16_output=name in bf16_output))
         elif isinstance(getattr(child, "tied_weight", None), torch.Tensor):
-            setattr(model, name, CpuLinear(child.tied_weight, None))
+            setattr(model, name, CpuLinear(child.tied_weight, None, owns_weight=False))
         else:
             swap_linears(child)
 
@@ -202,5 +211,34 @@ def pack_linears(model: nn.Module, kernels, gguf_mode: str = "blocks") -> None:
     ]
     copies = huge_page_copies([kernels.interleave_rows(m.weight.detach()) for m in interleavable])
     interleaved = {id(m): copy for m, copy in zip(interleavable, copies)}
+    holders = _holders_by_storage(model)
     for module in linears:
+        module.owns_weight &= holders.get(module.weight.untyped_storage().data_ptr(), 1) == 1
         module.pack(kernels, interleaved.get(id(module)), gguf_mode)
+    move_int8_copies_to_huge_pages([m for m in linears if m.int8_gemm is not None])
+
+
+def _holders_by_storage(model: nn.Module) -> dict[int, int]:
+    """How many modules hold a tensor of each storage (a head placed on the embedding's
+    blocks shares them: neither may release them)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if tensor.device.type == "cpu":
+                key = tensor.untyped_storage().data_ptr()
+                holders[key] = holders.get(key, 0) + 1
+    return holders
+
+
+def move_int8_copies_to_huge_pages(linears: list[CpuLinear], arena_bytes: int = 16 << 20) -> None:
+    """The int8 GEMM's copies into huge-page arenas of about ``arena_bytes`` each (every step
+    streams them; a few arenas rather than one, so the move holds at most one arena twice)."""
+    group, size = [], 0
+    for index, module in enumerate(linears):
+        group.append(module)
+        size += sum(t.numel() * t.element_size() for t in module.int8_gemm[:3])
+        if size >= arena_bytes or index == len(linears) - 1:
+            copies = huge_page_copies([t for m in group for t in m.int8_gemm[:3]])
+            for position, m in enumerate(group):
+                m.int8_gemm = (*copies[3 * position : 3 * position + 3], m.int8_gemm[3])
+            group, size = [], 0

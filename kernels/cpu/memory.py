@@ -20,6 +20,7 @@ ALIGN_BYTES = 64  # a cache line: every weight starts on one
 def move_weights_to_huge_pages(model: nn.Module) -> None:
     """Copy every parameter into one huge-page-backed arena, in place (``param.data``)."""
     params = list({id(p): p for p in model.parameters()}.values())  # tied weights once
+    params = [p for p in params if p.device.type != "meta"]  # released (kernels/cpu/linear.py owns_weight)
     if not params or any(p.device.type != "cpu" for p in params):
         return
     for param, copy in zip(params, huge_page_copies([p.data for p in params])):
