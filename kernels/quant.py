@@ -81,8 +81,9 @@ def dequantize(weight: torch.Tensor, rows: torch.Tensor | slice | None = None) -
 
 def repack_for_int8_gemm(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed weight as kernels/csrc/int8_gemm_cpu.cpp reads it: (values uint8 ``[N/16, K/32,
-    256 or 512]``, scales and offsets float32 ``[N/16, K/32, 16]``); per block w = d u + o with u
-    unsigned (4-bit: q, o = the min; 8-bit: q + 128, o = -128 d), exactly. N a multiple of 16."""
+    256 or 512]``, scales and offsets float16 ``[N/16, K/32, 16]``: GGUF's own half-precision
+    values, exactly); per block w = d u + o with u unsigned (4-bit: q, o = the min; 8-bit:
+    q + 128, o = -128 d), exactly. N a multiple of 16."""
     in_features, n = in_features_of(weight), weight.shape[0]
     assert n % 16 == 0, n
     groups, blocks = n // 16, in_features // BLOCK
@@ -105,7 +106,7 @@ def repack_for_int8_gemm(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     u = u.reshape(groups, 16, blocks, lanes, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, lanes * 64)
 
     def per_group(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(groups, 16, blocks).transpose(1, 2).contiguous()
+        return t.reshape(groups, 16, blocks).transpose(1, 2).contiguous().half()  # exact: they were float16
 
     return u.contiguous(), per_group(d), per_group(offsets)
 

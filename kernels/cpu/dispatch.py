@@ -98,7 +98,8 @@ def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
     """quantization="auto": how a GGUF model's layers run (kernels/cpu/linear.py ``CpuLinear.pack``).
     ``dtype="auto"`` on an x86 CPU with AVX2 (AMX included): "int8", the blocks repacked for
     integer dots on int8 activations at every row count (kernels/csrc/int8_gemm_cpu.cpp), the
-    blocks and their repacked copy held, no float copy (perplexity within 1%; docs/performance.md).
+    repacked copy alone held for each projection (its blocks released; a tied head's stay, as the
+    embedding), no float copy (perplexity within 1%; docs/performance.md).
     Each row's integer dots and its scales are its own, so a request's tokens do not depend on
     the rows beside it in a step nor on the step's row count: with the prefill attention that
     reads the cache as stored (kernels/attention.py), a server's answers do not depend on what

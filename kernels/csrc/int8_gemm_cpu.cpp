@@ -12,7 +12,9 @@
 //   4-bit: 256 bytes, 4 x 64: lane c of vector i holds u[c][4i..4i+3] in its low nibbles and
 //          u[c][16+4i..16+4i+3] in its high ones; 8-bit: 512 bytes, 8 x 64: lane c of vector
 //          j holds u[c][4j..4j+3]
-//   scales d[16] and offsets o[16] float32 (4-bit: o = m, the GGUF min; 8-bit: o = -128 d)
+//   scales d[16] and offsets o[16] float16 (4-bit: o = m, the GGUF min; 8-bit: o = -128 d): GGUF's own
+//   half-precision scales, exactly (-128 d only moves the exponent), so a block costs 320 bytes a
+//   step (0.625 bytes a weight for 4-bit) instead of 384 with float32 scales
 // and x is quantized per 32-block by int8_dot_cpu.cpp's quantize_rows (dx = max|x| / 127,
 // qx, and sx = dx * sum qx), so that w x summed over a block is  d dx sum(u qx) + o sx.
 #include "cpu_kernels.h"
@@ -34,8 +36,8 @@ struct GemmProblem {
   const float* xd;     // [M, blocks]
   const float* xs;     // [M, blocks]
   const uint8_t* w;    // [N / 16, blocks, 256 or 512]
-  const float* d;      // [N / 16, blocks, 16]
-  const float* o;      // [N / 16, blocks, 16]
+  const uint16_t* d;   // [N / 16, blocks, 16] float16
+  const uint16_t* o;   // [N / 16, blocks, 16] float16
   const float* bias;   // [N] or nullptr
   float* y;            // [M, N]
   int64_t M, K, N, blocks;
@@ -84,7 +86,8 @@ struct Tile {
       const int64_t gb = g * p.blocks + b;
       __m512i w[8];
       unpack_block(p.w + gb * block_bytes, p.four_bit, w);
-      const __m512 d = _mm512_loadu_ps(p.d + gb * 16), o = _mm512_loadu_ps(p.o + gb * 16);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + gb * 16)));
+      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.o + gb * 16)));
       for (int m = 0; m < MT; ++m) {
         const int64_t row = m0 + m;
         const int8_t* quads = p.xq + row * p.K + b * 32;
@@ -124,7 +127,7 @@ void run(const GemmProblem& p) {
 // llama.cpp's sign trick on q = u - 128 (|q| times x with q's sign, 2 x 128 x 127 per pair)
 // and madds each one; the offset o = -128 d is then already in q.
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace int8_gemm_avx2 {
 
 constexpr int64_t kRowsPerTile = 4;  // int16 sums and float32 sums of 4 rows, and a block's vector: 13 registers
@@ -170,13 +173,13 @@ struct Tile {
           }
         }
       }
-      const __m256 d = _mm256_loadu_ps(p.d + gb * 16 + 8 * h);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.d + gb * 16 + 8 * h)));
       for (int m = 0; m < MT; ++m) {
         const int64_t xb = (m0 + m) * p.blocks + b;
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(d, _mm256_set1_ps(p.xd[xb])), acc[m]);
       }
       if (p.four_bit) {
-        const __m256 o = _mm256_loadu_ps(p.o + gb * 16 + 8 * h);
+        const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.o + gb * 16 + 8 * h)));
         for (int m = 0; m < MT; ++m)
           acc[m] = _mm256_fmadd_ps(o, _mm256_set1_ps(p.xs[(m0 + m) * p.blocks + b]), acc[m]);
       }
@@ -206,7 +209,8 @@ std::vector<std::string> int8_gemm_isas() {
   static const std::vector<std::string> isas = [] {  // the decoder asks every projection of every step
     std::vector<std::string> found;
 #ifdef CONVEYOR_INT8_GEMM
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) found.push_back("avx2");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      found.push_back("avx2");
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
       found.push_back("avx512vnni");
@@ -228,8 +232,8 @@ torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
   const int64_t groups = packed.size(0), blocks = packed.size(1), M = x.size(0), K = x.size(1), N = groups * 16;
   TORCH_CHECK(K == blocks * 32, "int8_gemm_linear: x has ", K, " features, the weight ", blocks * 32);
   for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == groups * blocks * 16,
-                "int8_gemm_linear: scales and offsets float32 [N / 16, K / 32, 16]");
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == groups * blocks * 16,
+                "int8_gemm_linear: scales and offsets float16 [N / 16, K / 32, 16]");
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor b = bias.has_value() && bias->defined() && bias->numel() ? bias->contiguous() : torch::Tensor();
@@ -241,8 +245,8 @@ torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
                       xq.scales.data(),
                       xq.sums.data(),
                       packed.data_ptr<uint8_t>(),
-                      scales.data_ptr<float>(),
-                      offsets.data_ptr<float>(),
+                      reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                      reinterpret_cast<const uint16_t*>(offsets.data_ptr<at::Half>()),
                       b.defined() ? b.data_ptr<float>() : nullptr,
                       y.data_ptr<float>(),
                       M,
