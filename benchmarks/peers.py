@@ -14,7 +14,9 @@ without reloading. Every engine gets the same token ids:
   first output token to the last (prefill excluded);
 - ``mixed16``, ``mixed32``: 16 / 32 concurrent requests, prompts of 32-256 tokens,
   outputs of 16-96; output tokens/s over the whole batch;
-- ``saturated64``: 64 concurrent requests, 32-token prompts, 128 output tokens each.
+- ``saturated64``: 64 concurrent requests, 32-token prompts, 128 output tokens each;
+- ``prefill1000``: one request, a 1,000-token prompt, one output token; prompt tokens/s
+  over the whole request (llama.cpp's prompt processing figure).
 
 Greedy, ``ignore_eos`` (every request produces exactly its output length). Each round
 draws new prompts (the same for every engine), so no prefix cache helps across rounds.
@@ -70,14 +72,17 @@ WORKLOADS = {
     "mixed16": (16, (32, 256), (16, 96)),
     "mixed32": (32, (32, 256), (16, 96)),
     "saturated64": (64, (32, 32), (128, 128)),
+    "prefill1000": (1, (1000, 1000), (1, 1)),
 }
 QUICK_WORKLOADS = {
     "single": (1, (16, 16), (32, 32)),
     "mixed16": (16, (32, 128), (8, 24)),
     "mixed32": (32, (32, 128), (8, 24)),
     "saturated64": (64, (32, 32), (16, 16)),
+    "prefill1000": (1, (256, 256), (1, 1)),
 }
-CONTEXT_PER_SEQUENCE = 512  # >= the longest prompt + output of any workload
+CONTEXT_PER_SEQUENCE = 512  # >= the longest prompt + output of any concurrent workload
+SINGLE_CONTEXT = 1024 + 64  # one sequence: >= the longest prompt + output of a one-request workload
 
 
 def make_requests(workload: str, shape: tuple, round_index: int, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -102,9 +107,12 @@ def gguf_tensor_bytes(path: str) -> int:
     return size - offsets[0]
 
 
-def tokens_per_s(result: dict, single: bool) -> float:
-    """Single stream: decode tokens/s (first output token to last); else output tokens/s."""
-    if single and result.get("decode_s"):
+def tokens_per_s(result: dict, workload: str) -> float:
+    """Single stream: decode tokens/s (first output token to last); prefill: prompt tokens/s;
+    else output tokens/s."""
+    if workload.startswith("prefill"):
+        return result["prompt_tokens"] / result["seconds"]
+    if workload == "single" and result.get("decode_s"):
         return (result["output_tokens"] - 1) / result["decode_s"]
     return result["output_tokens"] / result["seconds"]
 
@@ -333,7 +341,7 @@ def start_worker(engine: dict, args, log_dir: Path) -> Worker:
         "dtype": engine.get("dtype"),
         "options": engine.get("options", {}),
         "max_num_seqs": engine["max_num_seqs"],
-        "max_model_len": CONTEXT_PER_SEQUENCE,
+        "max_model_len": SINGLE_CONTEXT,
     }
     log = log_dir / f"{engine['name']}.log"
     if engine["kind"] == "ours":
@@ -377,7 +385,8 @@ def start_worker(engine: dict, args, log_dir: Path) -> Worker:
         node_config = {
             "model": engine["model"],
             "threads": len(usable_cpus()),
-            "context_size": CONTEXT_PER_SEQUENCE,
+            "context_size": CONTEXT_PER_SEQUENCE,  # each of the concurrent workloads' sequences
+            "single_context_size": SINGLE_CONTEXT,
             "max_sequences": engine["max_num_seqs"],
         }
         worker = Worker(
@@ -642,7 +651,8 @@ def measure(args) -> dict:
                             f"  WARNING {name}: {result['output_tokens']} output tokens, expected {sum(output_lens)}",
                             flush=True,
                         )
-                    result["tokens_per_s"] = tokens_per_s(result, workload == "single")
+                    result["prompt_tokens"] = sum(len(p) for p in prompts)
+                    result["tokens_per_s"] = tokens_per_s(result, workload)
                     if read_gbps is not None:
                         result["read_gbps"] = read_gbps
                     runs[name][workload].append(result)
@@ -728,6 +738,7 @@ WORKLOAD_LABELS = {
     "mixed16": "16 mixed, output tok/s",
     "mixed32": "32 mixed, output tok/s",
     "saturated64": "64 x 128 saturated, output tok/s",
+    "prefill1000": "1,000-token prompt, prompt tok/s",
 }
 
 

@@ -25,7 +25,9 @@ const llama = await getLlama({ gpu: false, build: "never", maxThreads: config.th
 const model = await llama.loadModel({ modelPath: config.model, gpuLayers: 0 });
 // A one-sequence context for single-stream decode, and a context of max_sequences
 // sequences (each with context_size cells of its own) for the concurrent workloads.
-const single = await model.createContext({ contextSize: config.context_size, sequences: 1, threads: config.threads });
+const single = await model.createContext({
+    contextSize: config.single_context_size ?? config.context_size, sequences: 1, threads: config.threads,
+});
 const multi = config.max_sequences > 1
     ? await model.createContext({ contextSize: config.context_size, sequences: config.max_sequences, threads: config.threads })
     : null;
