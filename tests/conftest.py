@@ -38,6 +38,8 @@ LONGEST_FIRST = (  # by their time on a quiet 2-core box (a --durations run), lo
     "test_faults_shutdown",
     "test_summarize",
     "test_faults_input",
+    "test_moe",
+    "test_pipeline_parallel",
     "test_hostile_tenants",
     "test_first_hour",
     "test_security_auth",

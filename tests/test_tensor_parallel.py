@@ -26,7 +26,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # each rank one thread
 NUM_PROMPTS = 12
 REGIMES = {  # as tests/test_exactness.py
     "ample_kv": {},
-    "preemption": dict(num_kv_blocks=64, block_size=4),
     "overlapped_preemption": dict(async_scheduling=True, num_kv_blocks=64, block_size=4),
     # drafts travel in the plan; what verification keeps of them comes back in the next one's tails
     "speculative": dict(
@@ -45,14 +44,14 @@ RANK_EXIT_BOUND_S = 15.0
 # Every family with ample KV (what sharding each family's weights must get right: Qwen2's
 # biases, Qwen3's q/k norms), and each other regime once (what TP adds to the engine's
 # paths, the same for every family). The full cross of the two repeated the first row's
-# coverage at a rank start (~5 s) per case.
+# coverage at a rank start (~5 s) per case. Plain preemption with chunked prefill under TP:
+# tests/test_pipeline_parallel.py's pipeline x tensor case.
 CASES = [
     ("llama", "ample_kv"),
     ("qwen2", "ample_kv"),
     ("qwen3", "ample_kv"),
     ("llama", "speculative"),
     ("qwen2", "overlapped_preemption"),
-    ("qwen3", "preemption"),
 ]
 
 
