@@ -32,7 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     rank.add_argument("--master-addr", required=True, help="the host of rank 0 (the replica started with --nnodes)")
     rank.add_argument("--master-port", type=int, required=True, help="its rendezvous port (--master-port there)")
-    rank.add_argument("--rank", type=int, required=True, help="this rank's number in [1, world size)")
+    rank.add_argument(
+        "--rank",
+        type=int,
+        required=True,
+        help="this rank's number, from world size / nnodes (rank 0's host runs the ones below)",
+    )
     rank.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     rank.set_defaults(func=run_rank)
 
