@@ -170,7 +170,10 @@ class LLMEngine:
         """Second half: apply sampled tokens, detokenize, end the sequences that a stop
         condition ended; outputs of the step."""
         failed = self._failed(plan, result)  # before update: it forgets which sequences the step had
-        scheduled = {seq.seq_id: seq for seq in self.scheduler.in_flight[plan.step_id]}
+        # before update, which forgets them; only for the steps that scored prompts
+        scheduled = (
+            {seq.seq_id: seq for seq in self.scheduler.in_flight[plan.step_id]} if result.prompt_logprobs else {}
+        )
         updated = self.scheduler.update(plan, result)
         self._feed_prompt_logprobs(result, scheduled)
         for seq in updated:

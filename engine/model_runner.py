@@ -8,7 +8,6 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -307,9 +306,7 @@ class ModelRunner:
             return StepResult()
         batch, rows = pending
         with self.workers.watch():
-            started = time.perf_counter()
             hidden = self.link.receive_final(batch.input_ids.shape[0])
-            self.tp.seconds_waiting_on_stages += time.perf_counter() - started
         result = self._sample(plan, batch, hidden, rows)
         self._tails += sampled_tails(plan, [*result.seq_ids, *result.errors], self.seqs)
         return result

@@ -10,6 +10,7 @@ runs the plans in order, so a KV block released in one step and reused by the ne
 never written out of turn."""
 
 import collections
+import time
 
 import torch
 from torch import nn
@@ -119,9 +120,12 @@ class StageLink:
             self._send(hidden.to(self.dtype).contiguous(), 0, FINAL_TAG)
 
     def receive_final(self, num_tokens: int) -> torch.Tensor:
-        """Rank 0: the final hidden states of its oldest step in flight."""
+        """Rank 0: the final hidden states of its oldest step in flight (the wait counted)."""
         last_stage = (self.group.num_stages - 1) * self.group.size
-        return self._receive(torch.empty(num_tokens, self.hidden_size, dtype=self.dtype), last_stage, FINAL_TAG)
+        started = time.perf_counter()
+        hidden = self._receive(torch.empty(num_tokens, self.hidden_size, dtype=self.dtype), last_stage, FINAL_TAG)
+        self.group.seconds_waiting_on_stages += time.perf_counter() - started
+        return hidden
 
     def _send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         tensor = tensor.cpu()  # the pipe group is gloo, through host memory (group.py)
