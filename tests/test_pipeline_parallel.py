@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from model_factory import build_tiny_model, hf_greedy, mixed_max_tokens, mixed_prompts
@@ -142,10 +141,10 @@ def test_a_rank_of_another_host_joins_through_the_rendezvous_and_its_death_ends_
             outputs = llm.generate(prompts[:4], [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens[:4]])
             assert [o.token_ids for o in outputs] == expected[:4]
             os.kill(remote.pid, signal.SIGKILL)
-            started = time.monotonic()
             with pytest.raises(RankFailed, match=r"parallel ranks: a collective failed"):
                 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
-            assert time.monotonic() - started < RANK_EXIT_BOUND_S
+            # found by the closed socket, not by the step watchdog (which would end this process)
+            assert not llm.engine.runner.workers.watchdog.fired
     finally:
         remote.kill()
         remote.wait(10)
