@@ -426,10 +426,16 @@ def main():
         choices=["auto", "gguf", "none"],
         help="GGUF blocks (auto/gguf) or float32 weights (none)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "auto"],
+        help="float32 activations on the blocks, or the default path (auto: int8 GEMMs where the CPU has them)",
+    )
     add_json_option(parser)
     args = parser.parse_args()
     sizes = QUICK if args.quick else FULL
-    results = {"settings": {**sizes, "model": args.model, "threads": torch.get_num_threads()}}
+    results = {"settings": {**sizes, "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads()}}
     results.update(measure(args, sizes))
     print("\n" + report(results))
     write_json(args.json, results)
@@ -441,7 +447,7 @@ def measure(args, sizes: dict) -> dict:
     gflops, read_gbps = matmul_gflops(), memory_read_gbps()  # before the model takes memory
     llm = LLM(
         args.model,
-        dtype="float32",
+        dtype=args.dtype,
         quantization=args.quantization,
         max_num_seqs=max(sizes["saturated_seqs"], sizes["overhead_seqs"]),
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -36,6 +36,9 @@ def test_every_isa_combination(flags):
     assert isa == expected_isa(flags)
     vnni512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"} <= flags
     assert dispatch.int8_gemm_isa(flags) == ("avx512vnni" if vnni512 else "avx2" if isa else None)
+    # AMX-INT8 tiles serve beside the 512-bit dots, and only there
+    amx = flags | {"amx_tile", "amx_int8"}
+    assert dispatch.int8_gemm_isa(amx) == ("amx" if vnni512 else "avx2" if isa else None)
     for rows in (1, 2, dispatch.INT8_MAX_ROWS, dispatch.INT8_MAX_ROWS + 1, 512):
         # the repacked GEMM serves every row count; a layer without it, the row dots few rows
         assert dispatch.gguf_linear_path(flags, rows) == ("int8:gemm" if isa else "float32")

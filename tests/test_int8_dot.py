@@ -95,7 +95,7 @@ def test_int8_dot_on_many_rows_matches_the_fake_quantized_float32(isa, type_name
 GEMM_ISAS = kernels.int8_gemm_isas() if kernels is not None else []
 needs_gemm = pytest.mark.skipif(not GEMM_ISAS, reason="no AVX2: the repacked GEMM does not run here")
 # every GEMM variant; the ones this CPU cannot run are skipped (compiled: test_kernels.py)
-gemm_isa = pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+gemm_isa = pytest.mark.parametrize("isa", ["avx2", "avx512vnni", "amx"])
 
 
 def skip_unless_runs(isa: str) -> None:
@@ -143,6 +143,27 @@ def test_int8_gemm_matches_the_integer_reference(isa, type_name, rows):
         out = kernels.int8_gemm_linear(x, *repacked, b, isa)
         torch.testing.assert_close(out, integer_reference(x, packed, b), atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(out, kernels.int8_dot_linear(x, packed, b, "avx2"), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_amx_tiles_give_the_512_bit_dots_sums_bit_for_bit(type_name):
+    """The AMX variant (tiles from 32 rows, x padded to whole tiles of 16) returns exactly the
+    AVX512-VNNI variant's floats, so a row's result does not depend on the step's row count
+    (issue 40) though steps of few rows run the dots and large ones the tiles; an odd count
+    of blocks (K = 96: the tail block) and tails of rows included."""
+    from conveyor.kernels.quant import repack_for_int8_gemm
+
+    skip_unless_runs("amx")
+    for features in (96, 576):
+        packed, _ = gguf_packed(type_name, 48, features, seed=features)
+        repacked = repack_for_int8_gemm(packed)
+        gen = torch.Generator().manual_seed(features)
+        x = torch.randn(100, features, generator=gen) * torch.rand(100, 1, generator=gen) * 4
+        bias = torch.randn(48, generator=gen)
+        for rows in (31, 32, 33, 47, 64, 100):
+            tiles = kernels.int8_gemm_linear(x[:rows], *repacked, bias, "amx")
+            assert torch.equal(tiles, kernels.int8_gemm_linear(x[:rows], *repacked, bias, "avx512vnni"))
+            assert torch.equal(tiles[:1], kernels.int8_gemm_linear(x[:1], *repacked, bias, "amx"))
 
 
 @gemm_isa

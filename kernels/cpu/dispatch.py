@@ -48,11 +48,15 @@ def has_int8_gemm(flags: frozenset[str]) -> bool:
 
 
 def int8_gemm_isa(flags: frozenset[str]) -> str | None:
-    """The repacked GEMM's variant (int8_gemm_cpu.cpp): 512-bit dpbusd with AVX512-VNNI, else
-    AVX2's maddubs + madd on 256-bit registers; None without AVX2+FMA."""
+    """The repacked GEMM's variant (int8_gemm_cpu.cpp): "amx" with AMX-INT8 tiles beside
+    AVX512-VNNI (tiles for steps of 32 rows and more, the 512-bit dots below, bit for bit the
+    same sums), 512-bit dpbusd with AVX512-VNNI, else AVX2's maddubs + madd on 256-bit
+    registers; None without AVX2+FMA."""
     if "avx2" not in flags or "fma" not in flags:
         return None
-    return "avx512vnni" if has_int8_gemm(flags) else "avx2"
+    if not has_int8_gemm(flags):
+        return "avx2"
+    return "amx" if {"amx_tile", "amx_int8"} <= flags else "avx512vnni"
 
 
 @functools.cache  # called per GGUF layer per step: flags and rows repeat
@@ -138,7 +142,7 @@ def cpu_auto_dtype(flags: frozenset[str]) -> tuple[torch.dtype, str]:
     (engine/model_runner.py ``resolve_kv_cache_dtype``)."""
     mode = gguf_auto_mode(flags, "auto")
     if mode == "int8":
-        found = "AVX512-VNNI" if int8_gemm_isa(flags) == "avx512vnni" else "AVX2"
+        found = {"amx": "AMX-INT8", "avx512vnni": "AVX512-VNNI"}.get(int8_gemm_isa(flags), "AVX2")
         return torch.float32, (
             f"{found} found: float32 activations; a .gguf model's layers run integer dots on int8 "
             "activations at every step (quantization=gguf_bf16 for a bfloat16 copy instead, dtype=float32 "

@@ -96,6 +96,8 @@ class CpuLinear(nn.Module):
                     self.blocks_max_rows = gguf_blocks_max_rows(cpu_flags(), gguf_mode)
                 self.activations = "int8" if gguf_mode == "int8" else "float32"
                 gemm_isa = int8_gemm_isa(cpu_flags())
+                if gemm_isa == "amx" and gemm_isa not in kernels.int8_gemm_isas():
+                    gemm_isa = "avx512vnni"  # the kernel could not have the tiles (Linux refused their state)
                 if gguf_mode == "int8" and gemm_isa in kernels.int8_gemm_isas() and self.weight.shape[0] % 16 == 0:
                     self.int8_gemm = (*repack_for_int8_gemm(self.weight.detach()), gemm_isa)
                     if self.owns_weight:  # every step reads the repacked copy

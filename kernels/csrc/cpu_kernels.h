@@ -70,7 +70,8 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K);
 
 // The same weights repacked for many rows of x (int8_gemm_cpu.cpp; kernels/quant.py
 // repack_for_int8_gemm): 16 output columns per 512-bit dot with AVX512-VNNI ("avx512vnni"),
-// 8 per 256-bit maddubs + madd with AVX2 ("avx2").
+// 8 per 256-bit maddubs + madd with AVX2 ("avx2"); "amx" runs AMX-INT8 tiles for steps of 32
+// rows and more and the 512-bit dots below, the same floats either way.
 std::vector<std::string> int8_gemm_isas();
 torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor offsets,
                                c10::optional<torch::Tensor> bias, const std::string& isa);

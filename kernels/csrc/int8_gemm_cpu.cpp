@@ -25,6 +25,8 @@
 #include <vector>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define CONVEYOR_INT8_GEMM 1
 #endif
 
@@ -203,6 +205,128 @@ void run(const GemmProblem& p) {
 
 }  // namespace int8_gemm_avx2
 #pragma GCC pop_options
+
+// AMX: the same layout is already what a tile multiply reads. A B tile of one block is 8 rows of
+// 64 bytes, row j holding 4 K-values of each of 16 columns: the 8-bit vectors as stored, or the
+// 4-bit ones unpacked (low nibbles rows 0-3, high ones rows 4-7). An A tile is 16 rows of x's
+// block (32 int8), and one tdpbsud gives the 16 x 16 block sums that the VNNI variant builds
+// from 128 dpbusd. The scales then run exactly as there (same operations, same order, per row
+// and column), so every row's result is bit for bit the VNNI variant's whatever the row count:
+// steps of fewer than kAmxMinRows rows run that variant itself (a tile of one row wastes 15).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+namespace int8_gemm_amx {
+
+constexpr int64_t kAmxMinRows = 32;  // at 16 rows the tiles tied the 512-bit dots (2-core Xeon, SmolLM2 shapes)
+constexpr int kTileRows = 16;
+// Tile registers (the intrinsics take literal numbers): 0, 1 sums; 2, 3 x; 4, 5 weights
+enum Tiles { kSums0, kSums1, kX0, kX1, kW0, kW1 };
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The calling thread's tiles (a thread's tile state is its own): sums 16 x 16 int32, x 16 x 32
+// int8, weights 8 x 64 uint8
+void configure_tiles() {
+  TileConfig config;
+  for (int t : {kSums0, kSums1}) config.colsb[t] = 64, config.rows[t] = kTileRows;
+  for (int t : {kX0, kX1}) config.colsb[t] = 32, config.rows[t] = kTileRows;
+  for (int t : {kW0, kW1}) config.colsb[t] = 64, config.rows[t] = 8;
+  // GCC's ldtilecfg operand names only the first 8 bytes: without the barrier it drops the other stores
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM)
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                        18 /* XFEATURE_XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Every block of group g as B tiles: 8 rows x 64 bytes each, into `tiles` (4-bit) or in place (8-bit)
+const uint8_t* weight_tiles(const GemmProblem& p, int64_t g, std::vector<uint8_t>& tiles) {
+  if (!p.four_bit) return p.w + g * p.blocks * 512;
+  tiles.resize(p.blocks * 512);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const uint8_t* src = p.w + (g * p.blocks + b) * 256;
+    uint8_t* dst = tiles.data() + b * 512;
+    for (int i = 0; i < 4; ++i) {
+      const __m512i raw = _mm512_loadu_si512(src + 64 * i);
+      _mm512_storeu_si512(dst + 64 * i, _mm512_and_si512(raw, mask));
+      _mm512_storeu_si512(dst + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
+    }
+  }
+  return tiles.data();
+}
+
+// acc[r] += block b's sums of row m0 + r scaled, as int8_gemm_avx512vnni::Tile does
+inline void scale_block(const GemmProblem& p, int64_t g, int64_t b, int64_t m0, const int32_t* sums, __m512* acc) {
+  const int64_t gb = g * p.blocks + b;
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + gb * 16)));
+  const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.o + gb * 16)));
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+    const int64_t xb = (m0 + r) * p.blocks + b;
+    const __m512i sum = _mm512_load_si512(sums + 16 * r);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(p.xd[xb])), acc[r]);
+    acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(p.xs[xb]), acc[r]);
+  }
+}
+
+// Rows m0..m0+16 of y (those below M) for the 16 columns of group g; x is padded to whole tiles
+void tile_rows(const GemmProblem& p, int64_t g, int64_t m0, const uint8_t* w) {
+  alignas(64) int32_t sums[2][kTileRows * 16];
+  __m512 acc[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int8_t* x = p.xq + m0 * p.K;
+  int64_t b = 0;
+  for (; b + 2 <= p.blocks; b += 2) {  // two blocks in flight: the tiles multiply while the last ones scale
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, x + b * 32, p.K);
+    _tile_loadd(4, w + b * 512, 64);
+    _tile_loadd(3, x + (b + 1) * 32, p.K);
+    _tile_loadd(5, w + (b + 1) * 512, 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbsud(1, 3, 5);
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    scale_block(p, g, b, m0, sums[0], acc);
+    scale_block(p, g, b + 1, m0, sums[1], acc);
+  }
+  if (b < p.blocks) {
+    _tile_zero(0);
+    _tile_loadd(2, x + b * 32, p.K);
+    _tile_loadd(4, w + b * 512, 64);
+    _tile_dpbsud(0, 2, 4);
+    _tile_stored(0, sums[0], 64);
+    scale_block(p, g, b, m0, sums[0], acc);
+  }
+  const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + g * 16) : _mm512_setzero_ps();
+  const int64_t rows = std::min<int64_t>(kTileRows, p.M - m0);
+  for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(p.y + (m0 + r) * p.N + g * 16, _mm512_add_ps(acc[r], bias));
+}
+
+// p.xq, p.xd and p.xs hold whole tiles of rows (zeros past M)
+void run(const GemmProblem& p) {
+  at::parallel_for(0, p.N / 16, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> tiles;
+    configure_tiles();
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* w = weight_tiles(p, g, tiles);
+      for (int64_t m = 0; m < p.M; m += kTileRows) tile_rows(p, g, m, w);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace int8_gemm_amx
+#pragma GCC pop_options
 #endif
 
 std::vector<std::string> int8_gemm_isas() {
@@ -214,6 +338,9 @@ std::vector<std::string> int8_gemm_isas() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
       found.push_back("avx512vnni");
+    if (!found.empty() && found.back() == "avx512vnni" && __builtin_cpu_supports("amx-tile") &&
+        __builtin_cpu_supports("amx-int8") && int8_gemm_amx::tiles_permitted())
+      found.push_back("amx");
 #endif
     return found;
   }();
@@ -240,7 +367,14 @@ torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
   TORCH_CHECK(!b.defined() || (b.scalar_type() == torch::kFloat && b.numel() == N), "int8_gemm_linear: bias [N]");
   if (M == 0) return y;
 #ifdef CONVEYOR_INT8_GEMM
-  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);  // as the row dots quantize
+  QuantizedRows xq = quantize_rows(x.data_ptr<float>(), M, K);  // as the row dots quantize
+  const bool tiles = isa == "amx" && M >= int8_gemm_amx::kAmxMinRows;
+  if (tiles) {  // whole tiles of rows: the padding rows multiply zeros and are not stored
+    const int64_t padded = (M + int8_gemm_amx::kTileRows - 1) / int8_gemm_amx::kTileRows * int8_gemm_amx::kTileRows;
+    xq.values.resize(padded * K, 0);
+    xq.scales.resize(padded * blocks, 0.f);
+    xq.sums.resize(padded * blocks, 0.f);
+  }
   const GemmProblem p{xq.values.data(),
                       xq.scales.data(),
                       xq.sums.data(),
@@ -254,7 +388,9 @@ torch::Tensor int8_gemm_linear(torch::Tensor x, torch::Tensor packed, torch::Ten
                       N,
                       blocks,
                       packed.size(2) == 256};
-  if (isa == "avx512vnni")
+  if (tiles)
+    int8_gemm_amx::run(p);
+  else if (isa == "avx512vnni" || isa == "amx")
     int8_gemm_avx512vnni::run(p);
   else
     int8_gemm_avx2::run(p);
