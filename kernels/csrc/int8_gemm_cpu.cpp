@@ -77,6 +77,20 @@ inline void unpack_block(const uint8_t* src, bool four_bit, __m512i* w) {
   }
 }
 
+// One thread streams its weights, scales and offsets at ~8 GB/s from DRAM where the hardware
+// prefetchers alone follow them (three streams a group, restarting at every group); asking for
+// block gb + kPrefetchBlocks's lines while block gb computes keeps more reads in flight.
+constexpr int64_t kPrefetchBlocks = 8;
+inline void prefetch_ahead(const GemmProblem& p, int64_t gb, int64_t block_bytes) {
+  const int64_t ahead = gb + kPrefetchBlocks;
+  const char* w = reinterpret_cast<const char*>(p.w + ahead * block_bytes);
+  for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(w + line, _MM_HINT_T0);
+  if (ahead % 2 == 0) {  // 2 blocks' 16 float16 scales (or offsets) a line
+    _mm_prefetch(reinterpret_cast<const char*>(p.d + ahead * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p.o + ahead * 16), _MM_HINT_T0);
+  }
+}
+
 // Rows m0..m0+MT of y for the 16 columns of group g
 template <int MT>
 struct Tile {
@@ -86,6 +100,7 @@ struct Tile {
     const int64_t block_bytes = p.four_bit ? 256 : 512;
     for (int64_t b = 0; b < p.blocks; ++b) {
       const int64_t gb = g * p.blocks + b;
+      prefetch_ahead(p, gb, block_bytes);
       __m512i w[8];
       unpack_block(p.w + gb * block_bytes, p.four_bit, w);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.d + gb * 16)));
@@ -278,34 +293,36 @@ inline void scale_block(const GemmProblem& p, int64_t g, int64_t b, int64_t m0, 
   }
 }
 
-// Rows m0..m0+16 of y (those below M) for the 16 columns of group g; x is padded to whole tiles
+// The sums of blocks b and b + 1 (or b alone: one) of a tile of rows, into sums[0] and sums[1]
+inline void block_sums(const int8_t* x, int64_t K, const uint8_t* w, bool two, int32_t (*sums)[kTileRows * 16]) {
+  _tile_zero(0);
+  _tile_loadd(2, x, K);
+  _tile_loadd(4, w, 64);
+  _tile_dpbsud(0, 2, 4);
+  if (two) {
+    _tile_zero(1);
+    _tile_loadd(3, x + 32, K);
+    _tile_loadd(5, w + 512, 64);
+    _tile_dpbsud(1, 3, 5);
+  }
+  _tile_stored(0, sums[0], 64);
+  if (two) _tile_stored(1, sums[1], 64);
+}
+
+// Rows m0..m0+16 of y (those below M) for the 16 columns of group g; x is padded to whole tiles.
+// Software-pipelined: the tiles multiply blocks b + 2 and b + 3 (into the other half of `sums`)
+// before the vector units scale blocks b and b + 1, so the two run side by side.
 void tile_rows(const GemmProblem& p, int64_t g, int64_t m0, const uint8_t* w) {
-  alignas(64) int32_t sums[2][kTileRows * 16];
+  alignas(64) int32_t sums[2][2][kTileRows * 16];
   __m512 acc[kTileRows];
   for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* x = p.xq + m0 * p.K;
-  int64_t b = 0;
-  for (; b + 2 <= p.blocks; b += 2) {  // two blocks in flight: the tiles multiply while the last ones scale
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, x + b * 32, p.K);
-    _tile_loadd(4, w + b * 512, 64);
-    _tile_loadd(3, x + (b + 1) * 32, p.K);
-    _tile_loadd(5, w + (b + 1) * 512, 64);
-    _tile_dpbsud(0, 2, 4);
-    _tile_dpbsud(1, 3, 5);
-    _tile_stored(0, sums[0], 64);
-    _tile_stored(1, sums[1], 64);
-    scale_block(p, g, b, m0, sums[0], acc);
-    scale_block(p, g, b + 1, m0, sums[1], acc);
-  }
-  if (b < p.blocks) {
-    _tile_zero(0);
-    _tile_loadd(2, x + b * 32, p.K);
-    _tile_loadd(4, w + b * 512, 64);
-    _tile_dpbsud(0, 2, 4);
-    _tile_stored(0, sums[0], 64);
-    scale_block(p, g, b, m0, sums[0], acc);
+  block_sums(x, p.K, w, p.blocks > 1, sums[0]);
+  for (int64_t b = 0; b < p.blocks; b += 2) {
+    int32_t (*ready)[kTileRows * 16] = sums[(b / 2) % 2];
+    if (b + 2 < p.blocks) block_sums(x + (b + 2) * 32, p.K, w + (b + 2) * 512, b + 3 < p.blocks, sums[(b / 2 + 1) % 2]);
+    scale_block(p, g, b, m0, ready[0], acc);
+    if (b + 1 < p.blocks) scale_block(p, g, b + 1, m0, ready[1], acc);
   }
   const __m512 bias = p.bias ? _mm512_loadu_ps(p.bias + g * 16) : _mm512_setzero_ps();
   const int64_t rows = std::min<int64_t>(kTileRows, p.M - m0);
