@@ -109,7 +109,8 @@ def gguf_auto_mode(flags: frozenset[str], dtype: str) -> str:
     reads the cache as stored (kernels/attention.py), a server's answers do not depend on what
     it served before (issue 40). On 2-core EPYCs, same run: with AVX512-VNNI 1.1x the bf16 copy
     end to end; with AVX2 only, 9-12x to 1.0x the float32 copy per layer from 1 to 512 rows. On
-    a 2-core Xeon with AMX the bf16 copy ("gguf_bf16") ran 1.37x the int8 dots' throughput, but
+    a 2-core Xeon with AMX the bf16 copy ("gguf_bf16") ran 1.37x the int8 dots' throughput
+    before they took AMX-INT8 tiles (1.14-1.20x faster batched since; not compared again), but
     oneDNN's bf16 rows depend on the rows beside them, so it is asked for, not the default.
     Elsewhere, or ``dtype="float32"``, "float32_copy": a float32 copy, token-exact up to
     summation order."""
