@@ -384,8 +384,11 @@ def conveyor_batch(redis_url: str, ns: str, source: Path, target: Path, *flags: 
 
 
 def test_conveyor_batch_resumes_after_ctrl_c(redis_url, ns, replica, reference, tmp_path):
-    # long enough lines that a loaded box still sees the run in its middle (CI once missed it)
-    lines = [chat_line(i, max_tokens=96, ignore_eos=True) for i in range(6)] + [completion_line(i) for i in range(4)]
+    # long enough lines that a loaded box still sees the run in its middle: CI missed it twice,
+    # the second time with a whole run of 2.6 s (the test's polling starved that long); lines
+    # 2-5 are 600 tokens each, so Ctrl-C after two lines has several times that window
+    lines = [chat_line(i, max_tokens=96 if i < 2 else 600, ignore_eos=True) for i in range(6)]
+    lines += [completion_line(i) for i in range(4)]
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl(lines))
     batch_id, _ = cli_batch_ids(source.read_bytes(), MODEL)

@@ -211,7 +211,7 @@ def test_scribbled_accounting_keys_are_reset_not_fatal(gateway, admin, tenants):
     assert int(admin.get(f"{tag}:bytes")) == counted > 0, "the count starts again from this response"
 
 
-SHORT_TTL_S = 20  # far longer than 8 requests take (well under a second), even on a loaded box
+SHORT_TTL_S = 12  # far longer than 8 requests take (well under a second), even on a loaded box
 
 
 def test_expired_responses_leave_the_count(redis_url, tenants, busy, tmp_path_factory):
