@@ -383,25 +383,41 @@ def conveyor_batch(redis_url: str, ns: str, source: Path, target: Path, *flags: 
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+CTRL_C_AFTER_TWO_LINES = """
+import os, signal, sys, time
+import redis
+url, batch_key, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+conn, ends = redis.Redis.from_url(url), time.monotonic() + 60
+while int(conn.hget(batch_key, "completed") or 0) < 2:
+    if time.monotonic() > ends:
+        sys.exit("no two lines recorded within 60 s")
+    time.sleep(0.02)
+try:
+    os.kill(pid, signal.SIGINT)
+except ProcessLookupError:
+    sys.exit("the batch run had ended before two lines were seen")
+"""
+
+
 def test_conveyor_batch_resumes_after_ctrl_c(redis_url, ns, replica, reference, tmp_path):
-    # long enough lines that a loaded box still sees the run in its middle: CI missed it twice,
-    # the second time with a whole run of 2.6 s (the test's polling starved that long); lines
-    # 2-5 are 600 tokens each, so Ctrl-C after two lines has several times that window
-    lines = [chat_line(i, max_tokens=96 if i < 2 else 600, ignore_eos=True) for i in range(6)]
-    lines += [completion_line(i) for i in range(4)]
+    # long enough lines that a loaded box still sees the run in its middle
+    lines = [chat_line(i, max_tokens=96, ignore_eos=True) for i in range(6)] + [completion_line(i) for i in range(4)]
     source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_bytes(jsonl(lines))
     batch_id, _ = cli_batch_ids(source.read_bytes(), MODEL)
     batch_key = BatchKeys(ns).batch(batch_id)
 
     first = conveyor_batch(redis_url, ns, source, target, "--max-in-flight", "1")
-    wait_until(
-        lambda: int(raw(redis_url).hget(batch_key, "completed") or 0) >= 2 or first.poll() is not None,
-        60,
-        "two lines",
+    # A process of its own sends the Ctrl-C once two lines are recorded: twice in CI this
+    # (busy) test process did not poll before the whole 10-line run had finished
+    interrupter = subprocess.run(
+        [sys.executable, "-c", CTRL_C_AFTER_TWO_LINES, redis_url, batch_key, str(first.pid)],
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
-    first.send_signal(signal.SIGINT)
     _, stderr = first.communicate(timeout=30)
+    assert interrupter.returncode == 0, f"{interrupter.stdout}{interrupter.stderr}\n{stderr}"
     assert first.returncode == 130, stderr
     assert "run the same command again" in stderr and not target.exists()
     assert raw(redis_url).pttl(BatchKeys(ns).lease(batch_id)) == -2  # released on the way out
