@@ -266,15 +266,10 @@ bool tiles_permitted() {
 const uint8_t* weight_tiles(const GemmProblem& p, int64_t g, std::vector<uint8_t>& tiles) {
   if (!p.four_bit) return p.w + g * p.blocks * 512;
   tiles.resize(p.blocks * 512);
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < p.blocks; ++b) {
-    const uint8_t* src = p.w + (g * p.blocks + b) * 256;
-    uint8_t* dst = tiles.data() + b * 512;
-    for (int i = 0; i < 4; ++i) {
-      const __m512i raw = _mm512_loadu_si512(src + 64 * i);
-      _mm512_storeu_si512(dst + 64 * i, _mm512_and_si512(raw, mask));
-      _mm512_storeu_si512(dst + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask));
-    }
+    __m512i rows[8];  // the 512-bit dots' registers of the block are the tile's rows
+    int8_gemm_avx512vnni::unpack_block(p.w + (g * p.blocks + b) * 256, true, rows);
+    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(tiles.data() + b * 512 + 64 * j, rows[j]);
   }
   return tiles.data();
 }
